@@ -1,0 +1,1 @@
+"""Images to model inputs: grid metadata, the Kimi-VL image processor and prompt building."""
