@@ -1,0 +1,1 @@
+"""A Kimi-VL checkpoint directory: its configs, weights, tokenizer, and test-checkpoint maker."""

@@ -1,0 +1,187 @@
+"""Frozen views of a checkpoint's config files.
+
+Every number comes from the checkpoint's own `config.json`, `preprocessor_config.json` and
+`generation_config.json`; nothing here is specific to one checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory is missing something or holds something we cannot serve."""
+
+
+@dataclass(frozen=True)
+class VisionConfig:
+    """MoonViT (`vision_config`, model_type `moonvit`)."""
+
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    intermediate_size: int
+    patch_size: int = 14
+    init_pos_emb_height: int = 64
+    init_pos_emb_width: int = 64
+    merge_kernel_size: tuple[int, int] = (2, 2)
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+
+@dataclass(frozen=True)
+class TextConfig:
+    """DeepSeek-V3 language model (`text_config`)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    q_lora_rank: int | None = None
+    moe_intermediate_size: int = 0
+    n_routed_experts: int | None = None
+    n_shared_experts: int = 0
+    num_experts_per_tok: int = 1
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    norm_topk_prob: bool = True
+    first_k_dense_replace: int = 0
+    moe_layer_freq: int = 1
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 4096
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def latent_dim(self) -> int:
+        """Values the KV cache holds per token per layer: normalised c_kv then rotated k_pe."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    def is_moe_layer(self, index: int) -> bool:
+        return (
+            self.n_routed_experts is not None
+            and index >= self.first_k_dense_replace
+            and index % self.moe_layer_freq == 0
+        )
+
+
+@dataclass(frozen=True)
+class KimiVLConfig:
+    """`config.json` of a `kimi_vl` checkpoint."""
+
+    vision: VisionConfig
+    text: TextConfig
+    media_placeholder_token_id: int
+
+    @property
+    def merged_dim(self) -> int:
+        """Width of one merged token entering the projector: 2×2 patches of the tower's width."""
+        mh, mw = self.vision.merge_kernel_size
+        return self.vision.hidden_size * mh * mw
+
+
+@dataclass(frozen=True)
+class ProcessorConfig:
+    """`preprocessor_config.json`: the image processor's rules."""
+
+    image_mean: tuple[float, float, float]
+    image_std: tuple[float, float, float]
+    patch_size: int = 14
+    in_token_limit: int = 4096
+    pad_input: bool = True
+    merge_kernel_size: tuple[int, int] = (2, 2)
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    """`generation_config.json`: the token ids that end a reply."""
+
+    eos_token_ids: tuple[int, ...]
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise CheckpointError(f"{path} is missing")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path} is not valid JSON: {e}") from e
+
+
+def from_dict(cls: type[T], raw: dict[str, Any], where: str) -> T:
+    """Build a config dataclass from the keys it names; extra keys in `raw` are ignored."""
+    kwargs: dict[str, Any] = {}
+    for field in dataclasses.fields(cls):  # type: ignore[arg-type]
+        if field.name in raw:
+            value = raw[field.name]
+            kwargs[field.name] = tuple(value) if isinstance(value, list) else value
+        elif field.default is dataclasses.MISSING:
+            raise CheckpointError(f"{where} lacks required key {field.name!r}")
+    return cls(**kwargs)
+
+
+def _check_text(raw: dict[str, Any]) -> None:
+    supported = {
+        "topk_method": ("noaux_tc", None),
+        "scoring_func": ("sigmoid", None),
+        "hidden_act": ("silu", None),
+        "rope_scaling": (None,),
+        "tie_word_embeddings": (False, None),
+        "attention_bias": (False, None),
+    }
+    for key, allowed in supported.items():
+        if raw.get(key) not in allowed:
+            raise CheckpointError(
+                f"config.json text_config.{key}={raw.get(key)!r} is not supported "
+                f"(expected one of {allowed})"
+            )
+
+
+def load_model_config(checkpoint: Path) -> KimiVLConfig:
+    raw = read_json(checkpoint / "config.json")
+    if raw.get("model_type") != "kimi_vl":
+        raise CheckpointError(
+            f"{checkpoint}/config.json has model_type {raw.get('model_type')!r}, expected 'kimi_vl'"
+        )
+    if raw.get("tie_word_embeddings"):
+        raise CheckpointError("config.json tie_word_embeddings=true is not supported")
+    for part in ("vision_config", "text_config", "media_placeholder_token_id"):
+        if part not in raw:
+            raise CheckpointError(f"{checkpoint}/config.json lacks {part!r}")
+    _check_text(raw["text_config"])
+    return KimiVLConfig(
+        vision=from_dict(VisionConfig, raw["vision_config"], "config.json vision_config"),
+        text=from_dict(TextConfig, raw["text_config"], "config.json text_config"),
+        media_placeholder_token_id=int(raw["media_placeholder_token_id"]),
+    )
+
+
+def load_processor_config(checkpoint: Path) -> ProcessorConfig:
+    raw = read_json(checkpoint / "preprocessor_config.json")
+    return from_dict(ProcessorConfig, raw, "preprocessor_config.json")
+
+
+def load_generation_config(checkpoint: Path) -> GenerationConfig:
+    raw = read_json(checkpoint / "generation_config.json")
+    eos = raw.get("eos_token_id")
+    if eos is None:
+        raise CheckpointError("generation_config.json lacks 'eos_token_id'")
+    ids = (eos,) if isinstance(eos, int) else tuple(int(i) for i in eos)
+    return GenerationConfig(eos_token_ids=ids)
