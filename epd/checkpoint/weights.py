@@ -1,0 +1,97 @@
+"""Strict loading of a checkpoint's safetensors into a role's modules.
+
+Module attribute paths equal the checkpoint's tensor names, so loading is a lookup. The model is
+built on the meta device and each tensor is read straight to its target device and dtype, so a
+role never materialises the other part's tensors.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from epd.checkpoint.config import CheckpointError, load_model_config, read_json
+from epd.model.kimi_vl import ROLE_PREFIXES, KimiVL, Role
+from epd.model.moe import FLOAT32_TENSOR_SUFFIXES
+
+SKIPPED_SUFFIXES = ("rotary_emb.inv_freq",)  # recomputed, never loaded
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def tensor_files(checkpoint: Path) -> dict[str, Path]:
+    """Map every tensor name in the checkpoint to the safetensors file that holds it."""
+    index = checkpoint / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index} has no 'weight_map'")
+        return {name: checkpoint / file for name, file in weight_map.items()}
+    single = checkpoint / "model.safetensors"
+    if not single.is_file():
+        raise CheckpointError(f"{checkpoint} has neither model.safetensors nor its index")
+    with safe_open(single, framework="pt") as f:
+        return dict.fromkeys(f.keys(), single)
+
+
+def select(files: dict[str, Path], role: Role, expected: set[str]) -> dict[str, Path]:
+    """The role's tensors; raise naming every missing or unexpected tensor."""
+    prefixes = ROLE_PREFIXES[role]
+    names = {n for n in files if not n.endswith(SKIPPED_SUFFIXES)}
+    foreign = {n for n in names if not n.startswith(ROLE_PREFIXES["all"])}
+    wanted = {n for n in names if n.startswith(prefixes)}
+    missing, unexpected = expected - wanted, (wanted - expected) | foreign
+    problems = [f"missing tensor {n}" for n in sorted(missing)]
+    problems += [f"unexpected tensor {n}" for n in sorted(unexpected)]
+    if problems:
+        shown = "; ".join(problems[:20]) + (
+            f"; and {len(problems) - 20} more" if len(problems) > 20 else ""
+        )
+        raise CheckpointError(f"checkpoint does not match the {role!r} model: {shown}")
+    return {n: files[n] for n in wanted}
+
+
+def read_tensors(
+    files: dict[str, Path], shapes: dict[str, torch.Size], device: torch.device, dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    by_file: dict[Path, list[str]] = defaultdict(list)
+    for name, file in files.items():
+        by_file[file].append(name)
+    state = {}
+    for file, names in by_file.items():
+        if not file.is_file():
+            raise CheckpointError(f"{file} is named by the index but missing")
+        with safe_open(file, framework="pt", device=str(device)) as f:
+            for name in names:
+                tensor = f.get_tensor(name)
+                if tensor.shape != shapes[name]:
+                    raise CheckpointError(
+                        f"tensor {name} has shape {tuple(tensor.shape)}, "
+                        f"expected {tuple(shapes[name])}"
+                    )
+                target = torch.float32 if name.endswith(FLOAT32_TENSOR_SUFFIXES) else dtype
+                state[name] = tensor.to(target) if tensor.is_floating_point() else tensor
+    return state
+
+
+def load_model(
+    checkpoint: str | Path,
+    role: Role = "all",
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = None,
+) -> KimiVL:
+    """Build the role's part of Kimi-VL and fill it from the checkpoint, strictly."""
+    checkpoint, device = Path(checkpoint), torch.device(device)
+    config = load_model_config(checkpoint)
+    with torch.device("meta"):
+        model = KimiVL(config, role)
+    shapes = {name: t.shape for name, t in model.state_dict().items()}
+    files = select(tensor_files(checkpoint), role, set(shapes))
+    state = read_tensors(files, shapes, device, dtype or default_dtype(device))
+    model.load_state_dict(state, strict=True, assign=True)
+    return model.eval()

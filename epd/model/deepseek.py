@@ -1,0 +1,81 @@
+"""The DeepSeek-V3 language model of Kimi-VL, with prefill and latent-cache decode paths."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from epd.checkpoint.config import TextConfig
+from epd.model.latent_cache import DecodeBatch, LatentCache
+from epd.model.mla import MLAttention
+from epd.model.moe import MLP, MoE
+from epd.model.norm import RMSNorm
+from epd.model.rope import text_angles
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: TextConfig, index: int) -> None:
+        super().__init__()
+        d = config.hidden_size
+        self.self_attn = MLAttention(config, index)
+        self.mlp = MoE(config) if config.is_moe_layer(index) else MLP(d, config.intermediate_size)
+        self.input_layernorm = RMSNorm(d, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(d, eps=config.rms_norm_eps)
+
+    def prefill(self, x: torch.Tensor, angles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        attended, latent = self.self_attn.prefill(self.input_layernorm(x), angles)
+        x = x + attended
+        return x + self.mlp(self.post_attention_layernorm(x)), latent
+
+    def decode(self, x: torch.Tensor, angles: torch.Tensor, batch: DecodeBatch) -> torch.Tensor:
+        x = x + self.self_attn.decode(self.input_layernorm(x), angles, batch)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DeepseekV3Model(nn.Module):
+    def __init__(self, config: TextConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+
+class DeepseekV3ForCausalLM(nn.Module):
+    """Positions are plain 1-D token indices; RoPE covers only the qk_rope_head_dim part."""
+
+    def __init__(self, config: TextConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = DeepseekV3Model(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final-normed hidden states (..., D) → float32 logits (..., vocab)."""
+        return self.lm_head(hidden).float()
+
+    def angles(self, positions: torch.Tensor) -> torch.Tensor:
+        return text_angles(positions, self.config.qk_rope_head_dim, self.config.rope_theta)
+
+    def prefill(self, embeds: torch.Tensor) -> tuple[torch.Tensor, LatentCache]:
+        """One prompt's input embeddings (T, D) → final hidden states (T, D) and its cache."""
+        angles = self.angles(torch.arange(embeds.shape[0], device=embeds.device))
+        x, latents = embeds, []
+        for layer in self.model.layers:
+            x, latent = layer.prefill(x, angles)
+            latents.append(latent)
+        return self.model.norm(x), LatentCache.from_tensor(torch.stack(latents))
+
+    def decode(self, input_ids: torch.Tensor, caches: list[LatentCache]) -> torch.Tensor:
+        """One token per request (B,) → final hidden states (B, D); each cache grows by one."""
+        batch = DecodeBatch(caches)
+        angles = self.angles(batch.positions)
+        x = self.embed(input_ids)
+        for layer in self.model.layers:
+            x = layer.decode(x, angles, batch)
+        batch.advance()
+        return self.model.norm(x)

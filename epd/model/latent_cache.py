@@ -1,0 +1,68 @@
+"""MLA's latent KV cache, one plain tensor per request.
+
+Per token and layer MLA keeps only the normalised c_kv (kv_lora_rank) and the rotated, shared
+k_pe (qk_rope_head_dim): 576 values in the real model instead of heads·(k + v). A request's cache
+is `data[:, :length]` of shape (layers, tokens, latent_dim), so it can be handed to another
+process as one tensor and resumed there with `LatentCache.from_tensor`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class LatentCache:
+    def __init__(self, data: torch.Tensor, length: int) -> None:
+        assert data.dim() == 3 and 0 <= length <= data.shape[1]
+        self.data = data  # (layers, capacity, latent_dim)
+        self.length = length
+
+    @classmethod
+    def from_tensor(cls, tensor: torch.Tensor) -> LatentCache:
+        """Adopt a (layers, tokens, latent_dim) tensor, e.g. one received from prefill."""
+        return cls(tensor, tensor.shape[1])
+
+    def tensor(self) -> torch.Tensor:
+        """The filled part, (layers, length, latent_dim): what travels between processes."""
+        return self.data[:, : self.length]
+
+    def reserve(self, tokens: int) -> None:
+        """Make room for `tokens` more entries, doubling capacity so appends stay amortised O(1)."""
+        needed = self.length + tokens
+        if needed <= self.data.shape[1]:
+            return
+        capacity = max(needed, 2 * self.data.shape[1], 16)
+        grown = self.data.new_empty(self.data.shape[0], capacity, self.data.shape[2])
+        grown[:, : self.length] = self.tensor()
+        self.data = grown
+
+
+class DecodeBatch:
+    """One decode step over several requests: each appends one token to its own cache.
+
+    Layers call `append_and_gather` to store the step's latent row and get back every request's
+    cache padded to a common length, with `mask` (B, T_max) marking the real entries.
+    """
+
+    def __init__(self, caches: list[LatentCache]) -> None:
+        self.caches = caches
+        for cache in caches:
+            cache.reserve(1)
+        lengths = torch.tensor([c.length + 1 for c in caches])
+        self.positions = lengths - 1  # position of the token being decoded, (B,)
+        self.max_length = int(lengths.max())
+        device = caches[0].data.device
+        self.mask = (torch.arange(self.max_length)[None, :] < lengths[:, None]).to(device)
+        self.positions = self.positions.to(device)
+
+    def append_and_gather(self, layer: int, latent: torch.Tensor) -> torch.Tensor:
+        """latent (B, latent_dim) → padded caches (B, T_max, latent_dim) including it."""
+        padded = latent.new_zeros(len(self.caches), self.max_length, latent.shape[-1])
+        for i, cache in enumerate(self.caches):
+            cache.data[layer, cache.length] = latent[i]
+            padded[i, : cache.length + 1] = cache.data[layer, : cache.length + 1]
+        return padded
+
+    def advance(self) -> None:
+        for cache in self.caches:
+            cache.length += 1

@@ -1,0 +1,90 @@
+"""Multi-head latent attention (MLA), DeepSeek-V3 style.
+
+Per token: q = q_proj(x) → (q_nope, q_pe) per head; kv_a_proj_with_mqa(x) → (c_kv, k_pe) where
+k_pe is one head shared by all. The cache keeps c_kv after `kv_a_layernorm` and k_pe after RoPE.
+Prefill expands c_kv with `kv_b_proj` into per-head k_nope and v. Decode never expands the cache:
+it absorbs kv_b_proj's key half into the query and its value half into the output, so scores are
+taken against c_kv directly (multi-query attention over the latent).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from epd.checkpoint.config import TextConfig
+from epd.model.latent_cache import DecodeBatch
+from epd.model.norm import RMSNorm
+from epd.model.rope import rotate
+
+
+class MLAttention(nn.Module):
+    def __init__(self, config: TextConfig, layer: int) -> None:
+        super().__init__()
+        c = config
+        self.layer = layer
+        self.heads, self.nope, self.rope = (
+            c.num_attention_heads,
+            c.qk_nope_head_dim,
+            c.qk_rope_head_dim,
+        )
+        self.rank, self.v_dim = c.kv_lora_rank, c.v_head_dim
+        self.scale = c.qk_head_dim**-0.5
+        q_out = c.num_attention_heads * c.qk_head_dim
+        if c.q_lora_rank is None:
+            self.q_proj = nn.Linear(c.hidden_size, q_out, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(c.hidden_size, c.q_lora_rank, bias=False)
+            self.q_a_layernorm = RMSNorm(c.q_lora_rank, eps=1e-6)
+            self.q_b_proj = nn.Linear(c.q_lora_rank, q_out, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(c.hidden_size, c.latent_dim, bias=False)
+        self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, eps=1e-6)
+        self.kv_b_proj = nn.Linear(
+            c.kv_lora_rank, c.num_attention_heads * (self.nope + self.v_dim), bias=False
+        )
+        self.o_proj = nn.Linear(c.num_attention_heads * self.v_dim, c.hidden_size, bias=False)
+
+    def queries(self, x: torch.Tensor, angles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x (N, D) → q_nope (N, H, nope), rotated q_pe (N, H, rope)."""
+        if hasattr(self, "q_proj"):
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q_nope, q_pe = q.unflatten(-1, (self.heads, -1)).split([self.nope, self.rope], dim=-1)
+        return q_nope, rotate(q_pe, angles)
+
+    def latent(self, x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
+        """x (N, D) → cache rows (N, rank + rope): normalised c_kv | rotated k_pe."""
+        c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope], dim=-1)
+        return torch.cat((self.kv_a_layernorm(c_kv), rotate(k_pe, angles)), dim=-1)
+
+    def prefill(self, x: torch.Tensor, angles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Causal attention over one prompt: x (T, D) → output (T, D), cache rows (T, rank+rope)."""
+        q_nope, q_pe = self.queries(x, angles)
+        latent = self.latent(x, angles)
+        c_kv, k_pe = latent.split([self.rank, self.rope], dim=-1)
+        k_nope, v = (
+            self.kv_b_proj(c_kv).unflatten(-1, (self.heads, -1)).split([self.nope, self.v_dim], -1)
+        )
+        k = torch.cat((k_nope, k_pe[:, None, :].expand(-1, self.heads, -1)), dim=-1)
+        q = torch.cat((q_nope, q_pe), dim=-1)
+        heads_first = [t.transpose(0, 1) for t in (q, k, v)]  # (H, T, ·)
+        out = F.scaled_dot_product_attention(*heads_first, is_causal=True, scale=self.scale)
+        return self.o_proj(out.transpose(0, 1).flatten(1)), latent
+
+    def decode(self, x: torch.Tensor, angles: torch.Tensor, batch: DecodeBatch) -> torch.Tensor:
+        """One new token per request, x (B, D) → (B, D), attending through the latent cache."""
+        q_nope, q_pe = self.queries(x, angles)
+        cache = batch.append_and_gather(self.layer, self.latent(x, angles))  # (B, T, rank + rope)
+        w_kv = self.kv_b_proj.weight.unflatten(0, (self.heads, -1))  # (H, nope + v, rank)
+        w_uk, w_uv = w_kv.split([self.nope, self.v_dim], dim=1)
+        # Absorb the key up-projection: q_nope·(W_uk c) = (q_nope W_uk)·c.
+        q_latent = torch.einsum("bhn,hnr->bhr", q_nope, w_uk)
+        q = torch.cat((q_latent, q_pe), dim=-1).unsqueeze(2)  # (B, H, 1, rank + rope)
+        k = cache.unsqueeze(1).expand(-1, self.heads, -1, -1)  # (B, H, T, rank + rope), a view
+        v = k[..., : self.rank]  # attend to c_kv; W_uv is applied after the weighted sum
+        mask = batch.mask[:, None, None, :]  # (B, 1, 1, T)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
+        out = torch.einsum("bhr,hvr->bhv", out.squeeze(2), w_uv)  # (B, H, v)
+        return self.o_proj(out.flatten(1))

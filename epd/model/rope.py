@@ -1,0 +1,47 @@
+"""Rotary position embedding in the interleaved (GPT-J) layout used by both Kimi-VL towers.
+
+Dims (2p, 2p+1) form pair p and rotate together by one angle. The language model gives pair p
+the angle pos·θ_p; MoonViT's 2-D variant gives even pairs the column angle and odd pairs the row
+angle (see `vision_angles`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def inverse_frequencies(dim: int, theta: float, device: torch.device | None = None) -> torch.Tensor:
+    """θ_i = theta^(-2i/dim) for i < dim/2, shape (dim/2,), float32."""
+    exponents = torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim
+    return 1.0 / (theta**exponents)
+
+
+def text_angles(positions: torch.Tensor, dim: int, theta: float) -> torch.Tensor:
+    """Angles for 1-D positions (T,) → (T, dim/2), float32."""
+    return positions.float()[:, None] * inverse_frequencies(dim, theta, positions.device)[None, :]
+
+
+def vision_angles(height: int, width: int, head_dim: int, device: torch.device) -> torch.Tensor:
+    """Angles for an (h, w) patch grid, row-major → (h·w, head_dim/2), float32.
+
+    head_dim/4 frequencies θ_i = 1/10000^(4i/head_dim); pair 2i turns by column·θ_i and pair
+    2i+1 by row·θ_i, i.e. dims (4i, 4i+1) follow w and dims (4i+2, 4i+3) follow h.
+    """
+    freqs = inverse_frequencies(head_dim // 2, 10000.0, device)  # (head_dim/4,)
+    flat = torch.arange(height * width, device=device)
+    rows, cols = (flat // width).float(), (flat % width).float()
+    col_angles = cols[:, None] * freqs[None, :]  # (h·w, head_dim/4)
+    row_angles = rows[:, None] * freqs[None, :]
+    return torch.stack((col_angles, row_angles), dim=-1).flatten(1)  # (h·w, head_dim/2)
+
+
+def rotate(x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
+    """Rotate interleaved pairs of x (T, ..., dim) by angles (T, dim/2); math in float32."""
+    shape = x.shape
+    pairs = x.float().reshape(*shape[:-1], -1, 2)  # (T, ..., dim/2, 2)
+    while angles.dim() < pairs.dim() - 1:
+        angles = angles.unsqueeze(-2)  # broadcast over head dims
+    cos, sin = angles.cos(), angles.sin()
+    even, odd = pairs[..., 0], pairs[..., 1]
+    rotated = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1)
+    return rotated.reshape(shape).to(x.dtype)
