@@ -1,0 +1,46 @@
+"""The checkpoint's tokenizer and chat template.
+
+Checkpoints that ship a `tokenizer.json` load through the tokenizers library; the real Kimi-VL
+ships a tiktoken tokenizer as remote code, which needs `trust_remote_code`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+from epd.checkpoint.config import CheckpointError
+
+SPECIAL_TOKENS = (
+    "[BOS]",
+    "[EOS]",
+    "<|im_end|>",
+    "<|im_user|>",
+    "<|im_assistant|>",
+    "<|im_system|>",
+    "<|im_middle|>",
+    "<|media_start|>",
+    "<|media_content|>",
+    "<|media_end|>",
+    "<|media_pad|>",
+    "[PAD]",
+)
+
+
+def load_tokenizer(
+    checkpoint: str | Path, trust_remote_code: bool = False
+) -> PreTrainedTokenizerBase:
+    path = Path(checkpoint)
+    try:
+        if (path / "tokenizer.json").is_file() and not trust_remote_code:
+            tokenizer = PreTrainedTokenizerFast.from_pretrained(str(path))
+        else:
+            tokenizer = AutoTokenizer.from_pretrained(
+                str(path), trust_remote_code=trust_remote_code
+            )
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"cannot load the tokenizer of {checkpoint}: {e}") from e
+    if not tokenizer.chat_template:
+        raise CheckpointError(f"the tokenizer of {checkpoint} has no chat template")
+    return tokenizer

@@ -1,0 +1,89 @@
+"""Kimi-VL's image processor: resize to the patch budget, pad to whole merge windows, patchify.
+
+Output is every image's patches concatenated, (Σ h·w, 3, p, p) in row-major patch order, and each
+image's 2-D (h, w) grid in patches. `grid_for_size` answers the grid from the pixel size alone, so
+a prompt can be laid out before any pixel is decoded.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from PIL import Image
+
+from epd.checkpoint.config import ProcessorConfig
+from epd.multimodal.grids import MAX_SIDE
+
+
+@dataclass(frozen=True)
+class ProcessedImages:
+    pixel_values: torch.Tensor  # (Σ h·w, 3, p, p) float32
+    grids: tuple[tuple[int, int], ...]  # (h, w) in patches, per image
+
+
+class ImageProcessor:
+    def __init__(self, config: ProcessorConfig) -> None:
+        self.config = config
+        self.mean = torch.tensor(config.image_mean, dtype=torch.float32)[:, None, None]
+        self.std = torch.tensor(config.image_std, dtype=torch.float32)[:, None, None]
+
+    def resized_size(self, width: int, height: int) -> tuple[int, int]:
+        """(w, h) after scaling down to at most `in_token_limit` whole patches."""
+        p = self.config.patch_size
+        patches = (width // p) * (height // p)
+        if patches <= self.config.in_token_limit:
+            return width, height
+        s = math.sqrt(self.config.in_token_limit / patches)
+        return int(width * s), int(height * s)
+
+    def grid_for_size(self, width: int, height: int) -> tuple[int, int]:
+        """The (h, w) patch grid an image of this pixel size becomes; raises if out of range."""
+        if width <= 0 or height <= 0:
+            raise ValueError(f"image size {width}x{height} is empty")
+        p, (mh, mw) = self.config.patch_size, self.config.merge_kernel_size
+        w, h = self.resized_size(width, height)
+        if self.config.pad_input:
+            grid = (math.ceil(h / (p * mh)) * mh, math.ceil(w / (p * mw)) * mw)
+        else:
+            grid = (h // p, w // p)
+        if min(grid) == 0 or max(grid) >= MAX_SIDE:
+            raise ValueError(
+                f"image size {width}x{height} gives grid {grid}, outside 1..{MAX_SIDE - 1}"
+            )
+        return grid
+
+    def tokens_for_size(self, width: int, height: int) -> int:
+        h, w = self.grid_for_size(width, height)
+        mh, mw = self.config.merge_kernel_size
+        return (h // mh) * (w // mw)
+
+    def preprocess(self, image: Image.Image) -> tuple[torch.Tensor, tuple[int, int]]:
+        """One image → patches (h·w, 3, p, p) and its (h, w) grid."""
+        image = image.convert("RGB")
+        grid = self.grid_for_size(*image.size)
+        size = self.resized_size(*image.size)
+        if size != image.size:
+            image = image.resize(size, Image.Resampling.BICUBIC)
+        p = self.config.patch_size
+        gh, gw = grid
+        if self.config.pad_input:  # black padding right and bottom, before normalisation
+            canvas = Image.new("RGB", (gw * p, gh * p))
+            canvas.paste(image, (0, 0))
+            image = canvas
+        else:  # centre crop to whole patches
+            left, top = (image.width - gw * p) // 2, (image.height - gh * p) // 2
+            image = image.crop((left, top, left + gw * p, top + gh * p))
+        pixels = torch.from_numpy(np.asarray(image, dtype=np.float32) / 255.0).permute(2, 0, 1)
+        pixels = (pixels - self.mean) / self.std  # (3, H, W)
+        patches = pixels.view(3, gh, p, gw, p).permute(1, 3, 0, 2, 4).reshape(gh * gw, 3, p, p)
+        return patches, grid
+
+    def __call__(self, images: list[Image.Image]) -> ProcessedImages:
+        processed = [self.preprocess(image) for image in images]
+        return ProcessedImages(
+            pixel_values=torch.cat([patches for patches, _ in processed]),
+            grids=tuple(grid for _, grid in processed),
+        )
