@@ -1,0 +1,220 @@
+"""`epd make-checkpoint`: random Kimi-VL checkpoints in the real Hugging Face layout.
+
+The weights are random but everything else is real: sharded safetensors with an index, the
+kimi_vl config, preprocessor and generation configs, and a byte-level BPE tokenizer carrying
+Kimi's special tokens and chat template. Tests and benchmarks load them with the same code that
+loads the real model.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from epd.checkpoint.config import KimiVLConfig, TextConfig, VisionConfig
+from epd.checkpoint.tokenizer import SPECIAL_TOKENS
+from epd.model.kimi_vl import KimiVL
+
+CHAT_TEMPLATE = (Path(__file__).parent / "chat_template.jinja").read_text().strip()
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+
+PRESETS: dict[str, tuple[VisionConfig, dict[str, Any]]] = {
+    # Fast enough for unit tests; a 16×16 position table forces interpolation.
+    "tiny": (
+        VisionConfig(32, 2, 2, 64, init_pos_emb_height=16, init_pos_emb_width=16),
+        dict(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            kv_lora_rank=32,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=8,
+            v_head_dim=16,
+            moe_intermediate_size=32,
+            n_routed_experts=8,
+            n_shared_experts=1,
+            num_experts_per_tok=2,
+        ),
+    ),
+    # Big enough that matrix multiplies, not Python, dominate a forward pass on a CPU.
+    "small": (
+        VisionConfig(256, 6, 4, 1024),
+        dict(
+            hidden_size=512,
+            intermediate_size=1408,
+            num_hidden_layers=6,
+            num_attention_heads=8,
+            kv_lora_rank=128,
+            qk_nope_head_dim=64,
+            qk_rope_head_dim=32,
+            v_head_dim=64,
+            moe_intermediate_size=256,
+            n_routed_experts=16,
+            n_shared_experts=1,
+            num_experts_per_tok=4,
+        ),
+    ),
+}
+TEXT_DEFAULTS = dict(
+    routed_scaling_factor=2.446,
+    first_k_dense_replace=1,
+    rms_norm_eps=1e-5,
+    rope_theta=800000.0,
+    max_position_embeddings=8192,
+    norm_topk_prob=True,
+)
+
+CORPUS = """
+the a an is are what which how many colour color shape image picture photo in on of and
+red green blue yellow purple orange black white grey gray circle square triangle star
+one two three four five six first second third last there this that it show shows see
+you can describe answer question please tell me who where when why hello world yes no
+"""
+
+
+def build_tokenizer(vocab_size: int) -> Tokenizer:
+    """A byte-level BPE trained on a fixed word list, then Kimi's special tokens at the end."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size - len(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    words = CORPUS.split()
+    sentences = [" ".join(words[i:] + words[:i]) for i in range(len(words))]
+    tokenizer.train_from_iterator(sentences, trainer)
+    tokenizer.add_special_tokens(list(SPECIAL_TOKENS))
+    return tokenizer
+
+
+def make_config(
+    preset: str, vocab_size: int, placeholder_id: int, q_lora_rank: int | None
+) -> KimiVLConfig:
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; expected one of {sorted(PRESETS)}")
+    vision, text = PRESETS[preset]
+    text_config = TextConfig(vocab_size=vocab_size, **text, **TEXT_DEFAULTS)  # type: ignore[arg-type]
+    return KimiVLConfig(vision, replace(text_config, q_lora_rank=q_lora_rank), placeholder_id)
+
+
+def init_weights(model: KimiVL, generator: torch.Generator) -> None:
+    """Random weights: N(0, 0.02) matrices, norms near 1, small biases and routing biases."""
+    for name, tensor in model.state_dict().items():
+        if name.endswith(("norm.weight", "norm0.weight", "norm1.weight", "layernorm.weight")):
+            tensor.copy_(1 + 0.1 * torch.randn(tensor.shape, generator=generator))
+        elif name.endswith(("bias", "e_score_correction_bias")):
+            tensor.copy_(0.02 * torch.randn(tensor.shape, generator=generator))
+        else:
+            tensor.copy_(0.02 * torch.randn(tensor.shape, generator=generator))
+
+
+def save_sharded(state: dict[str, torch.Tensor], out: Path, shards: int) -> None:
+    names = list(state)
+    per_shard = math.ceil(len(names) / shards)
+    weight_map, total = {}, 0
+    for i in range(shards):
+        file = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        part = {n: state[n].contiguous() for n in names[i * per_shard : (i + 1) * per_shard]}
+        save_file(part, out / file, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(part, file))
+        total += sum(t.numel() * t.element_size() for t in part.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
+def config_json(config: KimiVLConfig, tokenizer: Tokenizer) -> dict[str, Any]:
+    text = asdict(config.text) | {
+        "model_type": "deepseek_v3",
+        "topk_method": "noaux_tc",
+        "scoring_func": "sigmoid",
+        "hidden_act": "silu",
+        "rope_scaling": None,
+        "attention_bias": False,
+        "bos_token_id": tokenizer.token_to_id("[BOS]"),
+        "eos_token_id": tokenizer.token_to_id("[EOS]"),
+        "pad_token_id": tokenizer.token_to_id("[PAD]"),
+        "tie_word_embeddings": False,
+    }
+    return {
+        "architectures": ["KimiVLForConditionalGeneration"],
+        "model_type": "kimi_vl",
+        "vision_config": asdict(config.vision) | {"model_type": "moonvit"},
+        "text_config": text,
+        "media_placeholder_token_id": config.media_placeholder_token_id,
+        "tie_word_embeddings": False,
+        "torch_dtype": "float32",
+    }
+
+
+def write_side_files(out: Path, config: KimiVLConfig, tokenizer: Tokenizer) -> None:
+    def dump(name: str, value: dict[str, Any]) -> None:
+        (out / name).write_text(json.dumps(value, indent=2) + "\n")
+
+    dump("config.json", config_json(config, tokenizer))
+    dump(
+        "preprocessor_config.json",
+        {
+            "image_processor_type": "KimiVLImageProcessor",
+            "patch_size": config.vision.patch_size,
+            "pad_input": True,
+            "in_token_limit": 4096,
+            "merge_kernel_size": list(config.vision.merge_kernel_size),
+            "image_mean": list(CLIP_MEAN),
+            "image_std": list(CLIP_STD),
+        },
+    )
+    dump(
+        "generation_config.json",
+        {
+            "eos_token_id": [tokenizer.token_to_id("[EOS]"), tokenizer.token_to_id("<|im_end|>")],
+            "bos_token_id": tokenizer.token_to_id("[BOS]"),
+            "pad_token_id": tokenizer.token_to_id("[PAD]"),
+        },
+    )
+    tokenizer.save(str(out / "tokenizer.json"))
+    dump(
+        "tokenizer_config.json",
+        {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": "[BOS]",
+            "eos_token": "[EOS]",
+            "pad_token": "[PAD]",
+            "model_max_length": config.text.max_position_embeddings,
+            "chat_template": CHAT_TEMPLATE,
+        },
+    )
+
+
+def make_checkpoint(
+    out: str | Path,
+    preset: str = "tiny",
+    seed: int = 0,
+    q_lora_rank: int | None = None,
+    vocab_size: int = 512,
+    shards: int = 2,
+) -> Path:
+    """Write a random checkpoint of `preset` size into `out` and return its path."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(vocab_size)
+    config = make_config(
+        preset, tokenizer.get_vocab_size(), tokenizer.token_to_id("<|media_pad|>"), q_lora_rank
+    )
+    generator = torch.Generator().manual_seed(seed)
+    model = KimiVL(config)
+    with torch.no_grad():
+        init_weights(model, generator)
+    save_sharded(model.state_dict(), out, shards)
+    write_side_files(out, config, tokenizer)
+    return out
