@@ -1,0 +1,97 @@
+"""The language model against transformers' DeepseekV3ForCausalLM on the same weights."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from transformers import DeepseekV3ForCausalLM
+
+from epd.checkpoint.weights import load_model
+from epd.model.latent_cache import LatentCache
+
+PREFIX = "language_model."
+
+
+def as_deepseek_checkpoint(kimi: Path, out: Path) -> Path:
+    """Write the language-model half of a Kimi-VL checkpoint as a plain DeepSeek-V3 one."""
+    text = json.loads((kimi / "config.json").read_text())["text_config"]
+    text["rope_parameters"] = {"rope_type": "default", "rope_theta": text.pop("rope_theta")}
+    for key in ("topk_method", "scoring_func", "rope_scaling", "moe_layer_freq"):
+        text.pop(key, None)
+    text["num_key_value_heads"] = text["num_attention_heads"]
+    text["num_nextn_predict_layers"] = 0
+    out.mkdir()
+    (out / "config.json").write_text(
+        json.dumps(text | {"architectures": ["DeepseekV3ForCausalLM"]})
+    )
+    state = {}
+    index = json.loads((kimi / "model.safetensors.index.json").read_text())["weight_map"]
+    for file in set(index.values()):
+        with safe_open(kimi / file, framework="pt") as f:
+            names = [k for k in f.keys() if k.startswith(PREFIX)]  # noqa: SIM118 (not a dict)
+            state |= {k.removeprefix(PREFIX): f.get_tensor(k) for k in names}
+    save_file(state, out / "model.safetensors", metadata={"format": "pt"})
+    return out
+
+
+@pytest.fixture(scope="module", params=["tiny_checkpoint", "tiny_q_lora_checkpoint"])
+def pair(request, tmp_path_factory):
+    kimi = request.getfixturevalue(request.param)
+    oracle_dir = as_deepseek_checkpoint(kimi, tmp_path_factory.mktemp("ds") / "ckpt")
+    oracle = DeepseekV3ForCausalLM.from_pretrained(oracle_dir, dtype=torch.float32)
+    oracle.config._attn_implementation = "eager"
+    ours = load_model(kimi, role="language").language_model
+    return ours, oracle.eval()
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+PROMPT = torch.tensor([5, 17, 42, 99, 7, 300, 12, 64, 128, 3, 250, 77, 31])
+
+
+@torch.inference_mode()
+def test_prefill_logits_match_transformers(pair):
+    ours, oracle = pair
+    hidden, cache = ours.prefill(ours.embed(PROMPT))
+    expected = oracle(PROMPT[None]).logits[0]
+    assert rel_err(ours.logits(hidden), expected) <= 1e-4
+    layers, tokens, width = cache.tensor().shape
+    config = ours.config
+    assert (layers, tokens, width) == (config.num_hidden_layers, len(PROMPT), config.latent_dim)
+
+
+@torch.inference_mode()
+def test_decode_from_latent_cache_matches_transformers(pair):
+    ours, oracle = pair
+    _, cache = ours.prefill(ours.embed(PROMPT[:6]))
+    ids = PROMPT[:6].tolist()
+    for step, token in enumerate(PROMPT[6:].tolist()):
+        if step == 3:  # ship the cache through bytes, as prefill → decode will
+            raw = cache.tensor().contiguous().numpy().tobytes()
+            shape = cache.tensor().shape
+            restored = torch.frombuffer(bytearray(raw), dtype=torch.float32).view(shape)
+            cache = LatentCache.from_tensor(restored)
+        ids.append(token)
+        ours_logits = ours.logits(ours.decode(torch.tensor([token]), [cache]))[0]
+        expected = oracle(torch.tensor([ids])).logits[0, -1]
+        assert rel_err(ours_logits, expected) <= 1e-4, f"step {step}"
+    assert cache.length == len(PROMPT)
+
+
+@torch.inference_mode()
+def test_batched_decode_equals_each_request_alone(pair):
+    ours, _ = pair
+    prompts = [PROMPT[:4], PROMPT[:9], PROMPT[2:11]]
+    caches = [ours.prefill(ours.embed(p))[1] for p in prompts]
+    alone = [ours.prefill(ours.embed(p))[1] for p in prompts]
+    tokens = torch.tensor([8, 9, 10])
+    together = ours.logits(ours.decode(tokens, caches))
+    for i, cache in enumerate(alone):
+        single = ours.logits(ours.decode(tokens[i : i + 1], [cache]))[0]
+        torch.testing.assert_close(together[i], single, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(caches[i].tensor(), cache.tensor())
