@@ -84,8 +84,9 @@ class Block(nn.Module):
         outputs = []
         # Non-causal attention within each image only (block-diagonal over the packed batch).
         for qi, ki, vi in zip(q.split(lengths), k.split(lengths), v.split(lengths), strict=True):
-            heads_first = [t.transpose(0, 1) for t in (qi, ki, vi)]  # (heads, l, head_dim)
-            outputs.append(F.scaled_dot_product_attention(*heads_first).transpose(0, 1))
+            # (1, heads, l, head_dim): the 4-D form reaches the fused (flash) kernels, CPU included.
+            heads_first = [t.transpose(0, 1)[None] for t in (qi, ki, vi)]
+            outputs.append(F.scaled_dot_product_attention(*heads_first)[0].transpose(0, 1))
         return torch.cat(outputs).flatten(1)  # (L, D)
 
 

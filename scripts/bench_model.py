@@ -1,0 +1,123 @@
+"""Model-core throughput on this machine: vision images/s and prefill tokens/s.
+
+Builds a random `small` checkpoint (or uses --checkpoint), then reports achieved FLOP/s as a
+fraction of the machine's own measured float32 matmul FLOP/s, so numbers from different machines
+can be compared. Not a test: run it with `make bench` and write the results in docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from epd.checkpoint.config import KimiVLConfig, TextConfig
+from epd.checkpoint.synthetic import make_checkpoint
+from epd.checkpoint.weights import load_model
+
+
+def best_seconds(fn: Callable[[], object], repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def matmul_flops(n: int = 2048, repeats: int = 5) -> float:
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    return 2 * n**3 / best_seconds(lambda: a @ b, repeats)
+
+
+def vision_flops(config: KimiVLConfig, grids: list[tuple[int, int]]) -> float:
+    v = config.vision
+    d, total = v.hidden_size, 0.0
+    for h, w in grids:
+        length = h * w
+        total += 2 * length * 3 * v.patch_size**2 * d  # patch embedding
+        per_block = 2 * length * d * (3 * d + d + 2 * v.intermediate_size)  # qkv, wo, mlp
+        per_block += 4 * length * length * d  # q·k and p·v
+        total += v.num_hidden_layers * per_block
+        tokens = length // 4
+        total += 2 * tokens * config.merged_dim * (config.merged_dim + config.text.hidden_size)
+    return total
+
+
+def prefill_flops(t: TextConfig, tokens: int) -> float:
+    d, heads = t.hidden_size, t.num_attention_heads
+    attn = 2 * tokens * d * heads * t.qk_head_dim  # q_proj
+    attn += 2 * tokens * d * t.latent_dim  # kv_a_proj_with_mqa
+    attn += 2 * tokens * t.kv_lora_rank * heads * (t.qk_nope_head_dim + t.v_head_dim)  # kv_b
+    attn += 2 * tokens * heads * t.v_head_dim * d  # o_proj
+    attn += tokens * (tokens + 1) * heads * (t.qk_head_dim + t.v_head_dim)  # causal scores + sum
+    total = 0.0
+    for i in range(t.num_hidden_layers):
+        total += attn
+        if t.is_moe_layer(i):
+            experts = t.num_experts_per_tok + t.n_shared_experts
+            total += 2 * tokens * d * (t.n_routed_experts or 0)  # router
+            total += 2 * tokens * experts * 3 * d * t.moe_intermediate_size
+        else:
+            total += 2 * tokens * 3 * d * t.intermediate_size
+    return total + 2 * d * t.vocab_size  # logits of the last token
+
+
+def run(checkpoint: Path, images: int, side: int, tokens: int, repeats: int) -> None:
+    torch.manual_seed(0)
+    peak = matmul_flops()
+    model = load_model(checkpoint)
+    config = model.config
+    grid = (side // 14, side // 14)
+    grids = [grid] * images
+    pixels = torch.randn(images * grid[0] * grid[1], 3, 14, 14)
+    lm = model.language_model
+    embeds = lm.embed(torch.randint(0, config.text.vocab_size, (tokens,)))
+
+    def prefill() -> torch.Tensor:
+        hidden, _ = lm.prefill(embeds)
+        return lm.logits(hidden[-1])
+
+    with torch.inference_mode():
+        vision_s = best_seconds(lambda: model.encode_images(pixels, grids), repeats)
+        prefill_s = best_seconds(prefill, repeats)
+    v_rate, p_rate = (
+        vision_flops(config, grids) / vision_s,
+        prefill_flops(config.text, tokens) / prefill_s,
+    )
+    cpu = platform.processor() or platform.machine()
+    print(f"machine: {cpu}, {torch.get_num_threads()} threads, torch {torch.__version__}")
+    print(f"measured fp32 matmul peak: {peak / 1e9:.1f} GFLOP/s (2048×2048)")
+    print("| step | workload | throughput | achieved GFLOP/s | of matmul peak |")
+    print("|---|---|---|---|---|")
+    print(
+        f"| vision tower + projector | {images} images of {side}×{side} px ({grid[0]}×{grid[1]} "
+        f"patches) | {images / vision_s:.2f} images/s | {v_rate / 1e9:.1f} | {v_rate / peak:.0%} |"
+    )
+    print(
+        f"| language prefill | {tokens}-token prompt | {tokens / prefill_s:.0f} tokens/s | "
+        f"{p_rate / 1e9:.1f} | {p_rate / peak:.0%} |"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--checkpoint", type=Path, help="default: a fresh random `small` one")
+    parser.add_argument("--images", type=int, default=4)
+    parser.add_argument("--side", type=int, default=448, help="image side in pixels")
+    parser.add_argument("--tokens", type=int, default=1024, help="prompt length")
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        checkpoint = args.checkpoint or make_checkpoint(Path(tmp) / "small", "small")
+        run(checkpoint, args.images, args.side, args.tokens, args.repeats)
+
+
+if __name__ == "__main__":
+    main()
