@@ -23,6 +23,7 @@ $(VENV)/.installed: pyproject.toml
 lint: setup
 	$(VENV)/bin/ruff check epd tests scripts
 	$(VENV)/bin/ruff format --check epd tests scripts
+	$(VENV)/bin/mypy
 
 test: lint
 	$(PY) -m pytest -q

@@ -208,9 +208,9 @@ def make_checkpoint(
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(vocab_size)
-    config = make_config(
-        preset, tokenizer.get_vocab_size(), tokenizer.token_to_id("<|media_pad|>"), q_lora_rank
-    )
+    placeholder = tokenizer.token_to_id("<|media_pad|>")
+    assert placeholder is not None
+    config = make_config(preset, tokenizer.get_vocab_size(), placeholder, q_lora_rank)
     generator = torch.Generator().manual_seed(seed)
     model = KimiVL(config)
     with torch.no_grad():

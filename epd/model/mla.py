@@ -72,8 +72,8 @@ class MLAttention(nn.Module):
         # Fused attention kernels want one head size for q, k and v: pad v (v_dim < nope + rope)
         # with zeros and drop the padding after. Shapes (1, H, T, ·), the 4-D form they take.
         v = F.pad(v, (0, max(0, q.shape[-1] - self.v_dim)))
-        heads_first = [t.transpose(0, 1)[None] for t in (q, k, v)]
-        out = F.scaled_dot_product_attention(*heads_first, is_causal=True, scale=self.scale)[0]
+        q, k, v = (t.transpose(0, 1)[None] for t in (q, k, v))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)[0]
         return self.o_proj(out[..., : self.v_dim].transpose(0, 1).flatten(1)), latent
 
     def decode(self, x: torch.Tensor, angles: torch.Tensor, batch: DecodeBatch) -> torch.Tensor:

@@ -32,6 +32,8 @@ class Router(nn.Module):
     multiplied by `routed_scaling_factor`.
     """
 
+    e_score_correction_bias: torch.Tensor
+
     def __init__(self, config: TextConfig) -> None:
         super().__init__()
         experts = config.n_routed_experts or 0
