@@ -1,0 +1,1 @@
+"""What crosses process boundaries: message dataclasses, their codec and ZeroMQ transports."""
