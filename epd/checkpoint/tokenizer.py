@@ -44,3 +44,11 @@ def load_tokenizer(
     if not tokenizer.chat_template:
         raise CheckpointError(f"the tokenizer of {checkpoint} has no chat template")
     return tokenizer
+
+
+def decode_text(
+    tokenizer: PreTrainedTokenizerBase, ids: list[int], skip_special: bool = False
+) -> str:
+    text = tokenizer.decode(ids, skip_special_tokens=skip_special)
+    assert isinstance(text, str)
+    return text

@@ -1,0 +1,1 @@
+"""Turning logits into replies: sampling, incremental detokenisation and stop rules."""

@@ -1,0 +1,89 @@
+"""One request being generated: its cache, sampler and stop rules, shared by decode and tests.
+
+A sequence ends on an eos id (the token is counted but adds no text), on a stop string (the
+reply is cut before it, and text that might be the start of a stop string is held back until it
+cannot be), or at `max_tokens`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from epd.generation.detokenizer import Detokenizer
+from epd.generation.sampling import sample, token_logprob
+from epd.model.latent_cache import LatentCache
+from epd.wire.messages import SamplingParams, TokenDelta, TokenLogprob
+
+
+class Sequence:
+    def __init__(
+        self,
+        request_id: str,
+        sampling: SamplingParams,
+        generator: torch.Generator,
+        cache: LatentCache,
+        tokenizer: PreTrainedTokenizerBase,
+        eos_ids: Collection[int],
+        reply_to: str = "",
+    ) -> None:
+        self.request_id, self.reply_to = request_id, reply_to
+        self.sampling, self.generator, self.cache = sampling, generator, cache
+        self.tokenizer, self.eos_ids = tokenizer, frozenset(eos_ids)
+        self.detokenizer = Detokenizer(tokenizer)
+        self.tokens: list[int] = []
+        self.text, self.sent = "", 0  # reply text so far; characters already released
+        self.finish_reason: str | None = None
+
+    @property
+    def last_token(self) -> int:
+        return self.tokens[-1]
+
+    def pick(self, logits: torch.Tensor) -> tuple[int, TokenLogprob | None]:
+        """Sample the next token from float32 logits (vocab,) with this request's rules."""
+        token = sample(logits, self.sampling, self.generator)
+        if not self.sampling.logprobs:
+            return token, None
+        return token, token_logprob(logits, token, self.sampling.top_logprobs, self.tokenizer)
+
+    def accept(self, token: int, logprob: TokenLogprob | None = None) -> TokenDelta:
+        """Record a generated token and say what the client gets for it."""
+        assert self.finish_reason is None
+        self.tokens.append(token)
+        if token in self.eos_ids:
+            self.finish_reason = "stop"
+        else:
+            self.text += self.detokenizer.add(token)
+            self._apply_stop_strings()
+        if self.finish_reason is None and len(self.tokens) >= self.sampling.max_tokens:
+            self.finish_reason = "length"
+        end = len(self.text) if self.finish_reason else len(self.text) - self._held_back()
+        released, self.sent = self.text[self.sent : end], max(self.sent, end)
+        return TokenDelta(
+            request_id=self.request_id,
+            token_ids=(token,),
+            text=released,
+            completion_tokens=len(self.tokens),
+            finish_reason=self.finish_reason,
+            logprobs=(logprob,) if logprob else (),
+        )
+
+    def _apply_stop_strings(self) -> None:
+        longest = max((len(s) for s in self.sampling.stop), default=0)
+        start = max(0, self.sent - longest)
+        hits = [i for s in self.sampling.stop if (i := self.text.find(s, start)) >= 0]
+        if hits:
+            self.text = self.text[: min(hits)]
+            self.finish_reason = "stop"
+
+    def _held_back(self) -> int:
+        """Length of the longest tail of the text that could still grow into a stop string."""
+        for size in range(
+            min(len(self.text), max((len(s) for s in self.sampling.stop), default=0)), 0, -1
+        ):
+            tail = self.text[-size:]
+            if any(s.startswith(tail) for s in self.sampling.stop):
+                return size
+        return 0
