@@ -154,7 +154,8 @@ def _check_text(raw: dict[str, Any]) -> None:
             )
 
 
-def load_model_config(checkpoint: Path) -> KimiVLConfig:
+def load_model_config(checkpoint: str | Path) -> KimiVLConfig:
+    checkpoint = Path(checkpoint)
     raw = read_json(checkpoint / "config.json")
     if raw.get("model_type") != "kimi_vl":
         raise CheckpointError(
@@ -173,13 +174,13 @@ def load_model_config(checkpoint: Path) -> KimiVLConfig:
     )
 
 
-def load_processor_config(checkpoint: Path) -> ProcessorConfig:
-    raw = read_json(checkpoint / "preprocessor_config.json")
+def load_processor_config(checkpoint: str | Path) -> ProcessorConfig:
+    raw = read_json(Path(checkpoint) / "preprocessor_config.json")
     return from_dict(ProcessorConfig, raw, "preprocessor_config.json")
 
 
-def load_generation_config(checkpoint: Path) -> GenerationConfig:
-    raw = read_json(checkpoint / "generation_config.json")
+def load_generation_config(checkpoint: str | Path) -> GenerationConfig:
+    raw = read_json(Path(checkpoint) / "generation_config.json")
     eos = raw.get("eos_token_id")
     if eos is None:
         raise CheckpointError("generation_config.json lacks 'eos_token_id'")

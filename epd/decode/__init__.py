@@ -1,0 +1,1 @@
+"""The decode process: continuous batching over every live sequence."""

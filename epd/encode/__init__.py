@@ -1,0 +1,1 @@
+"""The encode process: images → MoonViT + projector → embeddings for prefill."""

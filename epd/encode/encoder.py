@@ -1,0 +1,38 @@
+"""The encode step, free of I/O: image files → (normalised grids, projected embeddings)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from epd.model.kimi_vl import KimiVL
+from epd.multimodal.grids import kimi_vl_grids
+from epd.multimodal.image_processor import ImageProcessor
+from epd.multimodal.images import decode_image
+
+
+class Encoder:
+    def __init__(self, model: KimiVL, processor: ImageProcessor, max_image_pixels: int) -> None:
+        self.model, self.processor, self.max_image_pixels = model, processor, max_image_pixels
+        self.device, self.dtype = (
+            model.multi_modal_projector.linear_1.weight.device,
+            (model.multi_modal_projector.linear_1.weight.dtype),
+        )
+
+    @torch.inference_mode()
+    def encode(
+        self, images: Sequence[bytes], first_index: int = 0
+    ) -> tuple[tuple[tuple[int, int], ...], torch.Tensor]:
+        """All images in one batch → grids ((h, w) ints) and embeddings (Σ h·w/4, hidden).
+
+        Raises ImageError naming the image (by its index in the request) that cannot be used.
+        """
+        decoded = [
+            decode_image(data, first_index + i, self.max_image_pixels)
+            for i, data in enumerate(images)
+        ]
+        processed = self.processor(decoded)
+        grids = kimi_vl_grids(processed.grids)  # plain (h, w) ints: safe for a message header
+        pixels = processed.pixel_values.to(self.device, self.dtype)
+        return grids, self.model.encode_images(pixels, list(grids))
