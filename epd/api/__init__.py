@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP API, hosted by the prefill process."""

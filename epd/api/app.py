@@ -1,0 +1,159 @@
+"""The FastAPI app: /v1/chat/completions, /v1/models and /health."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from epd.api.errors import APIError, bad_request, internal
+from epd.api.images import load_image_bytes
+from epd.api.prepare import PromptBuilder
+from epd.api.responses import Reply
+from epd.api.schema import ChatCompletionRequest, parse_request
+from epd.config import PrefillConfig
+from epd.prefill.coordinator import Coordinator
+from epd.prefill.engine import PrefillEngine
+from epd.process import health
+from epd.wire.messages import TokenDelta
+
+log = logging.getLogger(__name__)
+DISCONNECT_POLL_S = 0.25
+
+
+@dataclass
+class Service:
+    config: PrefillConfig
+    model_name: str
+    builder: PromptBuilder
+    engine: PrefillEngine
+    coordinator: Coordinator | None = None
+
+    async def load_images(self, chat: ChatCompletionRequest) -> list[bytes]:
+        urls = self.builder.image_urls(chat)
+        if len(urls) > self.config.max_images:
+            raise bad_request(f"{len(urls)} images is over the limit of {self.config.max_images}")
+        c = self.config
+        return list(
+            await asyncio.gather(
+                *(
+                    asyncio.to_thread(
+                        load_image_bytes, url, i, c.max_image_bytes, c.image_fetch_timeout_s
+                    )
+                    for i, url in enumerate(urls)
+                )
+            )
+        )
+
+
+def create_app(service: Service, on_started: Callable[[], Any] | None = None) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        service.coordinator = Coordinator(service.config, service.engine)
+        service.coordinator.start()
+        if on_started is not None:
+            started = asyncio.create_task(on_started())
+        yield
+        if on_started is not None:
+            started.cancel()
+        await service.coordinator.stop()
+
+    app = FastAPI(title="epd", lifespan=lifespan)
+
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, error: APIError) -> JSONResponse:
+        return JSONResponse(error.body(), status_code=error.status)
+
+    @app.exception_handler(Exception)
+    async def unexpected(_: Request, error: Exception) -> JSONResponse:
+        log.exception("unhandled error")
+        return await api_error(_, internal(f"{type(error).__name__}: {error}"))
+
+    @app.get("/health")
+    async def health_check() -> dict[str, Any]:
+        return health("prefill")
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        card = {"id": service.model_name, "object": "model", "created": 0, "owned_by": "epd"}
+        return {"object": "list", "data": [card]}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise bad_request("the request body is not valid JSON") from None
+        chat = parse_request(body)
+        if chat.model != service.model_name:
+            raise APIError(
+                404,
+                f"model {chat.model!r} does not exist; this server has {service.model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
+        return await complete(service, chat, request)
+
+    return app
+
+
+async def complete(service: Service, chat: ChatCompletionRequest, request: Request) -> Response:
+    coordinator = service.coordinator
+    assert coordinator is not None
+    images = await service.load_images(chat)
+    try:
+        prepared = service.builder.prepare(chat, images)
+    except ValueError as e:  # e.g. more images than the prompt has placeholders
+        raise bad_request(str(e)) from None
+    embeddings = await coordinator.encode(prepared)
+    handoff = await coordinator.prefill(prepared, embeddings)
+    reply = Reply(prepared.request_id, service.model_name, handoff.prompt_tokens, chat.logprobs)
+    deltas = coordinator.generate(handoff)
+    if chat.stream:
+        usage = chat.stream_options is not None and chat.stream_options.include_usage
+        return StreamingResponse(stream(reply, deltas, usage), media_type="text/event-stream")
+    collected = await until_disconnected(request, collect(deltas))
+    if collected is None:
+        return Response(status_code=499)  # nobody is listening any more
+    return JSONResponse(reply.completion(collected))
+
+
+async def collect(deltas: AsyncIterator[TokenDelta]) -> list[TokenDelta]:
+    return [delta async for delta in deltas]
+
+
+async def until_disconnected(request: Request, work: Any) -> list[TokenDelta] | None:
+    """Await `work`, cancelling it (which aborts the request in decode) if the client leaves."""
+    task = asyncio.ensure_future(work)
+    while not task.done():
+        await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+        if not task.done() and await request.is_disconnected():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            return None
+    return task.result()
+
+
+async def stream(
+    reply: Reply, deltas: AsyncIterator[TokenDelta], usage: bool
+) -> AsyncIterator[str]:
+    """SSE: a role chunk, content chunks, the finish, optional usage, then [DONE]."""
+    yield reply.first_chunk()
+    completion_tokens = 0
+    try:
+        async for delta in deltas:
+            completion_tokens = delta.completion_tokens
+            if delta.text or delta.logprobs or delta.finish_reason:
+                yield reply.delta_chunk(delta)
+        if usage:
+            yield reply.usage_chunk(completion_tokens)
+    except APIError as error:  # headers are sent: report in-band, as OpenAI does
+        yield f"data: {json.dumps(error.body())}\n\n"
+    yield "data: [DONE]\n\n"

@@ -1,0 +1,106 @@
+"""From a validated chat request and its image files to everything prefill needs."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase
+
+from epd.api.errors import APIError, bad_request
+from epd.api.schema import ChatCompletionRequest
+from epd.checkpoint.config import load_model_config, load_processor_config
+from epd.multimodal.image_processor import ImageProcessor
+from epd.multimodal.images import ImageError, open_image
+from epd.multimodal.prompt import expand_placeholders, image_parts, render_prompt
+from epd.wire.messages import Grid, SamplingParams
+
+
+@dataclass(frozen=True)
+class PreparedRequest:
+    request_id: str
+    prompt_ids: list[int]  # placeholders already expanded to each image's token count
+    images: list[bytes]
+    grids: tuple[Grid, ...]  # expected from each image's size; encode must agree
+    image_tokens: tuple[int, ...]  # placeholder slots per image
+    sampling: SamplingParams
+
+
+@dataclass(frozen=True)
+class PromptBuilder:
+    tokenizer: PreTrainedTokenizerBase
+    processor: ImageProcessor
+    placeholder_id: int
+    context_length: int
+    default_max_tokens: int
+    max_image_pixels: int = 50_000_000
+
+    @classmethod
+    def from_checkpoint(
+        cls, checkpoint: str | Path, tokenizer: PreTrainedTokenizerBase, default_max_tokens: int
+    ) -> PromptBuilder:
+        config = load_model_config(checkpoint)
+        return cls(
+            tokenizer=tokenizer,
+            processor=ImageProcessor(load_processor_config(checkpoint)),
+            placeholder_id=config.media_placeholder_token_id,
+            context_length=config.text.max_position_embeddings,
+            default_max_tokens=default_max_tokens,
+        )
+
+    def messages(self, request: ChatCompletionRequest) -> list[dict[str, Any]]:
+        return [m.model_dump(exclude_none=True) for m in request.messages]
+
+    def image_urls(self, request: ChatCompletionRequest) -> list[str]:
+        return [part["image_url"]["url"] for part in image_parts(self.messages(request))]
+
+    def grids(self, images: list[bytes]) -> tuple[Grid, ...]:
+        """Each image's (h, w) grid from its header alone; a 400 for a bad image."""
+        grids = []
+        for index, data in enumerate(images):
+            try:
+                image = open_image(data, index, self.max_image_pixels)
+                grids.append(self.processor.grid_for_size(*image.size))
+            except (ImageError, ValueError) as e:
+                raise bad_request(str(e), code="invalid_image") from None
+        return tuple(grids)
+
+    def prepare(self, request: ChatCompletionRequest, images: list[bytes]) -> PreparedRequest:
+        grids = self.grids(images)
+        mh, mw = self.processor.config.merge_kernel_size
+        counts = [h * w // (mh * mw) for h, w in grids]
+        ids = expand_placeholders(
+            render_prompt(self.tokenizer, self.messages(request)), self.placeholder_id, counts
+        )
+        return PreparedRequest(
+            request_id=f"chatcmpl-{uuid.uuid4().hex}",
+            prompt_ids=ids,
+            images=images,
+            grids=grids,
+            image_tokens=tuple(counts),
+            sampling=self.sampling(request, len(ids)),
+        )
+
+    def sampling(self, request: ChatCompletionRequest, prompt_tokens: int) -> SamplingParams:
+        room = self.context_length - prompt_tokens
+        asked = request.max_completion_tokens or request.max_tokens
+        if room < 1 or (asked is not None and asked > room):
+            raise APIError(
+                400,
+                f"the prompt has {prompt_tokens} tokens (images included) and asks for "
+                f"{asked or 1} more, over the context length of {self.context_length}",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
+        return SamplingParams(
+            max_tokens=asked or min(room, self.default_max_tokens),
+            temperature=request.temperature,
+            top_p=request.top_p,
+            top_k=max(request.top_k, 0),
+            seed=request.seed,
+            stop=request.stop_list,
+            logprobs=request.logprobs,
+            top_logprobs=request.top_logprobs or 0,
+        )

@@ -1,0 +1,92 @@
+"""OpenAI chat-completion bodies and stream chunks built from TokenDeltas."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from epd.wire.messages import TokenDelta, TokenLogprob
+
+
+def logprob_json(entry: TokenLogprob) -> dict[str, Any]:
+    return {
+        "token": entry.token,
+        "logprob": entry.logprob,
+        "bytes": list(entry.bytes),
+        "top_logprobs": [
+            {"token": t.token, "logprob": t.logprob, "bytes": list(t.bytes)}
+            for t in entry.top_logprobs
+        ],
+    }
+
+
+@dataclass
+class Reply:
+    """Shapes one request's deltas into OpenAI JSON."""
+
+    request_id: str
+    model: str
+    prompt_tokens: int
+    want_logprobs: bool
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def usage(self, completion_tokens: int) -> dict[str, int]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": self.prompt_tokens + completion_tokens,
+        }
+
+    def logprobs(self, deltas: list[TokenDelta]) -> dict[str, Any] | None:
+        if not self.want_logprobs:
+            return None
+        return {"content": [logprob_json(e) for d in deltas for e in d.logprobs]}
+
+    def completion(self, deltas: list[TokenDelta]) -> dict[str, Any]:
+        last = deltas[-1]
+        return {
+            "id": self.request_id,
+            "object": "chat.completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": "".join(d.text for d in deltas)},
+                    "logprobs": self.logprobs(deltas),
+                    "finish_reason": last.finish_reason,
+                }
+            ],
+            "usage": self.usage(last.completion_tokens),
+        }
+
+    def chunk(self, choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> str:
+        body: dict[str, Any] = {
+            "id": self.request_id,
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+        if usage is not None:
+            body["usage"] = usage
+        return f"data: {json.dumps(body)}\n\n"
+
+    def first_chunk(self) -> str:
+        delta = {"role": "assistant", "content": ""}
+        return self.chunk([{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}])
+
+    def delta_chunk(self, delta: TokenDelta) -> str:
+        content = {"content": delta.text} if delta.text else {}
+        choice = {
+            "index": 0,
+            "delta": content,
+            "logprobs": self.logprobs([delta]),
+            "finish_reason": delta.finish_reason,
+        }
+        return self.chunk([choice])
+
+    def usage_chunk(self, completion_tokens: int) -> str:
+        return self.chunk([], self.usage(completion_tokens))

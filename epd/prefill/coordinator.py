@@ -1,0 +1,235 @@
+"""Prefill's side of the wire: send work to encoders and decoders, route their replies.
+
+Runs on the API's event loop. Each request waits on futures (image embeddings) and a queue
+(token deltas) keyed by its id; a Failure, a timeout or a peer that disconnects resolves them with
+an error, so no request waits on a dead process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import AsyncIterator, Awaitable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+import torch
+
+from epd.api.errors import APIError, bad_request, internal, timed_out, unavailable
+from epd.api.prepare import PreparedRequest
+from epd.config import PrefillConfig
+from epd.multimodal.grids import kimi_vl_grids
+from epd.prefill.engine import PrefillEngine
+from epd.wire.messages import (
+    Abort,
+    EncodeRequest,
+    Failure,
+    ImageEmbeddings,
+    KVHandoff,
+    Message,
+    TokenDelta,
+)
+from epd.wire.transport import Inbox, Outbox, async_context
+
+log = logging.getLogger(__name__)
+PEER_POLL_S = 0.05
+T = TypeVar("T")
+
+
+@dataclass
+class EncodeWait:
+    encoder: str
+    future: asyncio.Future[ImageEmbeddings]
+
+
+@dataclass
+class Stream:
+    decoder: str
+    queue: asyncio.Queue[TokenDelta | APIError] = field(default_factory=asyncio.Queue)
+
+
+def failure_error(failure: Failure) -> APIError:
+    if failure.code == "bad_image":
+        return bad_request(failure.message, code="invalid_image")
+    return internal(failure.message)
+
+
+async def within(awaitable: Awaitable[T], seconds: float, error: APIError) -> T:
+    """Await with a time limit, raising `error` when it runs out.
+
+    Unlike `asyncio.wait_for` before Python 3.12, this never swallows a cancellation that lands
+    as the awaited result arrives, so a cancelled request always runs its clean-up.
+    """
+    future = asyncio.ensure_future(awaitable)
+    try:
+        done, _ = await asyncio.wait({future}, timeout=seconds)
+    finally:
+        if not future.done():
+            future.cancel()
+    if not done:
+        raise error
+    return future.result()
+
+
+class Coordinator:
+    def __init__(self, config: PrefillConfig, engine: PrefillEngine) -> None:
+        self.config, self.engine = config, engine
+        self.outbox = Outbox()
+        for address in (*config.encoders, *config.decoders):
+            self.outbox.connect(address)
+        self.inbox = Inbox(async_context(), config.bind)
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix="prefill")  # one model, one queue
+        self.waits: dict[tuple[str, int], EncodeWait] = {}
+        self.streams: dict[str, Stream] = {}
+        self.turn = itertools.count()
+        self.tasks: list[asyncio.Task[None]] = []
+
+    def start(self) -> None:
+        self.tasks = [asyncio.create_task(self.read()), asyncio.create_task(self.watch_peers())]
+
+    async def stop(self) -> None:
+        for task in self.tasks:
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        self.executor.shutdown(wait=True)
+        self.inbox.close()
+        self.outbox.close()
+
+    # Receiving.
+    async def read(self) -> None:
+        while True:
+            message = await self.inbox.arecv()
+            if message is not None:
+                self.route(message)
+
+    def route(self, message: Message) -> None:
+        if isinstance(message, ImageEmbeddings):
+            wait = self.waits.get((message.request_id, message.part_index))
+            if wait and not wait.future.done():
+                wait.future.set_result(message)
+        elif isinstance(message, TokenDelta):
+            if (stream := self.streams.get(message.request_id)) is not None:
+                stream.queue.put_nowait(message)
+        elif isinstance(message, Failure):
+            self.fail(message.request_id, failure_error(message))
+        else:
+            log.error("ignored a %s: prefill does not take it", type(message).__name__)
+
+    def fail(self, request_id: str, error: APIError) -> None:
+        for (rid, _), wait in self.waits.items():
+            if rid == request_id and not wait.future.done():
+                wait.future.set_exception(error)
+        if (stream := self.streams.get(request_id)) is not None:
+            stream.queue.put_nowait(error)
+
+    async def watch_peers(self) -> None:
+        """Fail at once every request held by a peer that disconnected."""
+        while True:
+            for address in self.outbox.poll_events():
+                log.warning("lost the connection to %s", address)
+                error = unavailable(f"lost the connection to {address} while it held this request")
+                for wait in self.waits.values():
+                    if wait.encoder == address and not wait.future.done():
+                        wait.future.set_exception(error)
+                for stream in self.streams.values():
+                    if stream.decoder == address:
+                        stream.queue.put_nowait(error)
+            await asyncio.sleep(PEER_POLL_S)
+
+    # Sending.
+    def pick(self, addresses: tuple[str, ...], role: str) -> list[str]:
+        live = [a for a in addresses if self.outbox.is_up(a)]
+        if not live:
+            raise unavailable(f"no {role} server is reachable (tried {', '.join(addresses)})")
+        start = next(self.turn) % len(live)
+        return live[start:] + live[:start]
+
+    async def encode(self, request: PreparedRequest) -> torch.Tensor | None:
+        """Every image's embeddings, in prompt order, from one or more encoders."""
+        if not request.images:
+            return None
+        encoders = self.pick(self.config.encoders, "encode")
+        parts = split(len(request.images), len(encoders))
+        waits = []
+        for index, ((start, stop), encoder) in enumerate(zip(parts, encoders, strict=False)):
+            future: asyncio.Future[ImageEmbeddings] = asyncio.get_running_loop().create_future()
+            self.waits[(request.request_id, index)] = EncodeWait(encoder, future)
+            waits.append(future)
+            message = EncodeRequest(
+                request.request_id,
+                index,
+                len(parts),
+                tuple(request.images[start:stop]),
+                start,
+                self.config.reply_address,
+            )
+            if not self.outbox.send(encoder, message):
+                future.set_exception(unavailable(f"encode server {encoder} is not reachable"))
+        limit = self.config.encode_timeout_s
+        try:
+            payloads = await within(
+                asyncio.gather(*waits), limit, timed_out(f"no image embeddings within {limit}s")
+            )
+        finally:
+            for index in range(len(parts)):
+                self.waits.pop((request.request_id, index), None)
+        return check_payloads(request, payloads)
+
+    async def prefill(self, request: PreparedRequest, embeddings: torch.Tensor | None) -> KVHandoff:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(
+            self.executor,
+            self.engine.run,
+            request.request_id,
+            request.prompt_ids,
+            embeddings,
+            request.sampling,
+            self.config.reply_address,
+        )
+
+    async def generate(self, handoff: KVHandoff) -> AsyncIterator[TokenDelta]:
+        """Hand the request to a decoder and yield its deltas until the last one."""
+        decoder = self.pick(self.config.decoders, "decode")[0]
+        stream = self.streams[handoff.request_id] = Stream(decoder)
+        finished = False
+        try:
+            if not self.outbox.send(decoder, handoff):
+                raise unavailable(f"decode server {decoder} is not reachable")
+            while not finished:
+                limit = self.config.token_timeout_s
+                item = await within(
+                    stream.queue.get(), limit, timed_out(f"decode sent nothing for {limit}s")
+                )
+                if isinstance(item, APIError):
+                    raise item
+                finished = item.finish_reason is not None
+                yield item
+        finally:
+            del self.streams[handoff.request_id]
+            if not finished:  # client gone or failure: free the request's KV in decode
+                self.outbox.send(decoder, Abort(handoff.request_id))
+
+
+def split(count: int, workers: int) -> list[tuple[int, int]]:
+    """Contiguous [start, stop) ranges of `count` images over at most `workers` parts."""
+    parts = min(count, workers)
+    bounds = [round(i * count / parts) for i in range(parts + 1)]
+    return list(itertools.pairwise(bounds))
+
+
+def check_payloads(request: PreparedRequest, payloads: list[ImageEmbeddings]) -> torch.Tensor:
+    """Refuse payloads whose grids or rows disagree with the placeholders we expanded."""
+    grids = tuple(grid for p in payloads for grid in kimi_vl_grids(p.grids))
+    if grids != request.grids:
+        raise internal(
+            f"encode returned grids {list(grids)} for images of grids {list(request.grids)}"
+        )
+    embeddings = torch.cat([p.embeddings for p in payloads])
+    slots = sum(request.image_tokens)
+    if embeddings.shape[0] != slots:
+        raise internal(
+            f"encode returned {embeddings.shape[0]} embedding rows for {slots} image slots"
+        )
+    return embeddings

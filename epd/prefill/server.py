@@ -1,0 +1,48 @@
+"""`epd prefill`: the API, the prompt builder and the prefill engine in one process."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import uvicorn
+
+from epd.api.app import Service, create_app
+from epd.api.prepare import PromptBuilder
+from epd.checkpoint.tokenizer import load_tokenizer
+from epd.checkpoint.weights import load_model
+from epd.config import PrefillConfig
+from epd.dtypes import model_dtype
+from epd.prefill.engine import PrefillEngine
+from epd.process import announce_ready, setup_logging
+
+
+def build_service(config: PrefillConfig) -> Service:
+    tokenizer = load_tokenizer(config.model, config.trust_remote_code)
+    builder = PromptBuilder.from_checkpoint(config.model, tokenizer, config.default_max_tokens)
+    lm = load_model(
+        config.model, "language", config.device, model_dtype(config.dtype)
+    ).language_model
+    engine = PrefillEngine(lm, tokenizer, builder.placeholder_id)
+    name = config.served_model_name or Path(config.model).resolve().name
+    return Service(config, name, builder, engine)
+
+
+def run(config: PrefillConfig) -> None:
+    setup_logging("prefill")
+    service = build_service(config)
+    server: uvicorn.Server
+
+    async def announce() -> None:
+        while not server.started:
+            await asyncio.sleep(0.05)
+        api = f"http://{config.host}:{config.port}/v1"
+        announce_ready(
+            "prefill", api=api, zmq=config.bind, health=f"http://{config.host}:{config.port}/health"
+        )
+
+    app = create_app(service, on_started=announce)
+    server = uvicorn.Server(
+        uvicorn.Config(app, host=config.host, port=config.port, log_level="warning")
+    )
+    server.run()
