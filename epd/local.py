@@ -1,0 +1,73 @@
+"""A chat request served in one process by the same pieces the three processes use.
+
+The reference for the disaggregated stack: the encoder, prefill engine and decode scheduler run
+back to back here, with no wire between them, so the stack's greedy output must equal this one
+token for token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from epd.api.images import load_image_bytes
+from epd.api.prepare import PromptBuilder
+from epd.api.schema import parse_request
+from epd.checkpoint.config import load_generation_config
+from epd.checkpoint.tokenizer import load_tokenizer
+from epd.checkpoint.weights import load_model
+from epd.decode.scheduler import Scheduler
+from epd.encode.encoder import Encoder
+from epd.prefill.engine import PrefillEngine
+from epd.wire.messages import TokenDelta
+
+
+@dataclass(frozen=True)
+class Completion:
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    prompt_tokens: int
+    deltas: list[TokenDelta]
+
+
+class LocalPipeline:
+    def __init__(
+        self,
+        checkpoint: str | Path,
+        device: str = "cpu",
+        dtype: torch.dtype | None = None,
+        default_max_tokens: int = 1024,
+    ) -> None:
+        model = load_model(checkpoint, "all", device, dtype)
+        tokenizer = load_tokenizer(checkpoint)
+        self.builder = PromptBuilder.from_checkpoint(checkpoint, tokenizer, default_max_tokens)
+        self.encoder = Encoder(model, self.builder.processor, self.builder.max_image_pixels)
+        self.engine = PrefillEngine(model.language_model, tokenizer, self.builder.placeholder_id)
+        self.scheduler = Scheduler(
+            model.language_model, tokenizer, load_generation_config(checkpoint).eos_token_ids
+        )
+
+    def chat(self, body: dict[str, Any]) -> Completion:
+        request = parse_request(body)
+        urls = self.builder.image_urls(request)
+        images = [load_image_bytes(url, i, 1 << 30, 30.0) for i, url in enumerate(urls)]
+        prepared = self.builder.prepare(request, images)
+        embeddings = self.encoder.encode(images)[1] if images else None
+        handoff = self.engine.run(
+            prepared.request_id, prepared.prompt_ids, embeddings, prepared.sampling
+        )
+        _, first = self.scheduler.add(handoff)
+        deltas = [first]
+        while len(self.scheduler):
+            deltas += [delta for _, delta in self.scheduler.step()]
+        return Completion(
+            text="".join(d.text for d in deltas),
+            token_ids=[t for d in deltas for t in d.token_ids],
+            finish_reason=deltas[-1].finish_reason,
+            prompt_tokens=handoff.prompt_tokens,
+            deltas=deltas,
+        )

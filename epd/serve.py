@@ -1,0 +1,126 @@
+"""`epd serve`: the three processes on this machine, started, watched and stopped together.
+
+Each child is a real OS process (`python -m epd.cli <role> ...`). `serve` waits for every
+child's ready line; a child that dies before it is ready ends `serve` with that child's error. A
+child that dies later is restarted with exponential backoff while the others keep running.
+"""
+
+from __future__ import annotations
+
+import collections
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+from epd.config import ServeConfig
+from epd.process import stop_event
+
+ROLES = ("encode", "decode", "prefill")
+HEALTHY_AFTER_S = 60.0  # a child that lived this long restarts without accumulated backoff
+
+
+@dataclass
+class Child:
+    role: str
+    argv: list[str]
+    process: subprocess.Popen[str] | None = None
+    ready: threading.Event = field(default_factory=threading.Event)
+    tail: collections.deque[str] = field(default_factory=lambda: collections.deque(maxlen=40))
+    started_at: float = 0.0
+    delay: float = 1.0
+    restart_at: float | None = None
+
+    def start(self) -> None:
+        self.ready.clear()
+        self.process = subprocess.Popen(
+            self.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
+        )
+        self.started_at, self.restart_at = time.monotonic(), None
+        threading.Thread(target=self.relay, args=(self.process,), daemon=True).start()
+
+    def relay(self, process: subprocess.Popen[str]) -> None:
+        """Echo the child's output with its role, and notice its ready line."""
+        assert process.stdout is not None
+        for line in process.stdout:
+            self.tail.append(line)
+            print(f"[{self.role}] {line}", end="", flush=True)
+            if line.startswith(f"epd {self.role} ready"):
+                self.ready.set()
+
+    def exit_code(self) -> int | None:
+        return None if self.process is None else self.process.poll()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        self.process.terminate()
+        try:
+            self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+def start_all(children: list[Child], stop: threading.Event) -> None:
+    """Start every child and wait for all ready lines; exit with the first child's failure."""
+    for child in children:
+        child.start()
+    while not all(c.ready.is_set() for c in children):
+        failed = next(
+            (c for c in children if c.exit_code() is not None and not c.ready.is_set()), None
+        )
+        if failed is not None or stop.is_set():
+            for child in children:
+                child.stop()
+            if failed is None:
+                sys.exit(0)
+            time.sleep(0.2)  # let the relay thread print the last lines
+            sys.exit(
+                f"epd serve: {failed.role} failed to start (exit code {failed.exit_code()}):\n"
+                + "".join(failed.tail)
+            )
+        time.sleep(0.1)
+
+
+def supervise(child: Child, max_delay: float) -> None:
+    """Restart a child that died, later each time it dies young."""
+    code, now = child.exit_code(), time.monotonic()
+    if code is None:
+        return
+    if child.restart_at is None:
+        if now - child.started_at > HEALTHY_AFTER_S:
+            child.delay = 1.0
+        child.restart_at = now + child.delay
+        print(
+            f"epd serve: {child.role} exited with code {code}; restarting in {child.delay:.0f}s",
+            flush=True,
+        )
+        child.delay = min(child.delay * 2, max_delay)
+    elif now >= child.restart_at:
+        child.start()
+
+
+def run(config: ServeConfig) -> None:
+    stop = stop_event()
+    base = [sys.executable, "-m", "epd.cli"]
+    children = [Child(role, [*base, role, *config.role_flags(role)]) for role in ROLES]
+    start_all(children, stop)
+    api = f"http://{config.host}:{config.port}/v1"
+    print(f"epd serve ready: OpenAI API at {api}", flush=True)
+    print(
+        f"  try: curl {api}/chat/completions -H 'Content-Type: application/json' -d "
+        f'\'{{"model": "<see {api}/models>", "messages": [{{"role": "user", '
+        f'"content": "Hello"}}]}}\'',
+        flush=True,
+    )
+    try:
+        while not stop.is_set():
+            for child in children:
+                supervise(child, config.max_restart_delay_s)
+            stop.wait(0.2)
+    finally:
+        for child in children:
+            child.stop()
+        print("epd serve: stopped", flush=True)
