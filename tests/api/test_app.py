@@ -1,0 +1,122 @@
+"""The API in-process: request validation and error bodies, without peers."""
+
+import base64
+
+import pytest
+from fastapi.testclient import TestClient
+
+from epd.api.app import create_app
+from epd.config import PrefillConfig
+from epd.prefill.server import build_service
+
+
+@pytest.fixture(scope="module")
+def client(tiny_checkpoint, tmp_path_factory):
+    sockets = tmp_path_factory.mktemp("sockets")
+    config = PrefillConfig(
+        model=str(tiny_checkpoint),
+        bind=f"ipc://{sockets}/prefill",
+        encoders=(f"ipc://{sockets}/encode",),
+        decoders=(f"ipc://{sockets}/decode",),
+        served_model_name="tiny",
+        max_images=2,
+    )
+    with TestClient(create_app(build_service(config))) as client:
+        yield client
+
+
+def chat(client, **body):
+    return client.post("/v1/chat/completions", json={"model": "tiny", **body})
+
+
+USER = [{"role": "user", "content": "hi"}]
+
+
+def test_models_and_health(client):
+    assert client.get("/v1/models").json()["data"][0]["id"] == "tiny"
+    assert client.get("/health").json()["status"] == "ok"
+
+
+@pytest.mark.parametrize(
+    "body,status,fragment",
+    [
+        ({"messages": USER, "tools": []}, 400, "unsupported parameter: tools"),
+        ({"messages": USER, "n": 2}, 400, "n is not supported"),
+        ({"messages": USER, "presence_penalty": 0.5}, 400, "presence_penalty is not supported"),
+        ({"messages": USER, "temperature": 3}, 400, "invalid temperature"),
+        ({"messages": USER, "top_p": 0}, 400, "invalid top_p"),
+        ({"messages": USER, "max_tokens": 0}, 400, "invalid max_tokens"),
+        ({"messages": USER, "top_logprobs": 2}, 400, "top_logprobs requires logprobs"),
+        ({"messages": USER, "stream_options": {"include_usage": True}}, 400, "requires stream"),
+        ({"messages": USER, "stop": ["a", "b", "c", "d", "e"]}, 400, "up to 4"),
+        ({"messages": []}, 400, "invalid messages"),
+        ({"messages": [{"role": "tool", "content": "x"}]}, 400, "invalid messages"),
+        ({"messages": [{"role": "user", "content": [{"type": "audio"}]}]}, 400, "invalid messages"),
+        (
+            {
+                "messages": [
+                    {
+                        "role": "assistant",
+                        "content": [{"type": "image_url", "image_url": {"url": "x"}}],
+                    }
+                ]
+            },
+            400,
+            "cannot hold images",
+        ),
+        ({"messages": USER, "max_tokens": 100000}, 400, "over the context length"),
+    ],
+)
+def test_invalid_requests_get_openai_errors(client, body, status, fragment):
+    response = chat(client, **body)
+    assert response.status_code == status
+    error = response.json()["error"]
+    assert fragment in error["message"] and error["type"] == "invalid_request_error"
+
+
+def test_unknown_model_is_404(client):
+    response = client.post("/v1/chat/completions", json={"model": "gpt-9", "messages": USER})
+    assert response.status_code == 404 and response.json()["error"]["code"] == "model_not_found"
+
+
+def test_body_that_is_not_json(client):
+    response = client.post(
+        "/v1/chat/completions", content=b"{nope", headers={"content-type": "application/json"}
+    )
+    assert response.status_code == 400 and "not valid JSON" in response.json()["error"]["message"]
+
+
+def image(url):
+    return {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}
+
+
+@pytest.mark.parametrize(
+    "url,fragment",
+    [
+        (
+            "data:image/png;base64," + base64.b64encode(b"not an image").decode(),
+            "image 0: not a readable",
+        ),
+        ("data:image/png;base64,@@@", "image 0: invalid base64"),
+        ("data:image/png,raw", "image 0: data URL must be base64"),
+        ("file:///etc/passwd", "image 0: only data: and http(s)"),
+        ("http://127.0.0.1:9/none.png", "image 0: cannot fetch"),
+    ],
+)
+def test_bad_images_are_400_naming_the_image(client, url, fragment):
+    response = chat(client, messages=[image(url)])
+    assert response.status_code == 400 and fragment in response.json()["error"]["message"]
+
+
+def test_too_many_images(client):
+    url = "data:image/png;base64,AAAA"
+    response = chat(client, messages=[image(url), image(url), image(url)])
+    assert (
+        response.status_code == 400 and "over the limit of 2" in response.json()["error"]["message"]
+    )
+
+
+def test_unreachable_peers_are_503_not_a_hang(client):
+    response = chat(client, messages=USER, max_tokens=2)
+    assert response.status_code == 503
+    assert "no decode server is reachable" in response.json()["error"]["message"]

@@ -1,0 +1,110 @@
+"""Real epd processes on loopback for end-to-end tests."""
+
+from __future__ import annotations
+
+import base64
+import io
+import random
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from pathlib import Path
+
+from PIL import Image
+
+READY_TIMEOUT_S = 120
+
+
+def ports_free(*ports: int) -> bool:
+    for port in ports:
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                return False
+    return True
+
+
+def free_base() -> int:
+    """N such that N..N+2, N+10, N+12 and the API port N+20 are all free."""
+    while True:
+        base = random.randrange(20000, 60000, 50)
+        if ports_free(base, base + 1, base + 2, base + 10, base + 12, base + 20):
+            return base
+
+
+class Process:
+    """A running `python -m epd.cli ...`, its output collected, stopped with SIGTERM."""
+
+    def __init__(self, *args: str, ready: str) -> None:
+        self.lines: deque[str] = deque(maxlen=500)
+        self.ready = threading.Event()
+        self.popen = subprocess.Popen(
+            [sys.executable, "-m", "epd.cli", *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            bufsize=1,
+        )
+        threading.Thread(target=self._read, args=(ready,), daemon=True).start()
+
+    def _read(self, ready: str) -> None:
+        assert self.popen.stdout is not None
+        for line in self.popen.stdout:
+            self.lines.append(line)
+            if ready in line:
+                self.ready.set()
+
+    @property
+    def output(self) -> str:
+        return "".join(self.lines)
+
+    def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> Process:
+        deadline = time.monotonic() + timeout
+        while not self.ready.wait(0.1):
+            if self.popen.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"process did not get ready:\n{self.output}")
+        return self
+
+    def stop(self) -> int:
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(30)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait()
+        return self.popen.returncode
+
+
+def serve(checkpoint: Path, base: int) -> Process:
+    return Process(
+        "serve",
+        "--model",
+        str(checkpoint),
+        "--port",
+        str(base + 20),
+        "--internal-base-port",
+        str(base),
+        ready="epd serve ready",
+    ).wait_ready()
+
+
+def data_url(image: Image.Image, fmt: str = "PNG") -> str:
+    buffer = io.BytesIO()
+    image.save(buffer, fmt)
+    mime = {"PNG": "png", "JPEG": "jpeg", "WEBP": "webp", "GIF": "gif"}[fmt]
+    return f"data:image/{mime};base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def image_part(url: str) -> dict:
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def text_part(text: str) -> dict:
+    return {"type": "text", "text": text}

@@ -1,0 +1,65 @@
+"""Stop rules: eos, stop strings (held back while they may still form), max_tokens."""
+
+import pytest
+import torch
+
+from epd.checkpoint.tokenizer import load_tokenizer
+from epd.generation.sequence import Sequence
+from epd.model.latent_cache import LatentCache
+from epd.wire.messages import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_checkpoint):
+    return load_tokenizer(tiny_checkpoint)
+
+
+def sequence(tokenizer, **params):
+    cache = LatentCache(torch.zeros(1, 1, 1), 0)
+    sampling = SamplingParams(**({"max_tokens": 100} | params))
+    eos = [tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    return Sequence("r", sampling, torch.Generator(), cache, tokenizer, eos)
+
+
+def feed(seq, tokenizer, text):
+    """Accept the tokens of `text` until the sequence finishes."""
+    deltas = []
+    for token in tokenizer.encode(text, add_special_tokens=False):
+        deltas.append(seq.accept(token))
+        if seq.finish_reason:
+            break
+    return deltas
+
+
+def test_eos_finishes_with_stop_and_no_text(tokenizer):
+    seq = sequence(tokenizer)
+    feed(seq, tokenizer, "red circle")
+    delta = seq.accept(tokenizer.convert_tokens_to_ids("<|im_end|>"))
+    assert delta.finish_reason == "stop" and delta.text == "" and delta.completion_tokens == 3
+
+
+def test_max_tokens_finishes_with_length(tokenizer):
+    seq = sequence(tokenizer, max_tokens=2)
+    deltas = feed(seq, tokenizer, "one two three four")
+    assert [d.finish_reason for d in deltas] == [None, "length"]
+
+
+def test_stop_string_cuts_the_reply_before_it(tokenizer):
+    seq = sequence(tokenizer, stop=("three",))
+    deltas = feed(seq, tokenizer, "one two three four")
+    assert "".join(d.text for d in deltas) == "one two "
+    assert deltas[-1].finish_reason == "stop"
+
+
+def test_text_that_may_become_a_stop_string_is_held_back(tokenizer):
+    seq = sequence(tokenizer, stop=("ab!",))
+    texts = [d.text for d in feed(seq, tokenizer, "xa")]
+    assert "".join(texts) == "x"  # "a" could start "ab!"
+    texts += [d.text for d in feed(seq, tokenizer, "c")]
+    assert "".join(texts) == "xac"  # "ac" cannot: released
+
+
+def test_released_text_is_the_whole_reply_when_nothing_stops(tokenizer):
+    seq = sequence(tokenizer, stop=("zzz",), max_tokens=50)
+    deltas = feed(seq, tokenizer, "hello world, what shape is this?")
+    assert "".join(d.text for d in deltas) == "hello world, what shape is this?"
