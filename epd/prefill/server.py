@@ -14,7 +14,7 @@ from epd.checkpoint.weights import load_model
 from epd.config import PrefillConfig
 from epd.dtypes import model_dtype
 from epd.prefill.engine import PrefillEngine
-from epd.process import announce_ready, setup_logging
+from epd.process import announce_ready, setup_logging, stop_event
 
 
 def build_service(config: PrefillConfig) -> Service:
@@ -41,6 +41,9 @@ def run(config: PrefillConfig) -> None:
             "prefill", api=api, zmq=config.bind, health=f"http://{config.host}:{config.port}/health"
         )
 
+    # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal to the handler
+    # found before it started: ours, so a requested stop exits with status 0.
+    stop_event()
     app = create_app(service, on_started=announce)
     server = uvicorn.Server(
         uvicorn.Config(app, host=config.host, port=config.port, log_level="warning")

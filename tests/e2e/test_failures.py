@@ -1,0 +1,150 @@
+"""Dead peers: errors fast, the rest keeps serving, and a restarted process serves again."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+import openai
+import pytest
+from PIL import Image
+
+from .stack import Process, data_url, free_base, image_part, serve, text_part
+
+IMAGE = [
+    {
+        "role": "user",
+        "content": [image_part(data_url(Image.new("RGB", (56, 56), "red"))), text_part("?")],
+    }
+]
+TEXT = [{"role": "user", "content": "Hi"}]
+
+
+def role(name, checkpoint, base):
+    flags = {
+        "encode": ["--bind", f"tcp://127.0.0.1:{base}", "--health-port", str(base + 10)],
+        "decode": ["--bind", f"tcp://127.0.0.1:{base + 2}", "--health-port", str(base + 12)],
+        "prefill": [
+            "--bind",
+            f"tcp://127.0.0.1:{base + 1}",
+            "--port",
+            str(base + 20),
+            "--encoders",
+            f"tcp://127.0.0.1:{base}",
+            "--decoders",
+            f"tcp://127.0.0.1:{base + 2}",
+            "--served-model-name",
+            "tiny",
+        ],
+    }[name]
+    return Process(name, "--model", str(checkpoint), *flags, ready=f"epd {name} ready")
+
+
+@pytest.fixture
+def cluster(tiny_checkpoint):
+    base = free_base()
+    processes = {
+        name: role(name, tiny_checkpoint, base) for name in ("encode", "decode", "prefill")
+    }
+    for process in processes.values():
+        process.wait_ready()
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{base + 20}/v1", api_key="-", max_retries=0)
+    yield processes, client, base
+    for name, process in processes.items():
+        assert process.stop() == 0, f"{name} did not stop cleanly:\n{process.output}"
+
+
+def ask(client, messages):
+    return client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=3, temperature=0
+    )
+
+
+def eventually(check, timeout=15.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return check()
+        except (openai.APIError, OSError):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
+def test_dead_encode_fails_image_requests_fast_and_text_goes_on(cluster, tiny_checkpoint):
+    processes, client, base = cluster
+    assert ask(client, IMAGE).usage.completion_tokens == 3
+    processes["encode"].popen.send_signal(signal.SIGKILL)
+    processes["encode"].popen.wait()
+    time.sleep(0.3)  # the disconnect reaches prefill's monitor
+    start = time.monotonic()
+    with pytest.raises(openai.InternalServerError, match="no encode server is reachable") as error:
+        ask(client, IMAGE)
+    assert error.value.status_code == 503 and time.monotonic() - start < 2
+    assert ask(client, TEXT).usage.completion_tokens == 3  # text skips encode
+    processes["encode"] = role("encode", tiny_checkpoint, base).wait_ready()
+    assert eventually(lambda: ask(client, IMAGE)).usage.completion_tokens == 3
+
+
+def test_dead_decode_fails_fast_then_recovers(cluster, tiny_checkpoint):
+    processes, client, base = cluster
+    processes["decode"].popen.send_signal(signal.SIGKILL)
+    processes["decode"].popen.wait()
+    time.sleep(0.3)
+    start = time.monotonic()
+    with pytest.raises(openai.InternalServerError, match="no decode server is reachable"):
+        ask(client, TEXT)
+    assert time.monotonic() - start < 2
+    processes["decode"] = role("decode", tiny_checkpoint, base).wait_ready()
+    assert eventually(lambda: ask(client, TEXT)).usage.completion_tokens == 3
+
+
+def health(port):
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as response:
+        return json.loads(response.read())
+
+
+def test_serve_restarts_a_child_that_dies(tiny_checkpoint):
+    base = free_base()
+    stack = serve(tiny_checkpoint, base)
+    try:
+        client = openai.OpenAI(
+            base_url=f"http://127.0.0.1:{base + 20}/v1", api_key="-", max_retries=0
+        )
+        model = client.models.list().data[0].id
+        old = health(base + 10)["pid"]
+        os.kill(old, signal.SIGKILL)
+        assert eventually(lambda: health(base + 10)["pid"]) != old
+        assert "encode exited with code -9; restarting" in stack.output
+        reply = eventually(
+            lambda: client.chat.completions.create(model=model, messages=IMAGE, max_tokens=2)
+        )
+        assert reply.usage.completion_tokens == 2
+    finally:
+        assert stack.stop() == 0
+
+
+def test_serve_exits_with_the_error_of_a_child_that_cannot_start(tmp_path):
+    base = free_base()
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "epd.cli",
+            "serve",
+            "--model",
+            str(tmp_path / "missing"),
+            "--port",
+            str(base + 20),
+            "--internal-base-port",
+            str(base),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode != 0
+    assert "failed to start" in result.stderr and "config.json is missing" in result.stderr

@@ -1,0 +1,62 @@
+"""The encode step: any supported format in, normalised grids and per-image rows out."""
+
+import io
+
+import pytest
+import torch
+from PIL import Image
+
+from epd.checkpoint.config import load_processor_config
+from epd.checkpoint.weights import load_model
+from epd.encode.encoder import Encoder
+from epd.encode.server import handle
+from epd.multimodal.image_processor import ImageProcessor
+from epd.multimodal.images import ImageError
+from epd.wire.messages import EncodeRequest, Failure, ImageEmbeddings
+
+
+@pytest.fixture(scope="module")
+def encoder(tiny_checkpoint):
+    model = load_model(tiny_checkpoint, role="encode")
+    return Encoder(model, ImageProcessor(load_processor_config(tiny_checkpoint)), 10_000_000)
+
+
+def encoded(image: Image.Image, fmt: str, **options) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, fmt, **options)
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize("fmt", ["PNG", "JPEG", "WEBP", "GIF"])
+def test_formats(encoder, fmt):
+    grids, embeddings = encoder.encode([encoded(Image.new("RGB", (840, 560), "red"), fmt)])
+    assert grids == ((40, 60),) and type(grids[0][0]) is int
+    assert embeddings.shape == (600, 64)
+
+
+def test_animated_gif_gives_its_first_frame(encoder):
+    frames = [Image.new("RGB", (56, 56), c) for c in ("red", "blue")]
+    gif = encoded(frames[0], "GIF", save_all=True, append_images=frames[1:])
+    first = encoder.encode([encoded(frames[0], "PNG")])[1]
+    torch.testing.assert_close(encoder.encode([gif])[1], first)
+
+
+def test_grids_and_rows_follow_the_images(encoder):
+    images = [encoded(Image.new("RGB", size, "blue"), "PNG") for size in [(840, 560), (560, 280)]]
+    grids, embeddings = encoder.encode(images)
+    assert grids == ((40, 60), (20, 40)) and embeddings.shape[0] == 800
+
+
+def test_bad_image_is_named_by_its_index_in_the_request(encoder):
+    good = encoded(Image.new("RGB", (28, 28)), "PNG")
+    with pytest.raises(ImageError, match="image 3"):
+        encoder.encode([good, b"junk"], first_index=2)
+
+
+def test_server_turns_failures_into_messages(encoder):
+    good = encoded(Image.new("RGB", (28, 28)), "PNG")
+    reply = handle(encoder, EncodeRequest("r", 0, 1, (good,), 0, "x"))
+    assert isinstance(reply, ImageEmbeddings) and reply.grids == ((2, 2),)
+    truncated = encoded(Image.new("RGB", (200, 200), "red"), "PNG")[:-60]
+    reply = handle(encoder, EncodeRequest("r", 0, 1, (good, truncated), 0, "x"))
+    assert isinstance(reply, Failure) and reply.code == "bad_image" and "image 1" in reply.message

@@ -1,0 +1,82 @@
+"""Waits end: a silent encoder or decoder becomes a timeout error, never a hang."""
+
+import asyncio
+import base64
+import io
+
+import pytest
+import zmq
+from fastapi.testclient import TestClient
+from PIL import Image
+
+from epd.api.app import create_app
+from epd.config import PrefillConfig
+from epd.prefill.coordinator import split, within
+from epd.prefill.server import build_service
+
+
+def test_split_images_over_encoders():
+    assert split(5, 2) == [(0, 2), (2, 5)]
+    assert split(6, 3) == [(0, 2), (2, 4), (4, 6)]
+    assert split(2, 4) == [(0, 1), (1, 2)]
+    assert split(3, 1) == [(0, 3)]
+
+
+def test_within_raises_the_given_error_on_time():
+    async def main():
+        with pytest.raises(ValueError, match="late"):
+            await within(asyncio.sleep(5), 0.05, ValueError("late"))  # type: ignore[arg-type]
+        assert await within(asyncio.sleep(0, "on time"), 1, ValueError()) == "on time"  # type: ignore[arg-type]
+
+    asyncio.run(main())
+
+
+@pytest.fixture
+def silent_peers(tiny_checkpoint, tmp_path):
+    """A prefill whose encoder and decoder accept messages and never answer."""
+    context = zmq.Context()
+    sinks = []
+    for name in ("encode", "decode"):
+        sink = context.socket(zmq.PULL)
+        sink.bind(f"ipc://{tmp_path}/{name}")
+        sinks.append(sink)
+    config = PrefillConfig(
+        model=str(tiny_checkpoint),
+        bind=f"ipc://{tmp_path}/prefill",
+        encoders=(f"ipc://{tmp_path}/encode",),
+        decoders=(f"ipc://{tmp_path}/decode",),
+        served_model_name="tiny",
+        encode_timeout_s=0.5,
+        token_timeout_s=0.5,
+    )
+    with TestClient(create_app(build_service(config))) as client:
+        yield client, sinks
+    for sink in sinks:
+        sink.close(linger=0)
+    context.term()
+
+
+def image_message():
+    png = io.BytesIO()
+    Image.new("RGB", (28, 28)).save(png, "PNG")
+    url = "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
+    return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}]
+
+
+def test_silent_encoder_times_out(silent_peers):
+    client, (encode_sink, _) = silent_peers
+    response = client.post(
+        "/v1/chat/completions", json={"model": "tiny", "messages": image_message()}
+    )
+    assert response.status_code == 504
+    assert "no image embeddings within 0.5s" in response.json()["error"]["message"]
+    assert encode_sink.poll(1000)  # the request did reach the encoder
+
+
+def test_silent_decoder_times_out(silent_peers):
+    client, (_, decode_sink) = silent_peers
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    response = client.post("/v1/chat/completions", json=body)
+    assert response.status_code == 504
+    assert "decode sent nothing for 0.5s" in response.json()["error"]["message"]
+    assert decode_sink.poll(1000)
