@@ -64,6 +64,7 @@ class PrefillConfig(ModelOptions):
     image_fetch_timeout_s: float = option(10.0, "time limit for fetching an http(s) image")
     max_image_bytes: int = option(20 * 1024 * 1024, "size limit of one image, encoded")
     max_images: int = option(16, "most images in one request")
+    max_image_pixels: int = option(50_000_000, "refuse images larger than this (from their header)")
     default_max_tokens: int = option(1024, "max_tokens when a request gives none")
 
     @property

@@ -39,7 +39,11 @@ class PromptBuilder:
 
     @classmethod
     def from_checkpoint(
-        cls, checkpoint: str | Path, tokenizer: PreTrainedTokenizerBase, default_max_tokens: int
+        cls,
+        checkpoint: str | Path,
+        tokenizer: PreTrainedTokenizerBase,
+        default_max_tokens: int,
+        max_image_pixels: int = 50_000_000,
     ) -> PromptBuilder:
         config = load_model_config(checkpoint)
         return cls(
@@ -48,6 +52,7 @@ class PromptBuilder:
             placeholder_id=config.media_placeholder_token_id,
             context_length=config.text.max_position_embeddings,
             default_max_tokens=default_max_tokens,
+            max_image_pixels=max_image_pixels,
         )
 
     def messages(self, request: ChatCompletionRequest) -> list[dict[str, Any]]:

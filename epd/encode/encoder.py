@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import torch
 
 from epd.model.kimi_vl import KimiVL
-from epd.multimodal.grids import kimi_vl_grids
+from epd.multimodal.grids import kimi_vl_grids, split_embeddings
 from epd.multimodal.image_processor import ImageProcessor
 from epd.multimodal.images import decode_image
 
@@ -15,10 +15,8 @@ from epd.multimodal.images import decode_image
 class Encoder:
     def __init__(self, model: KimiVL, processor: ImageProcessor, max_image_pixels: int) -> None:
         self.model, self.processor, self.max_image_pixels = model, processor, max_image_pixels
-        self.device, self.dtype = (
-            model.multi_modal_projector.linear_1.weight.device,
-            (model.multi_modal_projector.linear_1.weight.dtype),
-        )
+        weight = model.multi_modal_projector.linear_1.weight
+        self.device, self.dtype = weight.device, weight.dtype
 
     @torch.inference_mode()
     def encode(
@@ -35,4 +33,7 @@ class Encoder:
         processed = self.processor(decoded)
         grids = kimi_vl_grids(processed.grids)  # plain (h, w) ints: safe for a message header
         pixels = processed.pixel_values.to(self.device, self.dtype)
-        return grids, self.model.encode_images(pixels, list(grids))
+        embeddings = self.model.encode_images(pixels, list(grids))
+        # Rows must slice into exactly one piece per grid; they travel as one contiguous frame.
+        split_embeddings(embeddings, grids, "kimi_vl", self.processor.config.merge_kernel_size)
+        return grids, embeddings

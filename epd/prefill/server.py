@@ -19,7 +19,9 @@ from epd.process import announce_ready, setup_logging, stop_event
 
 def build_service(config: PrefillConfig) -> Service:
     tokenizer = load_tokenizer(config.model, config.trust_remote_code)
-    builder = PromptBuilder.from_checkpoint(config.model, tokenizer, config.default_max_tokens)
+    builder = PromptBuilder.from_checkpoint(
+        config.model, tokenizer, config.default_max_tokens, config.max_image_pixels
+    )
     lm = load_model(
         config.model, "language", config.device, model_dtype(config.dtype)
     ).language_model
