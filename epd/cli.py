@@ -8,7 +8,39 @@ from collections.abc import Callable
 from typing import Any
 
 from epd.checkpoint.config import CheckpointError
-from epd.config import DecodeConfig, EncodeConfig, PrefillConfig, ServeConfig, add_flags, from_args
+from epd.config.roles import ROLES
+from epd.config.sources import add_flags, resolve
+
+HELP = {
+    "encode": "run the vision tower: images in, embeddings out",
+    "prefill": "run the OpenAI API and the prefill of the language model",
+    "decode": "run continuous-batching decode from KV hand-offs",
+    "serve": "start encode, prefill and decode here and supervise them",
+}
+
+
+def runner(role: str) -> Callable[[Any], None]:
+    """Import a role's entry point only when it runs: each pulls in its own heavy modules."""
+    if role == "encode":
+        from epd.encode import server as encode
+
+        return encode.run
+    if role == "prefill":
+        from epd.prefill import server as prefill
+
+        return prefill.run
+    from epd.decode import server as decode
+
+    return decode.run
+
+
+def role_command(args: argparse.Namespace) -> None:
+    if args.command == "serve":
+        from epd import serve
+
+        serve.run(*serve.plan(args))
+    else:
+        runner(args.command)(resolve(ROLES[args.command], args.command, args))
 
 
 def make_checkpoint_command(args: argparse.Namespace) -> None:
@@ -18,60 +50,15 @@ def make_checkpoint_command(args: argparse.Namespace) -> None:
     print(f"wrote a random {args.preset} Kimi-VL checkpoint to {out}")
 
 
-def role_command(
-    config_class: type, runner: Callable[[], Callable[[Any], None]]
-) -> Callable[..., None]:
-    def command(args: argparse.Namespace) -> None:
-        runner()(from_args(config_class, args))
-
-    return command
-
-
-def _encode() -> Callable[[Any], None]:
-    from epd.encode.server import run
-
-    return run
-
-
-def _prefill() -> Callable[[Any], None]:
-    from epd.prefill.server import run
-
-    return run
-
-
-def _decode() -> Callable[[Any], None]:
-    from epd.decode.server import run
-
-    return run
-
-
-def _serve() -> Callable[[Any], None]:
-    from epd.serve import run
-
-    return run
-
-
-ROLES = {
-    "encode": (EncodeConfig, _encode, "run the vision tower: images in, embeddings out"),
-    "prefill": (
-        PrefillConfig,
-        _prefill,
-        "run the OpenAI API and the prefill of the language model",
-    ),
-    "decode": (DecodeConfig, _decode, "run continuous-batching decode from KV hand-offs"),
-    "serve": (ServeConfig, _serve, "start encode, prefill and decode here and supervise them"),
-}
-
-
 def parser() -> argparse.ArgumentParser:
     root = argparse.ArgumentParser(
         prog="epd", description="Encode/prefill/decode serving for Kimi-VL"
     )
     commands = root.add_subparsers(dest="command", required=True)
-    for name, (config_class, runner, help_text) in ROLES.items():
-        sub = commands.add_parser(name, help=help_text)
+    for role, config_class in ROLES.items():
+        sub = commands.add_parser(role, help=HELP[role])
         add_flags(sub, config_class)
-        sub.set_defaults(run=role_command(config_class, runner))
+        sub.set_defaults(run=role_command)
     make = commands.add_parser(
         "make-checkpoint", help="write a random Kimi-VL checkpoint in the real Hugging Face layout"
     )

@@ -7,17 +7,20 @@ child that dies later is restarted with exponential backoff while the others kee
 
 from __future__ import annotations
 
+import argparse
 import collections
 import subprocess
 import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
-from epd.config import ServeConfig
+from epd.config.roles import ROLES, ServeConfig
+from epd.config.sources import SHARED, build, flag_values, read_config_file, role_values, to_flags
 from epd.process import stop_event
 
-ROLES = ("encode", "decode", "prefill")
+CHILDREN = ("encode", "decode", "prefill")
 HEALTHY_AFTER_S = 60.0  # a child that lived this long restarts without accumulated backoff
 
 
@@ -102,19 +105,44 @@ def supervise(child: Child, max_delay: float) -> None:
         child.start()
 
 
-def run(config: ServeConfig) -> None:
-    stop = stop_event()
-    base = [sys.executable, "-m", "epd.cli"]
-    children = [Child(role, [*base, role, *config.role_flags(role)]) for role in ROLES]
-    start_all(children, stop)
+def plan(args: argparse.Namespace) -> tuple[ServeConfig, dict[str, Any]]:
+    """`serve`'s own config and each child's, from one config file and serve's flags.
+
+    A child gets its role's settings from the file, then the shared settings (model, device,
+    dtype, trust_remote_code) given to `serve` itself, then the loopback addresses `serve` owns.
+    """
+    raw = read_config_file(args.config) if args.config else {}
+    serve_values = role_values(raw, "serve") | flag_values(args, ServeConfig)
+    config = build(ServeConfig, serve_values)
+    shared = {k: v for k, v in serve_values.items() if k in SHARED}
+    children = {
+        role: build(ROLES[role], role_values(raw, role) | shared | config.addresses(role))
+        for role in CHILDREN
+    }
+    return config, children
+
+
+def announce(config: ServeConfig, model_name: str) -> None:
     api = f"http://{config.host}:{config.port}/v1"
-    print(f"epd serve ready: OpenAI API at {api}", flush=True)
+    body = (
+        f'{{"model": "{model_name}", "messages": [{{"role": "user", "content": "Hello!"}}], '
+        '"max_tokens": 32}'
+    )
     print(
-        f"  try: curl {api}/chat/completions -H 'Content-Type: application/json' -d "
-        f'\'{{"model": "<see {api}/models>", "messages": [{{"role": "user", '
-        f'"content": "Hello"}}]}}\'',
+        f"epd serve ready: OpenAI API at {api} (model {model_name!r}); Ctrl-C stops it", flush=True
+    )
+    print(
+        f"  try: curl {api}/chat/completions -H 'Content-Type: application/json' -d '{body}'",
         flush=True,
     )
+
+
+def run(config: ServeConfig, child_configs: dict[str, Any]) -> None:
+    stop = stop_event()
+    base = [sys.executable, "-m", "epd.cli"]
+    children = [Child(role, [*base, role, *to_flags(c)]) for role, c in child_configs.items()]
+    start_all(children, stop)
+    announce(config, child_configs["prefill"].model_name)
     try:
         while not stop.is_set():
             for child in children:

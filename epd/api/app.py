@@ -18,7 +18,7 @@ from epd.api.images import load_image_bytes
 from epd.api.prepare import PromptBuilder
 from epd.api.responses import Reply
 from epd.api.schema import ChatCompletionRequest, parse_request
-from epd.config import PrefillConfig
+from epd.config.roles import PrefillConfig
 from epd.prefill.coordinator import Coordinator
 from epd.prefill.engine import PrefillEngine
 from epd.process import health

@@ -9,7 +9,7 @@ import zmq
 from epd.checkpoint.config import load_generation_config
 from epd.checkpoint.tokenizer import load_tokenizer
 from epd.checkpoint.weights import load_model
-from epd.config import DecodeConfig
+from epd.config.roles import DecodeConfig
 from epd.decode.scheduler import Scheduler
 from epd.dtypes import model_dtype
 from epd.process import HealthServer, announce_ready, setup_logging, stop_event

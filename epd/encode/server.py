@@ -8,7 +8,7 @@ import zmq
 
 from epd.checkpoint.config import load_processor_config
 from epd.checkpoint.weights import load_model
-from epd.config import EncodeConfig
+from epd.config.roles import EncodeConfig
 from epd.dtypes import model_dtype
 from epd.encode.encoder import Encoder
 from epd.multimodal.image_processor import ImageProcessor

@@ -19,7 +19,7 @@ import torch
 
 from epd.api.errors import APIError, bad_request, internal, timed_out, unavailable
 from epd.api.prepare import PreparedRequest
-from epd.config import PrefillConfig
+from epd.config.roles import PrefillConfig
 from epd.multimodal.grids import kimi_vl_grids
 from epd.prefill.engine import PrefillEngine
 from epd.wire.messages import (

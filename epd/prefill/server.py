@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 
 import uvicorn
 
@@ -11,7 +10,7 @@ from epd.api.app import Service, create_app
 from epd.api.prepare import PromptBuilder
 from epd.checkpoint.tokenizer import load_tokenizer
 from epd.checkpoint.weights import load_model
-from epd.config import PrefillConfig
+from epd.config.roles import PrefillConfig
 from epd.dtypes import model_dtype
 from epd.prefill.engine import PrefillEngine
 from epd.process import announce_ready, setup_logging, stop_event
@@ -26,8 +25,7 @@ def build_service(config: PrefillConfig) -> Service:
         config.model, "language", config.device, model_dtype(config.dtype)
     ).language_model
     engine = PrefillEngine(lm, tokenizer, builder.placeholder_id)
-    name = config.served_model_name or Path(config.model).resolve().name
-    return Service(config, name, builder, engine)
+    return Service(config, config.model_name, builder, engine)
 
 
 def run(config: PrefillConfig) -> None:

@@ -1,19 +1,18 @@
-"""Per-role configuration: one frozen dataclass per process, the single source of CLI flags.
+"""One frozen dataclass per process role: every setting, its default, its help and its checks.
 
-Each field becomes a `--flag` (underscores → dashes) with its type, default and help text, so the
-flags cannot drift from the config the code reads.
+CLI flags and config-file keys are generated from these fields (see `sources`), so they cannot
+drift from what the code reads. A bad value raises a ValueError naming the setting.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import types
-import typing
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from pathlib import Path
+from typing import Any
 
-T = TypeVar("T")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+ADDRESS_SCHEMES = ("tcp://", "ipc://", "inproc://")
 
 
 def option(default: Any, help: str) -> Any:
@@ -24,8 +23,34 @@ def required(help: str) -> Any:
     return field(metadata={"help": help})
 
 
+def _check_value(name: str, value: Any) -> str | None:
+    """Why `value` is not acceptable for a setting called `name`, or None."""
+    if name == "dtype" and value not in DTYPES:
+        return f"must be one of {', '.join(DTYPES)}"
+    if name.endswith("port") and not 0 < value < 65536:
+        return "must be a port number, 1 to 65535"
+    if name.endswith("_s") and not value > 0:
+        return "must be a positive number of seconds"
+    if name.startswith("max_") and not value >= 1:
+        return "must be at least 1"
+    addresses = value if isinstance(value, tuple) else (value,)
+    is_address = name in ("bind", "encoders", "decoders") or (name == "advertise" and value)
+    if is_address and not (addresses and all(a.startswith(ADDRESS_SCHEMES) for a in addresses)):
+        return "must be ZeroMQ addresses such as tcp://127.0.0.1:7101"
+    return None
+
+
 @dataclass(frozen=True)
-class ModelOptions:
+class Settings:
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            problem = _check_value(f.name, getattr(self, f.name))
+            if problem:
+                raise ValueError(f"{f.name}={getattr(self, f.name)!r}: {problem}")
+
+
+@dataclass(frozen=True)
+class ModelOptions(Settings):
     model: str = required("checkpoint directory (Hugging Face layout)")
     device: str = option("cpu", "torch device, e.g. cpu or cuda:0")
     dtype: str = option(
@@ -55,7 +80,7 @@ class PrefillConfig(ModelOptions):
     host: str = option("127.0.0.1", "host of the OpenAI-compatible HTTP API")
     port: int = option(8000, "port of the OpenAI-compatible HTTP API")
     bind: str = option("tcp://127.0.0.1:7102", "ZeroMQ address that receives embeddings and tokens")
-    advertise: str = option("", "address peers reply to (default: --bind)")
+    advertise: str = option("", "address peers reply to (default: the bind address)")
     encoders: tuple[str, ...] = option(("tcp://127.0.0.1:7101",), "encode addresses")
     decoders: tuple[str, ...] = option(("tcp://127.0.0.1:7103",), "decode addresses")
     served_model_name: str = option("", "model name in the API (default: checkpoint folder)")
@@ -63,13 +88,18 @@ class PrefillConfig(ModelOptions):
     token_timeout_s: float = option(60.0, "longest wait for the next token from decode")
     image_fetch_timeout_s: float = option(10.0, "time limit for fetching an http(s) image")
     max_image_bytes: int = option(20 * 1024 * 1024, "size limit of one image, encoded")
-    max_images: int = option(16, "most images in one request")
     max_image_pixels: int = option(50_000_000, "refuse images larger than this (from their header)")
+    max_images: int = option(16, "most images in one request")
     default_max_tokens: int = option(1024, "max_tokens when a request gives none")
 
     @property
     def reply_address(self) -> str:
         return self.advertise or self.bind
+
+    @property
+    def model_name(self) -> str:
+        """The name clients put in `model`: the served name, else the checkpoint's folder."""
+        return self.served_model_name or Path(self.model).resolve().name
 
 
 @dataclass(frozen=True)
@@ -81,58 +111,26 @@ class ServeConfig(ModelOptions):
     )
     max_restart_delay_s: float = option(30.0, "longest wait before restarting a child that died")
 
-    def role_flags(self, role: str) -> list[str]:
-        """Command-line flags that make one child of `epd serve`."""
+    def addresses(self, role: str) -> dict[str, Any]:
+        """The loopback addresses `epd serve` gives one of its children."""
         n, loopback = self.internal_base_port, "tcp://127.0.0.1"
-        common = ["--model", self.model, "--device", self.device, "--dtype", self.dtype]
-        common += ["--trust-remote-code"] if self.trust_remote_code else []
         encode, prefill, decode = (f"{loopback}:{n + i}" for i in range(3))
-        flags = {
-            "encode": ["--bind", encode, "--health-port", str(n + 10)],
-            "prefill": [
-                "--bind",
-                prefill,
-                "--host",
-                self.host,
-                "--port",
-                str(self.port),
-                "--encoders",
-                encode,
-                "--decoders",
-                decode,
-            ],
-            "decode": ["--bind", decode, "--health-port", str(n + 12)],
-        }
-        return common + flags[role]
+        return {
+            "encode": {"bind": encode, "health_port": n + 10},
+            "prefill": {
+                "bind": prefill,
+                "host": self.host,
+                "port": self.port,
+                "encoders": (encode,),
+                "decoders": (decode,),
+            },
+            "decode": {"bind": decode, "health_port": n + 12},
+        }[role]
 
 
-def _flag_type(hint: Any) -> tuple[Any, dict[str, Any]]:
-    origin = typing.get_origin(hint)
-    if hint is bool:
-        return None, {"action": argparse.BooleanOptionalAction}
-    if origin is tuple:
-        return typing.get_args(hint)[0], {"nargs": "+"}
-    if origin in (typing.Union, types.UnionType):
-        hint = next(a for a in typing.get_args(hint) if a is not type(None))
-    return hint, {}
-
-
-def add_flags(parser: argparse.ArgumentParser, cls: type) -> None:
-    hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        kind, extra = _flag_type(hints[f.name])
-        name = "--" + f.name.replace("_", "-")
-        kwargs: dict[str, Any] = {"help": f.metadata.get("help", ""), **extra}
-        if kind is not None:
-            kwargs["type"] = kind
-        if f.default is dataclasses.MISSING:
-            parser.add_argument(name, required=True, **kwargs)
-        else:
-            kwargs["help"] += f" (default: {f.default})"
-            parser.add_argument(name, default=f.default, **kwargs)
-
-
-def from_args(cls: type[T], args: argparse.Namespace) -> T:
-    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
-    values = {k: tuple(v) if isinstance(v, list) else v for k, v in values.items()}
-    return cls(**values)
+ROLES: dict[str, type[ModelOptions]] = {
+    "encode": EncodeConfig,
+    "prefill": PrefillConfig,
+    "decode": DecodeConfig,
+    "serve": ServeConfig,
+}

@@ -1,0 +1,42 @@
+"""The configuration reference in the README, generated from the role dataclasses.
+
+`python -m epd.config.reference` prints it; a test keeps the README's copy identical.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from epd.config.roles import ROLES, ModelOptions
+
+SHARED = {f.name for f in dataclasses.fields(ModelOptions)}
+
+
+def _default(field: dataclasses.Field[object]) -> str:
+    if field.default is dataclasses.MISSING:
+        return "required"
+    value = field.default
+    if isinstance(value, tuple):
+        value = " ".join(value)
+    return f"`{value}`" if value != "" else "—"
+
+
+def _rows(fields: list[dataclasses.Field[object]]) -> list[str]:
+    return [
+        f"| `{f.name}` | `--{f.name.replace('_', '-')}` | {_default(f)} | {f.metadata['help']} |"
+        for f in fields
+    ]
+
+
+def reference() -> str:
+    header = ["| key | flag | default | meaning |", "|---|---|---|---|"]
+    lines = ["Shared by every role (top level of a config file, or inside a role's section):", ""]
+    lines += header + _rows(list(dataclasses.fields(ModelOptions)))
+    for role, cls in ROLES.items():
+        own = [f for f in dataclasses.fields(cls) if f.name not in SHARED]
+        lines += ["", f"`{role}:` (`epd {role}`)", "", *header, *_rows(own)]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    print(reference(), end="")

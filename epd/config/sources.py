@@ -1,0 +1,140 @@
+"""Where settings come from: dataclass defaults, then a YAML config file, then command-line
+flags; a flag wins over the file, the file over the default.
+
+A config file describes a deployment: top-level keys are shared by every role (model, device,
+dtype, trust_remote_code) and a section per role (`encode:`, `prefill:`, `decode:`, `serve:`)
+holds that role's settings, which may also override the shared ones. Every key in the file is
+checked, whichever role reads it, so a typo fails loudly and names the key.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+import typing
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+
+from epd.config.roles import ROLES, ModelOptions
+
+T = TypeVar("T")
+SHARED = tuple(f.name for f in dataclasses.fields(ModelOptions))
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _fields(cls: type) -> dict[str, dataclasses.Field[Any]]:
+    return {f.name: f for f in dataclasses.fields(cls)}
+
+
+def coerce(hint: Any, value: Any, key: str) -> Any:
+    """A file value as the field's type; ValueError naming `key` if it is not one."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        hint = next(a for a in typing.get_args(hint) if a is not type(None))
+    if origin is tuple:
+        items = [value] if isinstance(value, str) else value
+        if isinstance(items, list) and all(isinstance(i, str) for i in items):
+            return tuple(items)
+        raise ValueError(f"{key} must be a list of strings, got {value!r}")
+    if hint is float and isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
+    if type(value) is not hint:
+        raise ValueError(f"{key} must be {hint.__name__}, got {value!r}")
+    return value
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """Load and check a whole config file; errors name the file and the key."""
+    try:
+        raw = yaml.safe_load(Path(path).read_text()) or {}
+    except OSError as e:
+        raise ValueError(f"cannot read config file {path}: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        raise ValueError(f"{path} is not valid YAML: {e}") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path} must hold a mapping of settings")
+    for key, value in raw.items():
+        if key in ROLES:
+            if not isinstance(value, dict):
+                raise ValueError(f"{path}: {key} must be a mapping of {key} settings")
+            _check_keys(value, ROLES[key], f"{path}: {key}.")
+        elif key in SHARED:
+            coerce(_hints(ModelOptions)[key], value, f"{path}: {key}")
+        else:
+            known = ", ".join([*SHARED, *ROLES])
+            raise ValueError(f"{path}: unknown setting {key!r} (top-level keys: {known})")
+    return raw
+
+
+def _check_keys(section: dict[str, Any], cls: type, where: str) -> None:
+    hints = _hints(cls)
+    for key, value in section.items():
+        if key not in hints:
+            raise ValueError(f"{where}{key} is not a setting of this role")
+        coerce(hints[key], value, f"{where}{key}")
+
+
+def role_values(raw: dict[str, Any], role: str) -> dict[str, Any]:
+    """The values a file gives one role: shared keys, then its own section."""
+    hints = _hints(ROLES[role])
+    values = {k: v for k, v in raw.items() if k in SHARED} | raw.get(role, {})
+    return {k: coerce(hints[k], v, k) for k, v in values.items()}
+
+
+def build(cls: type[T], values: dict[str, Any]) -> T:
+    """A role's config from merged values; a missing required setting is named."""
+    for name, f in _fields(cls).items():
+        if f.default is dataclasses.MISSING and name not in values:
+            raise ValueError(
+                f"{name} is required: pass --{name.replace('_', '-')} or set it in --config"
+            )
+    return cls(**values)
+
+
+def add_flags(parser: argparse.ArgumentParser, cls: type) -> None:
+    """One flag per field; unset flags stay out of the namespace so the file can fill them."""
+    parser.add_argument("--config", help="YAML config file; flags given here win over it")
+    hints = _hints(cls)
+    for name, f in _fields(cls).items():
+        hint, kwargs = hints[name], dict[str, Any](default=argparse.SUPPRESS)
+        if hint is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif typing.get_origin(hint) is tuple:
+            kwargs |= {"nargs": "+", "type": typing.get_args(hint)[0]}
+        else:
+            kwargs["type"] = hint
+        default = "required" if f.default is dataclasses.MISSING else f"default: {f.default}"
+        parser.add_argument(
+            f"--{name.replace('_', '-')}", help=f"{f.metadata['help']} ({default})", **kwargs
+        )
+
+
+def flag_values(args: argparse.Namespace, cls: type) -> dict[str, Any]:
+    given = {k: v for k, v in vars(args).items() if k in _fields(cls)}
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in given.items()}
+
+
+def resolve(cls: type[T], role: str, args: argparse.Namespace) -> T:
+    """defaults < config file < flags."""
+    file = role_values(read_config_file(args.config), role) if args.config else {}
+    return build(cls, file | flag_values(args, cls))
+
+
+def to_flags(config: Any) -> list[str]:
+    """The command line that reproduces `config` exactly (used by `epd serve` for its children)."""
+    argv = []
+    for f in dataclasses.fields(config):
+        value, flag = getattr(config, f.name), f"--{f.name.replace('_', '-')}"
+        if isinstance(value, bool):
+            argv.append(flag if value else f"--no-{flag[2:]}")
+        elif isinstance(value, tuple):
+            argv += [flag, *value]
+        else:
+            argv += [flag, str(value)]
+    return argv

@@ -1,0 +1,145 @@
+"""Settings from defaults, a config file and flags: one definition, flags win, errors name keys."""
+
+import argparse
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from epd.cli import parser
+from epd.config.roles import ROLES, DecodeConfig, EncodeConfig, PrefillConfig
+from epd.config.sources import read_config_file, resolve, role_values, to_flags
+from epd.serve import plan
+
+CONFIGS = Path(__file__).parents[2] / "configs"
+
+
+def args(*argv: str) -> argparse.Namespace:
+    return parser().parse_args(list(argv))
+
+
+def write(tmp_path, text):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_flag_wins_over_file_wins_over_default(tmp_path):
+    path = write(
+        tmp_path, "model: /m\ndevice: cuda:1\nprefill:\n  port: 9000\n  token_timeout_s: 5\n"
+    )
+    config = resolve(PrefillConfig, "prefill", args("prefill", "--config", path, "--port", "9100"))
+    assert (config.model, config.device, config.port) == ("/m", "cuda:1", 9100)
+    assert config.token_timeout_s == 5.0 and config.encode_timeout_s == 60.0
+
+
+def test_role_section_overrides_shared_keys(tmp_path):
+    path = write(tmp_path, "model: /m\ndevice: cuda:0\nencode:\n  device: cpu\n")
+    assert resolve(EncodeConfig, "encode", args("encode", "--config", path)).device == "cpu"
+    assert resolve(DecodeConfig, "decode", args("decode", "--config", path)).device == "cuda:0"
+
+
+@pytest.mark.parametrize("role,config_class", list(ROLES.items()))
+def test_every_field_is_a_flag_and_round_trips(role, config_class):
+    defaults = {f.name: f.default for f in dataclasses.fields(config_class)}
+    config = config_class(**(defaults | {"model": "/m"}))
+    assert resolve(config_class, role, args(role, *to_flags(config))) == config
+
+
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        ("modle: /m\n", "unknown setting 'modle'"),
+        ("prefill:\n  prot: 1\n", "prefill.prot is not a setting"),
+        ("encode:\n  encoders: [tcp://x:1]\n", "encode.encoders is not a setting"),
+        ("prefill:\n  port: eighty\n", "prefill.port must be int"),
+        ("decode:\n  max_batch_size: 2.5\n", "decode.max_batch_size must be int"),
+        ("trust_remote_code: yes-please\n", "trust_remote_code must be bool"),
+        ("prefill: 3\n", "prefill must be a mapping"),
+        ("- a\n- b\n", "must hold a mapping"),
+        ("prefill: [\n", "not valid YAML"),
+    ],
+)
+def test_bad_files_name_the_key(tmp_path, text, message):
+    with pytest.raises(ValueError, match=message):
+        read_config_file(write(tmp_path, text))
+
+
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        (["--port", "0"], "port=0: must be a port number"),
+        (["--dtype", "fp8"], "dtype='fp8': must be one of"),
+        (["--token-timeout-s", "-1"], "token_timeout_s=-1.0: must be a positive"),
+        (["--encoders", "127.0.0.1:7101"], "encoders=.*must be ZeroMQ addresses"),
+        (["--max-images", "0"], "max_images=0: must be at least 1"),
+    ],
+)
+def test_bad_values_name_the_setting(extra, message):
+    with pytest.raises(ValueError, match=message):
+        resolve(PrefillConfig, "prefill", args("prefill", "--model", "/m", *extra))
+
+
+def test_missing_model_is_named():
+    with pytest.raises(ValueError, match="model is required"):
+        resolve(EncodeConfig, "encode", args("encode"))
+
+
+def test_cli_reports_config_errors_and_exits(tmp_path):
+    path = write(tmp_path, "encode:\n  bnd: tcp://127.0.0.1:1\n")
+    result = subprocess.run(
+        [sys.executable, "-m", "epd.cli", "encode", "--config", path],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 1 and "encode.bnd is not a setting" in result.stderr
+
+
+@pytest.mark.parametrize("name", ["local.yaml", "multi-node.yaml", "compose.yaml"])
+def test_shipped_configs_are_valid_for_every_role(name):
+    raw = read_config_file(CONFIGS / name)
+    for role, config_class in ROLES.items():
+        config_class(**({"model": "/m"} | role_values(raw, role)))
+
+
+def test_multi_node_addresses_connect():
+    raw = read_config_file(CONFIGS / "multi-node.yaml")
+    prefill = PrefillConfig(**role_values(raw, "prefill"))
+    encode, decode = (
+        EncodeConfig(**role_values(raw, "encode")),
+        DecodeConfig(**role_values(raw, "decode")),
+    )
+    hosts = {a.rsplit(":", 1)[0] for a in (*prefill.encoders, *prefill.decoders, prefill.advertise)}
+    assert len(hosts) == 3  # three nodes
+    assert prefill.encoders[0].rsplit(":", 1)[1] == encode.bind.rsplit(":", 1)[1]
+    assert prefill.decoders[0].rsplit(":", 1)[1] == decode.bind.rsplit(":", 1)[1]
+    assert prefill.advertise.rsplit(":", 1)[1] == prefill.bind.rsplit(":", 1)[1]
+    assert {prefill.device, encode.device, decode.device} == {"cuda:0"}
+
+
+def test_serve_gives_children_the_file_settings_and_its_own_addresses(tmp_path):
+    path = write(
+        tmp_path,
+        "model: /m\nprefill:\n  token_timeout_s: 7\n  port: 1234\ndecode:\n  max_batch_size: 3\n",
+    )
+    config, children = plan(
+        args(
+            "serve",
+            "--config",
+            path,
+            "--port",
+            "8123",
+            "--internal-base-port",
+            "9100",
+            "--dtype",
+            "float32",
+        )
+    )
+    assert children["prefill"].token_timeout_s == 7 and children["prefill"].port == 8123
+    assert (
+        children["decode"].max_batch_size == 3 and children["decode"].bind == "tcp://127.0.0.1:9102"
+    )
+    assert children["prefill"].encoders == ("tcp://127.0.0.1:9100",)
+    assert {c.dtype for c in children.values()} == {"float32"} and config.port == 8123
