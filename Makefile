@@ -6,7 +6,13 @@ PYTHON ?= python3
 PY     := $(VENV)/bin/python
 TORCH_CPU ?= torch==2.13.0
 
-.PHONY: setup test lint bench clean
+# `make serve` runs the bundled default checkpoint; MODEL=/path/to/checkpoint serves another.
+DEFAULT_MODEL := .cache/epd/tiny-random
+MODEL ?= $(DEFAULT_MODEL)
+PORT  ?= 8000
+CONFIG ?= configs/local.yaml
+
+.PHONY: setup test lint bench serve clean
 
 setup: $(VENV)/.installed
 
@@ -27,6 +33,12 @@ lint: setup
 
 test: lint
 	$(PY) -m pytest -q
+
+serve: setup
+	@if [ "$(MODEL)" = "$(DEFAULT_MODEL)" ] && [ ! -f "$(MODEL)/config.json" ]; then \
+	  $(PY) -m epd.cli make-checkpoint "$(MODEL)" --preset tiny; \
+	fi
+	exec $(PY) -m epd.cli serve --config $(CONFIG) --model "$(MODEL)" --port $(PORT) $(SERVE_FLAGS)
 
 bench: setup
 	$(PY) scripts/bench_model.py

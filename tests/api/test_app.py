@@ -6,7 +6,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from epd.api.app import create_app
-from epd.config import PrefillConfig
+from epd.config.roles import PrefillConfig
 from epd.prefill.server import build_service
 
 

@@ -10,7 +10,7 @@ from fastapi.testclient import TestClient
 from PIL import Image
 
 from epd.api.app import create_app
-from epd.config import PrefillConfig
+from epd.config.roles import PrefillConfig
 from epd.prefill.coordinator import split, within
 from epd.prefill.server import build_service
 

@@ -1,0 +1,15 @@
+# One image for every role; the container's command names the role (see docker-compose.yml).
+FROM python:3.11-slim
+
+WORKDIR /app
+# torch from PyPI is the CUDA build on x86_64 Linux; it also runs on CPUs (docker-compose.cpu.yml).
+RUN pip install --no-cache-dir torch
+COPY pyproject.toml README.md ./
+COPY epd ./epd
+COPY configs ./configs
+RUN pip install --no-cache-dir .
+
+ENV EPD_LOG_LEVEL=INFO
+# API, ZeroMQ (encode, prefill, decode), health (encode, decode)
+EXPOSE 8000 7101 7102 7103 7111 7113
+ENTRYPOINT ["epd"]

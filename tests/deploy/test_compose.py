@@ -1,0 +1,84 @@
+"""docker-compose files, parsed by the real docker-compose, checked against the CLI and configs."""
+
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from epd.cli import parser
+from epd.config.roles import ROLES
+from epd.config.sources import resolve
+
+ROOT = Path(__file__).parents[2]
+COMPOSE = shutil.which("docker-compose")
+pytestmark = pytest.mark.skipif(
+    COMPOSE is None and not os.environ.get("CI"),
+    reason="docker-compose is not installed (.ci/run installs it; apt-get install docker-compose)",
+)
+
+
+def parsed(file: str) -> dict:
+    result = subprocess.run(
+        [COMPOSE or "docker-compose", "-f", str(ROOT / file), "config"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=os.environ | {"EPD_MODEL_DIR": "/models/x"},
+    )
+    assert result.returncode == 0, result.stderr
+    return yaml.safe_load(result.stdout)
+
+
+def role_config(service: dict):
+    """The config a service's command gives its role, read through the real CLI."""
+    argv = [a.replace("/app/configs/", f"{ROOT}/configs/") for a in service["command"]]
+    args = parser().parse_args(argv)
+    return args.command, resolve(ROLES[args.command], args.command, args)
+
+
+def health_port(service: dict) -> int:
+    return int(re.search(r"127\.0\.0\.1:(\d+)/health", " ".join(service["healthcheck"]["test"]))[1])
+
+
+@pytest.mark.parametrize("file,gpus", [("docker-compose.yml", 1), ("docker-compose.cpu.yml", 0)])
+def test_compose_file(file, gpus):
+    services = parsed(file)["services"]
+    assert set(services) == {"encode", "prefill", "decode"}
+    configs = {}
+    for name, service in services.items():
+        role, config = role_config(service)
+        assert role == name
+        configs[name] = config
+        assert config.model == "/model" and "/models/x:/model:ro" in service["volumes"]
+        assert config.device == ("cuda:0" if gpus else "cpu")
+        assert service["restart"] == "unless-stopped"
+        devices = (
+            service.get("deploy", {})
+            .get("resources", {})
+            .get("reservations", {})
+            .get("devices", [])
+        )
+        assert sum(d["count"] for d in devices) == gpus
+        expected = config.port if name == "prefill" else config.health_port
+        assert health_port(service) == expected
+    prefill = configs["prefill"]
+    published = services["prefill"]["ports"][0]
+    assert (
+        int(str(published["target"] if isinstance(published, dict) else published.split(":")[-1]))
+        == prefill.port
+    )
+    assert prefill.encoders == (f"tcp://encode:{configs['encode'].bind.rsplit(':', 1)[1]}",)
+    assert prefill.decoders == (f"tcp://decode:{configs['decode'].bind.rsplit(':', 1)[1]}",)
+    assert prefill.advertise == f"tcp://prefill:{prefill.bind.rsplit(':', 1)[1]}"
+    for name in ("encode", "decode"):
+        assert services["prefill"]["depends_on"][name]["condition"] == "service_healthy"
+        assert configs[name].bind.startswith("tcp://0.0.0.0:")
+
+
+def test_image_runs_the_epd_console_script():
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    assert 'ENTRYPOINT ["epd"]' in dockerfile and "COPY configs ./configs" in dockerfile

@@ -1,0 +1,132 @@
+"""The README's commands, run as written (only the port changed), against `make serve`."""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from epd.config.reference import reference
+
+from .e2e.stack import free_base
+
+ROOT = Path(__file__).parents[1]
+README = (ROOT / "README.md").read_text()
+
+
+def block(name: str) -> str:
+    """The fenced block that follows `<!-- readme-test: name -->`."""
+    match = re.search(rf"<!-- readme-test: {name} -->\n```\w+\n(.*?)```", README, re.S)
+    assert match, f"README has no block {name}"
+    return match[1]
+
+
+def test_configuration_reference_is_generated_from_the_code():
+    start, end = "<!-- config-reference:start -->\n", "<!-- config-reference:end -->"
+    assert README[README.index(start) + len(start) : README.index(end)] == reference()
+
+
+@pytest.fixture(scope="module")
+def make_serve():
+    """`make serve`, as the README says, on free ports."""
+    base = free_base()
+    port = base + 20
+    process = subprocess.Popen(
+        [
+            "make",
+            "serve",
+            f"PORT={port}",
+            f"SERVE_FLAGS=--internal-base-port {base}",
+            f"PYTHON={sys.executable}",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    lines = []
+    for line in process.stdout:
+        lines.append(line)
+        if line.startswith("epd serve ready"):
+            break
+    assert process.poll() is None, "".join(lines)
+    assert "'tiny-random'" in lines[-1] and "Ctrl-C" in lines[-1]
+    yield port
+    os.killpg(process.pid, signal.SIGINT)  # Ctrl-C reaches make and everything under it
+    rest = process.communicate(timeout=60)[0]
+    assert "epd serve: stopped" in rest  # make itself dies of the SIGINT, as make does
+
+
+def with_port(text: str, port: int) -> str:
+    return text.replace("127.0.0.1:8000", f"127.0.0.1:{port}")
+
+
+@pytest.mark.parametrize("name", ["curl-text", "curl-image"])
+def test_curl_examples(make_serve, name):
+    result = subprocess.run(
+        ["bash", "-c", with_port(block(name), make_serve)], capture_output=True, text=True
+    )
+    reply = json.loads(result.stdout)
+    assert reply["object"] == "chat.completion" and reply["usage"]["completion_tokens"] == 16
+    if name == "curl-image":
+        assert reply["usage"]["prompt_tokens"] > 2  # a 56×28 image is 2 tokens on top of the text
+
+
+def test_python_streaming_example(make_serve):
+    result = subprocess.run(
+        [sys.executable, "-c", with_port(block("python-stream"), make_serve)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "completion_tokens=16" in result.stdout
+
+
+def test_local_launch_commands(make_serve):
+    """Each README line, run as written with the ports moved off the defaults."""
+    base = free_base()
+    ports = {
+        "launch_encode": {"EPD_BIND": f"tcp://127.0.0.1:{base}", "EPD_HEALTH_PORT": str(base + 10)},
+        "launch_decode": {
+            "EPD_BIND": f"tcp://127.0.0.1:{base + 2}",
+            "EPD_HEALTH_PORT": str(base + 12),
+        },
+        "launch_prefill": {
+            "EPD_BIND": f"tcp://127.0.0.1:{base + 1}",
+            "EPD_PORT": str(base + 20),
+            "EPD_ENCODERS": f"tcp://127.0.0.1:{base}",
+            "EPD_DECODERS": f"tcp://127.0.0.1:{base + 2}",
+        },
+    }
+    processes = []
+    try:
+        for line in block("launch-local").strip().splitlines():
+            script = re.search(r"scripts/(launch_\w+)\.sh", line)[1]
+            env = os.environ | ports[script] | {"EPD_PYTHON": sys.executable}
+            process = subprocess.Popen(
+                ["bash", "-c", line],
+                cwd=ROOT,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            processes.append(process)
+            for output in process.stdout:
+                if " ready " in output:
+                    break
+            assert process.poll() is None
+        result = subprocess.run(
+            ["bash", "-c", with_port(block("curl-text"), base + 20)], capture_output=True, text=True
+        )
+        assert json.loads(result.stdout)["usage"]["completion_tokens"] == 16
+    finally:
+        for process in processes:
+            process.terminate()
+            process.wait(30)
