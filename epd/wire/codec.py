@@ -27,6 +27,9 @@ from epd.wire.messages import ALLOWED, MESSAGE_TYPES, Message
 Frame = bytes | memoryview
 
 
+MAX_RANK = 8
+
+
 class WireError(ValueError):
     """A message that cannot or must not be decoded."""
 
@@ -89,19 +92,21 @@ def decode(frames: typing.Sequence[Any]) -> Message:
         if isinstance(ref, TensorRef)
     }
     message = dataclasses.replace(message, **tensors)
-    _check(message, type(message), type(message).__name__)
+    _check(message, type(message), type(message).__name__, set())
     return message
 
 
 def _tensor(ref: TensorRef, buffers: list[memoryview]) -> torch.Tensor:
-    _check(ref, TensorRef, "TensorRef")
+    _check(ref, TensorRef, "TensorRef", set())
     if ref.dtype not in DTYPES or not 0 < ref.frame < len(buffers):
         raise WireError(f"bad tensor reference {ref}")
     dtype, raw = DTYPES[ref.dtype], buffers[ref.frame]
+    if len(ref.shape) > MAX_RANK or not all(0 <= d < 2**48 for d in ref.shape):
+        raise WireError(f"bad tensor shape {ref.shape}")
     count = 1
     for dim in ref.shape:
         count *= dim
-    if any(d < 0 for d in ref.shape) or count * dtype.itemsize != raw.nbytes:
+    if count * dtype.itemsize != raw.nbytes:
         raise WireError(
             f"frame {ref.frame} holds {raw.nbytes} bytes, not a {ref.dtype} {ref.shape}"
         )
@@ -120,13 +125,30 @@ def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls, vars(messages))
 
 
-def _check(value: Any, hint: Any, where: str) -> None:
-    """Raise WireError unless `value` has exactly the type `hint` names."""
+def _check(value: Any, hint: Any, where: str, seen: set[tuple[int, Any]]) -> None:
+    """Raise WireError unless `value` has exactly the type `hint` names.
+
+    `seen` holds the (object, type) pairs checked or being checked: a pickle can reference one
+    object many times (even inside itself) for free, and re-checking every reference would let a
+    small header cost minutes.
+    """
+    key = (id(value), hint)
+    if key in seen:
+        return
+    seen.add(key)
+    try:
+        _check_once(value, hint, where, seen)
+    except WireError:
+        seen.discard(key)
+        raise
+
+
+def _check_once(value: Any, hint: Any, where: str, seen: set[tuple[int, Any]]) -> None:
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin in (typing.Union, types.UnionType):
         for option in args:
             try:
-                return _check(value, option, where)
+                return _check(value, option, where, seen)
             except WireError:
                 continue
         raise WireError(f"{where} has a {type(value).__name__}, expected {hint}")
@@ -137,14 +159,14 @@ def _check(value: Any, hint: Any, where: str) -> None:
         if len(items) != len(value):
             raise WireError(f"{where} has {len(value)} items, expected {len(items)}")
         for i, (item, item_hint) in enumerate(zip(value, items, strict=True)):
-            _check(item, item_hint, f"{where}[{i}]")
+            _check(item, item_hint, f"{where}[{i}]", seen)
         return
     if isinstance(hint, type) and dataclasses.is_dataclass(hint):
         names = {f.name for f in dataclasses.fields(hint)}
         if type(value) is not hint or set(vars(value)) != names:
             raise WireError(f"{where} is not a well-formed {hint.__name__}")
         for name, field_hint in _hints(hint).items():  # type: ignore[arg-type]
-            _check(getattr(value, name), field_hint, f"{where}.{name}")
+            _check(getattr(value, name), field_hint, f"{where}.{name}", seen)
         return
     expected: Any = type(None) if hint is None else hint
     ok = type(value) is expected or (expected is float and type(value) is int)

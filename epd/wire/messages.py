@@ -7,6 +7,7 @@ of ints. `ALLOWED` is the exact allow-list of classes the receiving unpickler wi
 
 from __future__ import annotations
 
+import typing
 from dataclasses import dataclass, field
 
 import torch
@@ -108,22 +109,5 @@ class Abort:
 
 
 Message = EncodeRequest | ImageEmbeddings | Failure | KVHandoff | TokenDelta | Abort
-ALLOWED: tuple[type, ...] = (
-    SamplingParams,
-    EncodeRequest,
-    ImageEmbeddings,
-    Failure,
-    TopLogprob,
-    TokenLogprob,
-    KVHandoff,
-    TokenDelta,
-    Abort,
-)
-MESSAGE_TYPES: tuple[type, ...] = (
-    EncodeRequest,
-    ImageEmbeddings,
-    Failure,
-    KVHandoff,
-    TokenDelta,
-    Abort,
-)
+MESSAGE_TYPES: tuple[type, ...] = typing.get_args(Message)
+ALLOWED: tuple[type, ...] = (*MESSAGE_TYPES, SamplingParams, TokenLogprob, TopLogprob)

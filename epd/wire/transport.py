@@ -28,7 +28,9 @@ def receive(frames: list[Any]) -> Message | None:
         return decode(frames)
     except WireError as e:
         log.error("refused a message: %s", e)
-        return None
+    except Exception:  # a decoder bug must not take the receiving loop down with it
+        log.exception("refused a message that failed to decode")
+    return None
 
 
 class Inbox:
@@ -63,38 +65,59 @@ class Outbox:
         self.sockets: dict[str, zmq.Socket] = {}
         self.monitors: dict[str, zmq.Socket] = {}
         self.up: dict[str, bool] = {}
+        self.lost: list[str] = []  # peers that went down, until `take_lost` hands them over
 
-    def connect(self, address: str, wait_ms: int = 0) -> None:
-        """Connect to `address` (once); optionally wait until the connection is live."""
-        if address not in self.sockets:
+    def connect(self, address: str, wait_ms: int = 0) -> bool:
+        """Connect to `address` once, giving a new peer up to `wait_ms` to accept.
+
+        False if the address cannot be connected to at all.
+        """
+        new = address not in self.sockets
+        if new:
             socket = self.context.socket(zmq.PUSH)
             socket.setsockopt(zmq.IMMEDIATE, 1)
             socket.setsockopt(zmq.LINGER, 0)
-            self.monitors[address] = socket.get_monitor_socket(UP_EVENTS | DOWN_EVENTS)
-            socket.connect(address)
-            self.sockets[address], self.up[address] = socket, False
-        if wait_ms and not self.up[address] and self.monitors[address].poll(wait_ms):
+            monitor = socket.get_monitor_socket(UP_EVENTS | DOWN_EVENTS)
+            try:
+                socket.connect(address)
+            except zmq.ZMQError as e:  # e.g. a wildcard or malformed reply address
+                log.error("cannot connect to %r: %s", address, e)
+                socket.disable_monitor()
+                monitor.close(linger=0)
+                socket.close(linger=0)
+                return False
+            self.sockets[address], self.monitors[address], self.up[address] = socket, monitor, False
+        if new and wait_ms and self.monitors[address].poll(wait_ms):
             self.poll_events()
+        return True
 
-    def poll_events(self) -> list[str]:
-        """Apply pending connect/disconnect events; return addresses that just went down."""
-        went_down = []
+    def poll_events(self) -> None:
+        """Apply pending connect/disconnect events; remember peers that went down."""
         for address, monitor in self.monitors.items():
             while monitor.poll(0):
                 event = recv_monitor_message(monitor)["event"]
                 was_up = self.up[address]
                 self.up[address] = bool(event & UP_EVENTS)
                 if was_up and not self.up[address]:
-                    went_down.append(address)
-        return went_down
+                    self.lost.append(address)
+
+    def take_lost(self) -> list[str]:
+        """Peers that went down since the last call (each reported once)."""
+        self.poll_events()
+        lost, self.lost = self.lost, []
+        return lost
 
     def is_up(self, address: str) -> bool:
         self.poll_events()
         return self.up.get(address, False)
 
-    def send(self, address: str, message: Message) -> bool:
-        """Queue `message` for `address`; False if that peer has no live connection."""
-        self.connect(address)
+    def send(self, address: str, message: Message, wait_ms: int = 0) -> bool:
+        """Queue `message` for `address`; False if that peer has no live connection.
+
+        `wait_ms` gives a peer seen for the first time that long to accept the connection.
+        """
+        if not self.connect(address, wait_ms):
+            return False
         try:
             self.sockets[address].send_multipart(encode(message), flags=zmq.NOBLOCK, copy=False)
         except zmq.Again:

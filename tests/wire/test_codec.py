@@ -142,7 +142,9 @@ def test_nested_values_are_checked():
         (TensorRef(2, "float32", (4, 4)), "bad tensor reference"),
         (TensorRef(0, "float32", (4, 4)), "bad tensor reference"),
         (TensorRef(1, "object", (4, 4)), "bad tensor reference"),
-        (TensorRef(1, "float32", (-4, -4)), "holds 64 bytes"),
+        (TensorRef(1, "float32", (-4, -4)), "bad tensor shape"),
+        (TensorRef(1, "float32", (0, 2**70)), "bad tensor shape"),
+        (TensorRef(1, "float32", (1,) * 9 + (16,)), "bad tensor shape"),
     ],
 )
 def test_bad_tensor_references_are_refused(ref, pattern):
@@ -154,4 +156,25 @@ def test_bad_tensor_references_are_refused(ref, pattern):
 def test_tensor_field_without_a_frame_is_refused():
     header = pickle.dumps(ImageEmbeddings("r", 0, ((2, 2),), "not a tensor"), protocol=5)  # type: ignore[arg-type]
     with pytest.raises(WireError, match="embeddings is a str"):
+        decode([header])
+
+
+def test_shared_references_cost_one_check():
+    """Thousands of references to one object must not be checked thousands of times each."""
+    import time
+
+    top = TopLogprob("x", -1.0, (1,) * 100)
+    entry = TokenLogprob("x", -1.0, (1,), (top,) * 3000)
+    header = pickle.dumps(TokenDelta("r", (1,), "x", 1, None, (entry,) * 3000), protocol=5)
+    assert len(header) < 100_000
+    start = time.monotonic()
+    decode([header])
+    assert time.monotonic() - start < 1.0
+
+
+def test_a_bad_item_is_refused_even_after_a_good_reference_to_it():
+    bad = TokenLogprob("x", -1.0, (1,), ())
+    object.__setattr__(bad, "logprob", "high")
+    header = pickle.dumps(TokenDelta("r", (1,), "x", 1, None, (bad, bad)), protocol=5)
+    with pytest.raises(WireError, match=r"logprobs\[0\]\.logprob"):
         decode([header])

@@ -29,6 +29,22 @@ def wait_until(check, timeout=3.0):
     return False
 
 
+def test_lost_peers_are_kept_for_the_watcher_even_if_someone_asks_is_up(context, address):
+    inbox, outbox = Inbox(context, address), Outbox(context)
+    outbox.connect(address, wait_ms=2000)
+    inbox.close()
+    assert wait_until(lambda: not outbox.is_up(address))
+    assert outbox.take_lost() == [address]
+    outbox.close()
+
+
+def test_unconnectable_address_is_refused_not_raised(context):
+    outbox = Outbox(context)
+    assert outbox.send("tcp://*:7102", Abort("r")) is False
+    assert outbox.sockets == {}
+    outbox.close()
+
+
 def test_send_to_an_absent_peer_fails_at_once(context, address):
     outbox = Outbox(context)
     start = time.monotonic()
@@ -52,7 +68,8 @@ def test_disconnect_is_reported_and_reconnect_recovers(context, address):
     inbox, outbox = Inbox(context, address), Outbox(context)
     outbox.connect(address, wait_ms=2000)
     inbox.close()
-    assert wait_until(lambda: address in outbox.poll_events() or not outbox.up[address])
+    assert wait_until(lambda: address in outbox.take_lost())
+    assert outbox.take_lost() == []  # reported once
     assert outbox.send(address, Abort("lost")) is False
     inbox = Inbox(context, address)  # the peer comes back on the same address
     assert wait_until(lambda: outbox.is_up(address))
