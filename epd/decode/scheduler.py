@@ -37,13 +37,29 @@ class Scheduler:
     def __len__(self) -> int:
         return len(self.running) + len(self.waiting)
 
+    def check(self, handoff: KVHandoff) -> None:
+        """Refuse a hand-off this model cannot resume, before it touches any state."""
+        config = self.lm.config
+        expected = (config.num_hidden_layers, handoff.prompt_tokens, config.latent_dim)
+        if tuple(handoff.cache.shape) != expected:
+            raise ValueError(f"KV cache of shape {tuple(handoff.cache.shape)}, expected {expected}")
+        if not 0 <= handoff.first_token < config.vocab_size:
+            raise ValueError(f"first token {handoff.first_token} is outside the vocabulary")
+        if handoff.sampling.max_tokens < 1:
+            raise ValueError("max_tokens must be at least 1")
+
     def add(self, handoff: KVHandoff) -> tuple[Sequence, TokenDelta]:
         """Admit a prefilled request; its first token is accepted (and may already finish it)."""
+        self.check(handoff)
+        try:
+            generator = restore_generator(handoff.rng_state)
+        except RuntimeError as e:
+            raise ValueError(f"unusable sampler state: {e}") from None
         cache = LatentCache.from_tensor(handoff.cache.to(self.device, self.lm.lm_head.weight.dtype))
         sequence = Sequence(
             handoff.request_id,
             handoff.sampling,
-            restore_generator(handoff.rng_state),
+            generator,
             cache,
             self.tokenizer,
             self.eos_ids,
