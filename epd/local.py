@@ -16,9 +16,9 @@ import torch
 from epd.api.images import load_image_bytes
 from epd.api.prepare import PromptBuilder
 from epd.api.schema import parse_request
-from epd.checkpoint.config import load_generation_config
-from epd.checkpoint.tokenizer import load_tokenizer
+from epd.checkpoint.tokenizer import load_tokenizer, stop_token_ids
 from epd.checkpoint.weights import load_model
+from epd.config.roles import PrefillConfig
 from epd.decode.scheduler import Scheduler
 from epd.encode.encoder import Encoder
 from epd.prefill.engine import PrefillEngine
@@ -40,21 +40,27 @@ class LocalPipeline:
         checkpoint: str | Path,
         device: str = "cpu",
         dtype: torch.dtype | None = None,
-        default_max_tokens: int = 1024,
     ) -> None:
         model = load_model(checkpoint, "all", device, dtype)
         tokenizer = load_tokenizer(checkpoint)
-        self.builder = PromptBuilder.from_checkpoint(checkpoint, tokenizer, default_max_tokens)
+        self.limits = PrefillConfig(model=str(checkpoint))  # the API's default limits
+        self.builder = PromptBuilder.from_checkpoint(
+            checkpoint, tokenizer, self.limits.default_max_tokens, self.limits.max_image_pixels
+        )
         self.encoder = Encoder(model, self.builder.processor, self.builder.max_image_pixels)
         self.engine = PrefillEngine(model.language_model, tokenizer, self.builder.placeholder_id)
         self.scheduler = Scheduler(
-            model.language_model, tokenizer, load_generation_config(checkpoint).eos_token_ids
+            model.language_model, tokenizer, stop_token_ids(checkpoint, tokenizer)
         )
 
     def chat(self, body: dict[str, Any]) -> Completion:
         request = parse_request(body)
         urls = self.builder.image_urls(request)
-        images = [load_image_bytes(url, i, 1 << 30, 30.0) for i, url in enumerate(urls)]
+        limits = self.limits
+        images = [
+            load_image_bytes(url, i, limits.max_image_bytes, limits.image_fetch_timeout_s)
+            for i, url in enumerate(urls)
+        ]
         prepared = self.builder.prepare(request, images)
         embeddings = self.encoder.encode(images)[1] if images else None
         handoff = self.engine.run(

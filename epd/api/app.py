@@ -115,7 +115,7 @@ async def complete(service: Service, chat: ChatCompletionRequest, request: Reque
     embeddings = await coordinator.encode(prepared)
     handoff = await coordinator.prefill(prepared, embeddings)
     reply = Reply(prepared.request_id, service.model_name, handoff.prompt_tokens, chat.logprobs)
-    deltas = coordinator.generate(handoff)
+    deltas = coordinator.deltas(coordinator.hand_off(handoff))
     if chat.stream:
         usage = chat.stream_options is not None and chat.stream_options.include_usage
         return StreamingResponse(stream(reply, deltas, usage), media_type="text/event-stream")
@@ -156,4 +156,7 @@ async def stream(
             yield reply.usage_chunk(completion_tokens)
     except APIError as error:  # headers are sent: report in-band, as OpenAI does
         yield f"data: {json.dumps(error.body())}\n\n"
+    except Exception as error:  # never end a stream without saying why
+        log.exception("streaming %s failed", reply.request_id)
+        yield f"data: {json.dumps(internal(f'{type(error).__name__}: {error}').body())}\n\n"
     yield "data: [DONE]\n\n"

@@ -7,8 +7,9 @@ import binascii
 import time
 
 import requests
+import urllib3
 
-from epd.api.errors import bad_request
+from epd.api.errors import APIError, bad_request
 
 
 def load_image_bytes(url: str, index: int, max_bytes: int, timeout_s: float) -> bytes:
@@ -36,27 +37,23 @@ def _from_data_url(url: str, index: int, max_bytes: int) -> bytes:
 
 def _fetch(url: str, index: int, max_bytes: int, timeout_s: float) -> bytes:
     deadline = time.monotonic() + timeout_s  # `timeout` below bounds each read, this the total
+
+    def fail(reason: str) -> APIError:
+        return bad_request(f"image {index}: {reason}", code="invalid_image")
+
     try:
         with requests.get(url, stream=True, timeout=timeout_s) as response:
             if response.status_code != 200:
-                raise bad_request(
-                    f"image {index}: fetching {url} gave HTTP {response.status_code}",
-                    code="invalid_image",
-                )
+                raise fail(f"fetching {url} gave HTTP {response.status_code}")
             data = bytearray()
-            for chunk in response.iter_content(64 * 1024):
+            # read1 returns whatever one read brings, so a server that trickles bytes still
+            # meets the deadline check after each of them.
+            while chunk := response.raw.read1(64 * 1024, decode_content=True):
                 data += chunk
                 if len(data) > max_bytes:
-                    raise bad_request(
-                        f"image {index}: larger than {max_bytes} bytes", code="invalid_image"
-                    )
+                    raise fail(f"larger than {max_bytes} bytes")
                 if time.monotonic() > deadline:
-                    raise bad_request(
-                        f"image {index}: fetching {url} took over {timeout_s}s",
-                        code="invalid_image",
-                    )
+                    raise fail(f"fetching {url} took over {timeout_s}s")
             return bytes(data)
-    except requests.RequestException as e:
-        raise bad_request(
-            f"image {index}: cannot fetch {url}: {type(e).__name__}", code="invalid_image"
-        ) from None
+    except (requests.RequestException, urllib3.exceptions.HTTPError) as e:
+        raise fail(f"cannot fetch {url}: {type(e).__name__}") from None

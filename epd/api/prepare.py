@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,10 @@ class PromptBuilder:
     default_max_tokens: int
     max_image_pixels: int = 50_000_000
 
+    @cached_property
+    def special_tokens(self) -> list[str]:
+        return list(self.tokenizer.all_special_tokens) + list(self.tokenizer.get_added_vocab())
+
     @classmethod
     def from_checkpoint(
         cls,
@@ -56,7 +61,22 @@ class PromptBuilder:
         )
 
     def messages(self, request: ChatCompletionRequest) -> list[dict[str, Any]]:
-        return [m.model_dump(exclude_none=True) for m in request.messages]
+        """Messages for the chat template; a `developer` message is Kimi's `system` turn."""
+        messages = [m.model_dump(exclude_none=True) for m in request.messages]
+        for message in messages:
+            if message["role"] == "developer":
+                message["role"] = "system"
+            self.refuse_special_tokens(message["content"])
+        return messages
+
+    def refuse_special_tokens(self, content: str | list[dict[str, Any]]) -> None:
+        """Text that spells a control token (<|im_end|>, <|media_pad|>, ...) would forge turns or
+        image slots once the rendered prompt is tokenised, so it is refused."""
+        texts = [content] if isinstance(content, str) else [p.get("text", "") for p in content]
+        for text in texts:
+            for token in self.special_tokens:
+                if token in text:
+                    raise bad_request(f"message text contains the reserved token {token}")
 
     def image_urls(self, request: ChatCompletionRequest) -> list[str]:
         return [part["image_url"]["url"] for part in image_parts(self.messages(request))]

@@ -56,7 +56,7 @@ class ChatCompletionRequest(Strict):
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=-1)  # 0 or -1: no limit
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(2**63), lt=2**64)  # what torch's generators take
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -109,4 +109,6 @@ def _as_api_error(error: ValidationError) -> APIError:
         return bad_request(
             f"{param} is not supported (only its default)", param, "unsupported_parameter"
         )
+    if not param:  # a check across several fields
+        return bad_request(f"invalid request: {first['msg']}")
     return bad_request(f"invalid {param}: {first['msg']}", param=param)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-from epd.checkpoint.config import CheckpointError
+from epd.checkpoint.config import CheckpointError, load_generation_config
 
 SPECIAL_TOKENS = (
     "[BOS]",
@@ -44,6 +44,19 @@ def load_tokenizer(
     if not tokenizer.chat_template:
         raise CheckpointError(f"the tokenizer of {checkpoint} has no chat template")
     return tokenizer
+
+
+STOP_TOKENS = ("<|im_end|>", "[EOS]")  # Kimi-VL ends a reply on either
+
+
+def stop_token_ids(checkpoint: str | Path, tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...]:
+    """generation_config.json's eos ids, plus <|im_end|> and [EOS] should it omit one."""
+    ids = list(load_generation_config(checkpoint).eos_token_ids)
+    for token in STOP_TOKENS:
+        token_id = tokenizer.convert_tokens_to_ids(token)
+        if isinstance(token_id, int) and token_id != tokenizer.unk_token_id and token_id not in ids:
+            ids.append(token_id)
+    return tuple(ids)
 
 
 def decode_text(

@@ -92,6 +92,15 @@ class PrefillConfig(ModelOptions):
     max_images: int = option(16, "most images in one request")
     default_max_tokens: int = option(1024, "max_tokens when a request gives none")
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        host = self.bind.split("://", 1)[1].rsplit(":", 1)[0]
+        if host in ("*", "0.0.0.0", "[::]", "::") and not self.advertise:
+            raise ValueError(
+                f"advertise is required when bind={self.bind!r} listens on every interface: "
+                "peers need an address they can reply to"
+            )
+
     @property
     def reply_address(self) -> str:
         return self.advertise or self.bind

@@ -51,8 +51,7 @@ def run(config: EncodeConfig) -> None:
                 log.error("ignored a %s: encode only takes EncodeRequest", type(request).__name__)
                 continue
             reply = handle(encoder, request)
-            outbox.connect(request.reply_to, wait_ms=REPLY_CONNECT_MS)
-            if not outbox.send(request.reply_to, reply):
+            if not outbox.send(request.reply_to, reply, wait_ms=REPLY_CONNECT_MS):
                 log.warning(
                     "dropped the reply to %s: %s unreachable", request.request_id, request.reply_to
                 )

@@ -46,6 +46,7 @@ class EncodeWait:
 
 @dataclass
 class Stream:
+    request_id: str
     decoder: str
     queue: asyncio.Queue[TokenDelta | APIError] = field(default_factory=asyncio.Queue)
 
@@ -127,7 +128,7 @@ class Coordinator:
     async def watch_peers(self) -> None:
         """Fail at once every request held by a peer that disconnected."""
         while True:
-            for address in self.outbox.poll_events():
+            for address in self.outbox.take_lost():
                 log.warning("lost the connection to %s", address)
                 error = unavailable(f"lost the connection to {address} while it held this request")
                 for wait in self.waits.values():
@@ -189,14 +190,19 @@ class Coordinator:
             self.config.reply_address,
         )
 
-    async def generate(self, handoff: KVHandoff) -> AsyncIterator[TokenDelta]:
-        """Hand the request to a decoder and yield its deltas until the last one."""
+    def hand_off(self, handoff: KVHandoff) -> Stream:
+        """Hand the request to a decoder; raises (before any reply is sent) if none can take it."""
         decoder = self.pick(self.config.decoders, "decode")[0]
-        stream = self.streams[handoff.request_id] = Stream(decoder)
+        stream = self.streams[handoff.request_id] = Stream(handoff.request_id, decoder)
+        if not self.outbox.send(decoder, handoff):
+            del self.streams[handoff.request_id]
+            raise unavailable(f"decode server {decoder} is not reachable")
+        return stream
+
+    async def deltas(self, stream: Stream) -> AsyncIterator[TokenDelta]:
+        """The request's deltas until the last one; leaving early aborts it in decode."""
         finished = False
         try:
-            if not self.outbox.send(decoder, handoff):
-                raise unavailable(f"decode server {decoder} is not reachable")
             while not finished:
                 limit = self.config.token_timeout_s
                 item = await within(
@@ -207,9 +213,9 @@ class Coordinator:
                 finished = item.finish_reason is not None
                 yield item
         finally:
-            del self.streams[handoff.request_id]
+            del self.streams[stream.request_id]
             if not finished:  # client gone or failure: free the request's KV in decode
-                self.outbox.send(decoder, Abort(handoff.request_id))
+                self.outbox.send(stream.decoder, Abort(stream.request_id))
 
 
 def split(count: int, workers: int) -> list[tuple[int, int]]:

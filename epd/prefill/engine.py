@@ -49,5 +49,5 @@ class PrefillEngine:
             first_logprob=logprob,
             sampling=sampling,
             rng_state=generator.get_state(),
-            cache=cache.tensor(),
+            cache=cache.tensor().cpu(),  # here, off the event loop that sends it
         )

@@ -143,3 +143,24 @@ def test_serve_gives_children_the_file_settings_and_its_own_addresses(tmp_path):
     )
     assert children["prefill"].encoders == ("tcp://127.0.0.1:9100",)
     assert {c.dtype for c in children.values()} == {"float32"} and config.port == 8123
+
+
+def test_wildcard_bind_needs_an_advertised_address():
+    with pytest.raises(ValueError, match="advertise is required"):
+        resolve(
+            PrefillConfig, "prefill", args("prefill", "--model", "/m", "--bind", "tcp://*:7102")
+        )
+    config = resolve(
+        PrefillConfig,
+        "prefill",
+        args(
+            "prefill",
+            "--model",
+            "/m",
+            "--bind",
+            "tcp://0.0.0.0:7102",
+            "--advertise",
+            "tcp://node2:7102",
+        ),
+    )
+    assert config.reply_address == "tcp://node2:7102"
