@@ -22,6 +22,10 @@ class LatentCache:
         """Adopt a (layers, tokens, latent_dim) tensor, e.g. one received from prefill."""
         return cls(tensor, tensor.shape[1])
 
+    def split(self, lengths: list[int]) -> list[LatentCache]:
+        """Per-prompt caches of a packed prefill (views, no copies)."""
+        return [LatentCache.from_tensor(t) for t in self.tensor().split(lengths, dim=1)]
+
     def tensor(self) -> torch.Tensor:
         """The filled part, (layers, length, latent_dim): what travels between processes."""
         return self.data[:, : self.length]

@@ -59,8 +59,14 @@ class MLAttention(nn.Module):
         c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope], dim=-1)
         return torch.cat((self.kv_a_layernorm(c_kv), rotate(k_pe, angles)), dim=-1)
 
-    def prefill(self, x: torch.Tensor, angles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Causal attention over one prompt: x (T, D) → output (T, D), cache rows (T, rank+rope)."""
+    def prefill(
+        self, x: torch.Tensor, angles: torch.Tensor, mask: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Causal attention over a prompt: x (T, D) → output (T, D), cache rows (T, rank+rope).
+
+        `mask` (T, T), True where attention is allowed, replaces the plain causal mask when
+        several prompts are packed into one sequence.
+        """
         q_nope, q_pe = self.queries(x, angles)
         latent = self.latent(x, angles)
         c_kv, k_pe = latent.split([self.rank, self.rope], dim=-1)
@@ -73,7 +79,8 @@ class MLAttention(nn.Module):
         # with zeros and drop the padding after. Shapes (1, H, T, ·), the 4-D form they take.
         v = F.pad(v, (0, max(0, q.shape[-1] - self.v_dim)))
         q, k, v = (t.transpose(0, 1)[None] for t in (q, k, v))
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)[0]
+        causal = mask is None
+        out = F.scaled_dot_product_attention(q, k, v, mask, is_causal=causal, scale=self.scale)[0]
         return self.o_proj(out[..., : self.v_dim].transpose(0, 1).flatten(1)), latent
 
     def decode(self, x: torch.Tensor, angles: torch.Tensor, batch: DecodeBatch) -> torch.Tensor:

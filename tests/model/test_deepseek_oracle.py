@@ -95,3 +95,17 @@ def test_batched_decode_equals_each_request_alone(pair):
         single = ours.logits(ours.decode(tokens[i : i + 1], [cache]))[0]
         torch.testing.assert_close(together[i], single, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(caches[i].tensor(), cache.tensor())
+
+
+@torch.inference_mode()
+def test_packed_prompts_equal_each_prompt_alone(pair):
+    ours, _ = pair
+    prompts = [PROMPT[:5], PROMPT[3:12], PROMPT[:2]]
+    lengths = [len(p) for p in prompts]
+    hidden, cache = ours.prefill(ours.embed(torch.cat(prompts)), lengths)
+    for piece, part, prompt in zip(
+        hidden.split(lengths), cache.split(lengths), prompts, strict=True
+    ):
+        alone_hidden, alone_cache = ours.prefill(ours.embed(prompt))
+        torch.testing.assert_close(piece, alone_hidden, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(part.tensor(), alone_cache.tensor(), rtol=1e-5, atol=1e-5)
