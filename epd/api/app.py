@@ -115,7 +115,7 @@ async def complete(service: Service, chat: ChatCompletionRequest, request: Reque
     embeddings = await coordinator.encode(prepared)
     handoff = await coordinator.prefill(prepared, embeddings)
     reply = Reply(prepared.request_id, service.model_name, handoff.prompt_tokens, chat.logprobs)
-    deltas = coordinator.deltas(coordinator.hand_off(handoff))
+    deltas = coordinator.deltas(await coordinator.hand_off(handoff))
     if chat.stream:
         usage = chat.stream_options is not None and chat.stream_options.include_usage
         return StreamingResponse(stream(reply, deltas, usage), media_type="text/event-stream")

@@ -34,7 +34,8 @@ from epd.wire.messages import (
 from epd.wire.transport import Inbox, Outbox, async_context
 
 log = logging.getLogger(__name__)
-PEER_POLL_S = 0.05
+PEER_POLL_S = 0.02
+PEER_GRACE_S = 0.5  # how long a request waits for a peer that is just connecting
 T = TypeVar("T")
 
 
@@ -140,10 +141,13 @@ class Coordinator:
             await asyncio.sleep(PEER_POLL_S)
 
     # Sending.
-    def pick(self, addresses: tuple[str, ...], role: str) -> list[str]:
-        live = [a for a in addresses if self.outbox.is_up(a)]
-        if not live:
-            raise unavailable(f"no {role} server is reachable (tried {', '.join(addresses)})")
+    async def pick(self, addresses: tuple[str, ...], role: str) -> list[str]:
+        """Live peers of a role, rotated; a short grace lets a (re)connecting peer finish."""
+        deadline = asyncio.get_running_loop().time() + PEER_GRACE_S
+        while not (live := [a for a in addresses if self.outbox.is_up(a)]):
+            if asyncio.get_running_loop().time() > deadline:
+                raise unavailable(f"no {role} server is reachable (tried {', '.join(addresses)})")
+            await asyncio.sleep(PEER_POLL_S)
         start = next(self.turn) % len(live)
         return live[start:] + live[:start]
 
@@ -151,7 +155,7 @@ class Coordinator:
         """Every image's embeddings, in prompt order, from one or more encoders."""
         if not request.images:
             return None
-        encoders = self.pick(self.config.encoders, "encode")
+        encoders = await self.pick(self.config.encoders, "encode")
         parts = split(len(request.images), len(encoders))
         waits = []
         for index, ((start, stop), encoder) in enumerate(zip(parts, encoders, strict=False)):
@@ -190,9 +194,9 @@ class Coordinator:
             self.config.reply_address,
         )
 
-    def hand_off(self, handoff: KVHandoff) -> Stream:
+    async def hand_off(self, handoff: KVHandoff) -> Stream:
         """Hand the request to a decoder; raises (before any reply is sent) if none can take it."""
-        decoder = self.pick(self.config.decoders, "decode")[0]
+        decoder = (await self.pick(self.config.decoders, "decode"))[0]
         stream = self.streams[handoff.request_id] = Stream(handoff.request_id, decoder)
         if not self.outbox.send(decoder, handoff):
             del self.streams[handoff.request_id]
