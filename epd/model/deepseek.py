@@ -13,15 +13,6 @@ from epd.model.norm import RMSNorm
 from epd.model.rope import text_angles
 
 
-def packed_causal_mask(lengths: list[int], device: torch.device) -> torch.Tensor:
-    """(T, T) with True where token i may attend to token j: j ≤ i within the same prompt."""
-    prompt = torch.repeat_interleave(
-        torch.arange(len(lengths), device=device), torch.tensor(lengths, device=device)
-    )
-    same = prompt[:, None] == prompt[None, :]
-    return same & torch.ones_like(same).tril()
-
-
 class DecoderLayer(nn.Module):
     def __init__(self, config: TextConfig, index: int) -> None:
         super().__init__()
@@ -32,9 +23,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(d, eps=config.rms_norm_eps)
 
     def prefill(
-        self, x: torch.Tensor, angles: torch.Tensor, mask: torch.Tensor | None = None
+        self, x: torch.Tensor, angles: torch.Tensor, lengths: list[int] | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        attended, latent = self.self_attn.prefill(self.input_layernorm(x), angles, mask)
+        attended, latent = self.self_attn.prefill(self.input_layernorm(x), angles, lengths)
         x = x + attended
         return x + self.mlp(self.post_attention_layernorm(x)), latent
 
@@ -80,14 +71,12 @@ class DeepseekV3ForCausalLM(nn.Module):
         With `lengths`, embeds holds several prompts back to back: each starts at position 0
         and attends only to itself (use `LatentCache.split(lengths)` for per-prompt caches).
         """
-        device = embeds.device
         lengths = lengths or [embeds.shape[0]]
-        positions = torch.cat([torch.arange(n, device=device) for n in lengths])
-        mask = packed_causal_mask(lengths, device) if len(lengths) > 1 else None
+        positions = torch.cat([torch.arange(n, device=embeds.device) for n in lengths])
         angles = self.angles(positions)
         x, latents = embeds, []
         for layer in self.model.layers:
-            x, latent = layer.prefill(x, angles, mask)
+            x, latent = layer.prefill(x, angles, lengths)
             latents.append(latent)
         return self.model.norm(x), LatentCache.from_tensor(torch.stack(latents))
 

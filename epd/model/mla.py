@@ -60,12 +60,11 @@ class MLAttention(nn.Module):
         return torch.cat((self.kv_a_layernorm(c_kv), rotate(k_pe, angles)), dim=-1)
 
     def prefill(
-        self, x: torch.Tensor, angles: torch.Tensor, mask: torch.Tensor | None = None
+        self, x: torch.Tensor, angles: torch.Tensor, lengths: list[int] | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Causal attention over a prompt: x (T, D) → output (T, D), cache rows (T, rank+rope).
+        """Causal attention over prompts: x (T, D) → output (T, D), cache rows (T, rank+rope).
 
-        `mask` (T, T), True where attention is allowed, replaces the plain causal mask when
-        several prompts are packed into one sequence.
+        `lengths` splits x into prompts packed back to back; each attends only within itself.
         """
         q_nope, q_pe = self.queries(x, angles)
         latent = self.latent(x, angles)
@@ -78,10 +77,14 @@ class MLAttention(nn.Module):
         # Fused attention kernels want one head size for q, k and v: pad v (v_dim < nope + rope)
         # with zeros and drop the padding after. Shapes (1, H, T, ·), the 4-D form they take.
         v = F.pad(v, (0, max(0, q.shape[-1] - self.v_dim)))
-        q, k, v = (t.transpose(0, 1)[None] for t in (q, k, v))
-        causal = mask is None
-        out = F.scaled_dot_product_attention(q, k, v, mask, is_causal=causal, scale=self.scale)[0]
-        return self.o_proj(out[..., : self.v_dim].transpose(0, 1).flatten(1)), latent
+        lengths = lengths or [x.shape[0]]
+        pieces = []
+        for qi, ki, vi in zip(q.split(lengths), k.split(lengths), v.split(lengths), strict=True):
+            qi, ki, vi = (t.transpose(0, 1)[None] for t in (qi, ki, vi))
+            out = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=self.scale)
+            pieces.append(out[0].transpose(0, 1))
+        out = torch.cat(pieces)[..., : self.v_dim]
+        return self.o_proj(out.flatten(1)), latent
 
     def decode(self, x: torch.Tensor, angles: torch.Tensor, batch: DecodeBatch) -> torch.Tensor:
         """One new token per request, x (B, D) → (B, D), attending through the latent cache."""
