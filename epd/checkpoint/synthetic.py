@@ -45,6 +45,24 @@ PRESETS: dict[str, tuple[VisionConfig, dict[str, Any]]] = {
             num_experts_per_tok=2,
         ),
     ),
+    # The bundled demo model (epd.shapes): small enough to train on two CPU cores.
+    "shapes": (
+        VisionConfig(64, 3, 4, 192, init_pos_emb_height=16, init_pos_emb_width=16),
+        dict(
+            hidden_size=128,
+            intermediate_size=384,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            kv_lora_rank=64,
+            qk_nope_head_dim=32,
+            qk_rope_head_dim=16,
+            v_head_dim=32,
+            moe_intermediate_size=96,
+            n_routed_experts=8,
+            n_shared_experts=1,
+            num_experts_per_tok=2,
+        ),
+    ),
     # Big enough that matrix multiplies, not Python, dominate a forward pass on a CPU.
     "small": (
         VisionConfig(256, 6, 4, 1024),
@@ -81,8 +99,9 @@ you can describe answer question please tell me who where when why hello world y
 """
 
 
-def build_tokenizer(vocab_size: int) -> Tokenizer:
-    """A byte-level BPE trained on a fixed word list, then Kimi's special tokens at the end."""
+def build_tokenizer(vocab_size: int, corpus: list[str] | None = None) -> Tokenizer:
+    """A byte-level BPE trained on `corpus` (default: a fixed word list), then Kimi's special
+    tokens at the end."""
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
@@ -92,7 +111,7 @@ def build_tokenizer(vocab_size: int) -> Tokenizer:
         show_progress=False,
     )
     words = CORPUS.split()
-    sentences = [" ".join(words[i:] + words[:i]) for i in range(len(words))]
+    sentences = corpus or [" ".join(words[i:] + words[:i]) for i in range(len(words))]
     tokenizer.train_from_iterator(sentences, trainer)
     tokenizer.add_special_tokens(list(SPECIAL_TOKENS))
     return tokenizer

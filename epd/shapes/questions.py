@@ -1,0 +1,127 @@
+"""Questions about the scenes, asked the many ways people ask them, with exact answers."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Any
+
+from PIL import Image
+
+from epd.shapes.scenes import COLOURS, SHAPES, scene
+
+KINDS = ("colour", "shape", "count", "multi")
+ORDINALS = ("first", "second", "third")
+COLOUR_QUESTIONS = [
+    "What colour is the shape?",
+    "What color is the shape?",
+    "What colour is the shape in the image?",
+    "What color is the shape in the image?",
+    "What is the colour of the shape?",
+    "What is the color of the shape?",
+    "What colour is it?",
+    "What color is it?",
+    "Which colour is the shape in the picture?",
+    "What color is the shape in this picture?",
+]
+SHAPE_QUESTIONS = [
+    "What shape is this?",
+    "What shape is it?",
+    "What shape is in the image?",
+    "What shape is shown in the picture?",
+    "Which shape is in the image?",
+    "What is the shape?",
+    "Name the shape.",
+    "What shape do you see?",
+]
+COUNT_QUESTIONS = [
+    "How many shapes are there?",
+    "How many shapes are in the image?",
+    "How many shapes are in the picture?",
+    "Count the shapes.",
+    "How many shapes do you see?",
+    "How many shapes can you see in the image?",
+]
+MULTI_QUESTIONS = {
+    "colour": [
+        "What colour is the shape in the {n} image?",
+        "What color is the shape in the {n} image?",
+        "What colour is the shape in the {n} picture?",
+        "In the {n} image, what color is the shape?",
+        "What is the colour of the shape in the {n} image?",
+    ],
+    "shape": [
+        "What shape is in the {n} image?",
+        "What shape is in the {n} picture?",
+        "Which shape does the {n} image show?",
+        "In the {n} image, what is the shape?",
+    ],
+}
+
+
+@dataclass(frozen=True)
+class Sample:
+    kind: str
+    images: list[Image.Image]
+    question: str
+    answer: str
+    question_first: bool
+
+    def messages(self, image_url: Any = "image") -> list[dict[str, Any]]:
+        """OpenAI-style messages; `image_url(image)` gives each image part's URL."""
+        to_url = image_url if callable(image_url) else (lambda _: image_url)
+        images = [{"type": "image_url", "image_url": {"url": to_url(i)}} for i in self.images]
+        text = [{"type": "text", "text": self.question}]
+        return [
+            {"role": "user", "content": text + images if self.question_first else images + text}
+        ]
+
+
+def sample(rng: random.Random, kind: str | None = None) -> Sample:
+    kind = kind or rng.choice(KINDS)
+    first = rng.random() < 0.2
+    if kind == "count":
+        n = rng.randint(1, 4)
+        kinds, colours = (
+            [rng.choice(SHAPES) for _ in range(n)],
+            [rng.choice(list(COLOURS)) for _ in range(n)],
+        )
+        return Sample(
+            kind, [scene(rng, kinds, colours)[0]], rng.choice(COUNT_QUESTIONS), str(n), first
+        )
+    if kind in ("colour", "shape"):
+        shape, colour = rng.choice(SHAPES), rng.choice(list(COLOURS))
+        questions = COLOUR_QUESTIONS if kind == "colour" else SHAPE_QUESTIONS
+        answer = colour if kind == "colour" else shape
+        return Sample(
+            kind, [scene(rng, [shape], [colour])[0]], rng.choice(questions), answer, first
+        )
+    return multi(rng, first)
+
+
+def multi(rng: random.Random, first: bool) -> Sample:
+    """Two or three one-shape images that differ in what is asked about one of them."""
+    count, about = rng.randint(2, 3), rng.choice(["colour", "shape"])
+    colours = (
+        rng.sample(list(COLOURS), count)
+        if about == "colour"
+        else [rng.choice(list(COLOURS))] * count
+    )
+    shapes = (
+        rng.sample(SHAPES, count)
+        if about == "shape"
+        else [rng.choice(SHAPES) for _ in range(count)]
+    )
+    images = [scene(rng, [s], [c])[0] for s, c in zip(shapes, colours, strict=True)]
+    target = rng.randrange(count)
+    question = rng.choice(MULTI_QUESTIONS[about]).format(n=ORDINALS[target])
+    answer = colours[target] if about == "colour" else shapes[target]
+    return Sample("multi", images, question, answer, first)
+
+
+def corpus() -> list[str]:
+    """Every phrase the task uses, for training the tokenizer."""
+    lines = COLOUR_QUESTIONS + SHAPE_QUESTIONS + COUNT_QUESTIONS
+    lines += [q.format(n=n) for qs in MULTI_QUESTIONS.values() for q in qs for n in ORDINALS]
+    lines += [" ".join(COLOURS), " ".join(SHAPES), "1 2 3 4", "You are a helpful assistant"]
+    return lines

@@ -1,0 +1,152 @@
+"""Train the bundled demo checkpoint on the shapes task, on this machine's CPU.
+
+The whole Kimi-VL is trained — vision tower, projector and language model — through the same
+modules that serve it, with the loss on the answer tokens (and the <|im_end|> that ends them).
+Prompts of a batch are packed into one sequence (`DeepseekV3ForCausalLM.prefill(lengths=...)`).
+Seeded and resumable: the batch of step s is a function of (seed, s), and the model, optimiser
+and step are saved to `--state` as training goes.
+
+    python -m epd.shapes.train checkpoints/kimi-vl-shapes --steps 3000
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import random
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from epd.checkpoint.config import load_processor_config
+from epd.checkpoint.synthetic import (
+    build_tokenizer,
+    init_weights,
+    make_config,
+    save_sharded,
+    write_side_files,
+)
+from epd.checkpoint.tokenizer import load_tokenizer
+from epd.model.kimi_vl import KimiVL
+from epd.multimodal.image_processor import ImageProcessor
+from epd.multimodal.prompt import expand_placeholders, render_prompt, scatter_image_embeddings
+from epd.shapes.questions import Sample, corpus, sample
+
+IGNORE = -100
+
+
+class Trainer:
+    def __init__(self, out: Path, seed: int, vocab_size: int = 384) -> None:
+        out.mkdir(parents=True, exist_ok=True)
+        raw_tokenizer = build_tokenizer(vocab_size, corpus())
+        placeholder = raw_tokenizer.token_to_id("<|media_pad|>")
+        assert placeholder is not None
+        self.config = make_config("shapes", raw_tokenizer.get_vocab_size(), placeholder, None)
+        write_side_files(out, self.config, raw_tokenizer)
+        self.out, self.seed = out, seed
+        self.tokenizer = load_tokenizer(out)
+        self.im_end = self.tokenizer.convert_tokens_to_ids("<|im_end|>")
+        self.processor = ImageProcessor(load_processor_config(out))
+        torch.manual_seed(seed)
+        self.model = KimiVL(self.config)
+        with torch.no_grad():
+            init_weights(self.model, torch.Generator().manual_seed(seed))
+
+    def batch(self, step: int, size: int) -> list[Sample]:
+        return [sample(random.Random(f"{self.seed}-{step}-{i}")) for i in range(size)]
+
+    def loss(self, samples: list[Sample]) -> tuple[torch.Tensor, float]:
+        """Cross-entropy over the answer tokens of a packed batch; and first-token accuracy."""
+        lm, pad = self.model.language_model, self.config.media_placeholder_token_id
+        processed = self.processor([image for s in samples for image in s.images])
+        image_embeds = self.model.encode_images(processed.pixel_values, list(processed.grids))
+        counts = iter(h * w // 4 for h, w in processed.grids)
+        ids: list[int] = []
+        targets: list[int] = []
+        lengths: list[int] = []
+        for s in samples:
+            prompt = render_prompt(self.tokenizer, s.messages())
+            prompt = expand_placeholders(prompt, pad, [next(counts) for _ in s.images])
+            answer = [*self.tokenizer.encode(s.answer, add_special_tokens=False), self.im_end]
+            ids += prompt + answer
+            targets += [IGNORE] * (len(prompt) - 1) + answer + [IGNORE]  # position t predicts t+1
+            lengths.append(len(prompt) + len(answer))
+        input_ids, target_ids = torch.tensor(ids), torch.tensor(targets)
+        embeds = scatter_image_embeddings(lm.embed(input_ids), input_ids, image_embeds, pad)
+        hidden, _ = lm.prefill(embeds, lengths)
+        keep = target_ids != IGNORE
+        logits = lm.logits(hidden[keep])
+        correct = (logits.argmax(-1) == target_ids[keep]).float().mean().item()
+        return F.cross_entropy(logits, target_ids[keep]), correct
+
+    def save(self) -> None:
+        state = {k: v.detach().contiguous() for k, v in self.model.state_dict().items()}
+        save_sharded(state, self.out, shards=2)
+
+
+def learning_rate(step: int, steps: int, peak: float, warmup: int = 100) -> float:
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = (step - warmup) / max(1, steps - warmup)
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def train(out: Path, steps: int, batch_size: int, lr: float, seed: int, state_path: Path) -> None:
+    trainer = Trainer(out, seed)
+    optimizer = torch.optim.AdamW(
+        trainer.model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01
+    )
+    start = 0
+    if state_path.is_file():
+        state = torch.load(state_path, weights_only=True)
+        trainer.model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        start = state["step"]
+        print(f"resuming at step {start} from {state_path}")
+    trainer.model.train()
+    progress = tqdm(range(start, steps), initial=start, total=steps, desc="training", unit="step")
+    for step in progress:
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(step, steps, lr)
+        loss, accuracy = trainer.loss(trainer.batch(step, batch_size))
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(trainer.model.parameters(), 1.0)
+        optimizer.step()
+        progress.set_postfix(loss=f"{loss.item():.3f}", token_acc=f"{accuracy:.2f}")
+        if (step + 1) % 100 == 0 or step + 1 == steps:
+            state_path.parent.mkdir(parents=True, exist_ok=True)
+            state = {
+                "model": trainer.model.state_dict(),
+                "optimizer": optimizer.state_dict(),
+                "step": step + 1,
+            }
+            torch.save(state, state_path)
+            trainer.save()
+    trainer.save()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("out", type=Path, help="checkpoint directory to write")
+    parser.add_argument("--steps", type=int, default=3000)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--state",
+        type=Path,
+        default=Path(".cache/epd/shapes-training.pt"),
+        help="training state, for resuming",
+    )
+    args = parser.parse_args()
+    torch.set_num_threads(torch.get_num_threads())
+    train(args.out, args.steps, args.batch_size, args.lr, args.seed, args.state)
+
+
+if __name__ == "__main__":
+    main()
