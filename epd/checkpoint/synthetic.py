@@ -47,7 +47,7 @@ PRESETS: dict[str, tuple[VisionConfig, dict[str, Any]]] = {
     ),
     # The bundled demo model (epd.shapes): small enough to train on two CPU cores.
     "shapes": (
-        VisionConfig(64, 3, 4, 192, init_pos_emb_height=16, init_pos_emb_width=16),
+        VisionConfig(96, 4, 4, 256, init_pos_emb_height=16, init_pos_emb_width=16),
         dict(
             hidden_size=128,
             intermediate_size=384,

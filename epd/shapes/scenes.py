@@ -18,6 +18,7 @@ COLOURS = {
 }
 SHAPES = ("circle", "square", "triangle")
 BACKGROUNDS = ((255, 255, 255), (200, 200, 200), (90, 90, 90), (20, 20, 20))
+MIN_SIZE = 16  # pixels: an outline spanning more than one 14-pixel patch
 
 
 @dataclass(frozen=True)
@@ -69,13 +70,8 @@ def scene(
         limit = min(width, height) // (1 if len(kinds) == 1 else 2) - 4
         image, shapes = background(rng, width, height), list[Shape]()
         for kind, colour in zip(kinds, colours, strict=True):
-            box = place(
-                rng,
-                width,
-                height,
-                rng.randint(max(12, limit // 2), max(12, limit)),
-                [s.box for s in shapes],
-            )
+            size = rng.randint(max(MIN_SIZE, limit // 2), max(MIN_SIZE, limit))
+            box = place(rng, width, height, size, [s.box for s in shapes])
             if box is None:
                 break
             shapes.append(Shape(kind, colour, box))
