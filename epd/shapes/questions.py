@@ -11,6 +11,8 @@ from PIL import Image
 from epd.shapes.scenes import COLOURS, SHAPES, scene
 
 KINDS = ("colour", "shape", "count", "multi")
+# How often training draws each kind: colour is learned at once, outlines and counts slowly.
+TRAINING_MIX = (0.1, 0.3, 0.3, 0.3)
 ORDINALS = ("first", "second", "third")
 COLOUR_QUESTIONS = [
     "What colour is the shape?",
@@ -78,7 +80,7 @@ class Sample:
 
 
 def sample(rng: random.Random, kind: str | None = None) -> Sample:
-    kind = kind or rng.choice(KINDS)
+    kind = kind or rng.choices(KINDS, TRAINING_MIX)[0]
     first = rng.random() < 0.2
     if kind == "count":
         n = rng.randint(1, 4)
