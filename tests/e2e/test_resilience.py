@@ -50,16 +50,22 @@ def test_malicious_headers_are_refused_and_servers_keep_serving(
     assert ask(client, model_name, CASES["one image"], max_tokens=3).usage.completion_tokens == 3
 
 
+def long_request(model_name, **extra):
+    """A request that would decode for a long time if nobody stopped it."""
+    messages = CASES["text only"]
+    return {
+        "model": model_name,
+        "messages": messages,
+        "max_tokens": 4000,
+        "temperature": 0,
+        **extra,
+    }
+
+
 def test_client_that_disconnects_is_aborted_in_decode(stack, model_name):
     _, base = stack
     url = f"http://127.0.0.1:{base + 20}/v1/chat/completions"
-    request = {
-        "model": model_name,
-        "messages": CASES["text only"],
-        "max_tokens": 4000,
-        "temperature": 0,
-        "stream": True,
-    }
+    request = long_request(model_name, stream=True)
     with requests.post(url, json=request, stream=True, timeout=30) as response:
         events = (line for line in response.iter_lines() if line.startswith(b"data: "))
         for _ in range(3):  # the role chunk, then tokens: decode is generating
@@ -75,12 +81,7 @@ def test_non_streaming_client_that_disconnects_is_aborted(stack, model_name):
     process, base = stack
     aborted = process.output.count("its client went away")
     url = f"http://127.0.0.1:{base + 20}/v1/chat/completions"
-    request = {
-        "model": model_name,
-        "messages": CASES["text only"],
-        "max_tokens": 4000,
-        "temperature": 0,
-    }
+    request = long_request(model_name)
     with contextlib.suppress(requests.Timeout):
         requests.post(url, json=request, timeout=1.0)
     deadline = time.monotonic() + 15
