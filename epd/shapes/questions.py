@@ -11,8 +11,9 @@ from PIL import Image
 from epd.shapes.scenes import COLOURS, SHAPES, scene
 
 KINDS = ("colour", "shape", "count", "multi")
-# How often training draws each kind: colour is learned at once, outlines and counts slowly.
-TRAINING_MIX = (0.1, 0.3, 0.3, 0.3)
+# How often training draws each kind: colour is learned at once (and is also asked as a
+# follow-up), outlines, counts and the which-image questions slowly.
+TRAINING_MIX = (0.1, 0.2, 0.3, 0.4)
 ORDINALS = ("first", "second", "third")
 COLOUR_QUESTIONS = [
     "What colour is the shape?",
@@ -68,6 +69,9 @@ class Sample:
     question: str
     answer: str
     question_first: bool
+    # Later (question, answer) turns about the same images. Training uses them to get more
+    # answers out of each encoded image; evaluation asks the first question only.
+    followups: tuple[tuple[str, str], ...] = ()
 
     def messages(self, image_url: Any = "image") -> list[dict[str, Any]]:
         """OpenAI-style messages; `image_url(image)` gives each image part's URL."""
@@ -78,31 +82,50 @@ class Sample:
             {"role": "user", "content": text + images if self.question_first else images + text}
         ]
 
+    def turns(self) -> list[tuple[list[dict[str, Any]], str]]:
+        """The conversation up to each question (the first one holds the images), and its answer."""
+        history, answer = self.messages(), self.answer
+        turns = [(history, answer)]
+        for question, next_answer in self.followups:
+            history = [
+                *history,
+                {"role": "assistant", "content": answer},
+                {"role": "user", "content": question},
+            ]
+            answer = next_answer
+            turns.append((history, answer))
+        return turns
 
-def sample(rng: random.Random, kind: str | None = None) -> Sample:
+
+def sample(rng: random.Random, kind: str | None = None, followups: int = 0) -> Sample:
+    """One question of `kind` (drawn from TRAINING_MIX if None), with up to `followups` more."""
     kind = kind or rng.choices(KINDS, TRAINING_MIX)[0]
     first = rng.random() < 0.2
     if kind == "count":
         n = rng.randint(1, 4)
-        kinds, colours = (
-            [rng.choice(SHAPES) for _ in range(n)],
-            [rng.choice(list(COLOURS)) for _ in range(n)],
-        )
-        return Sample(
-            kind, [scene(rng, kinds, colours)[0]], rng.choice(COUNT_QUESTIONS), str(n), first
-        )
-    if kind in ("colour", "shape"):
+        shapes = [rng.choice(SHAPES) for _ in range(n)]
+        colours = [rng.choice(list(COLOURS)) for _ in range(n)]
+        image = scene(rng, shapes, colours)[0]
+        return Sample(kind, [image], rng.choice(COUNT_QUESTIONS), str(n), first)
+    if kind == "multi":
+        images, questions = multi(rng)
+    else:
         shape, colour = rng.choice(SHAPES), rng.choice(list(COLOURS))
-        questions = COLOUR_QUESTIONS if kind == "colour" else SHAPE_QUESTIONS
-        answer = colour if kind == "colour" else shape
-        return Sample(
-            kind, [scene(rng, [shape], [colour])[0]], rng.choice(questions), answer, first
-        )
-    return multi(rng, first)
+        images = [scene(rng, [shape], [colour])[0]]
+        questions = [(rng.choice(COLOUR_QUESTIONS), colour), (rng.choice(SHAPE_QUESTIONS), shape)]
+        if kind == "shape":
+            questions.reverse()
+    (question, answer), *more = questions
+    rng.shuffle(more)
+    return Sample(kind, images, question, answer, first, tuple(more[:followups]))
 
 
-def multi(rng: random.Random, first: bool) -> Sample:
-    """Two or three one-shape images that differ in what is asked about one of them."""
+def multi(rng: random.Random) -> tuple[list[Image.Image], list[tuple[str, str]]]:
+    """Two or three one-shape images that differ in what is asked about one of them.
+
+    Returns the images and (question, answer) pairs: the one asked first, then one about each
+    other image.
+    """
     count, about = rng.randint(2, 3), rng.choice(["colour", "shape"])
     colours = (
         rng.sample(list(COLOURS), count)
@@ -116,9 +139,12 @@ def multi(rng: random.Random, first: bool) -> Sample:
     )
     images = [scene(rng, [s], [c])[0] for s, c in zip(shapes, colours, strict=True)]
     target = rng.randrange(count)
-    question = rng.choice(MULTI_QUESTIONS[about]).format(n=ORDINALS[target])
-    answer = colours[target] if about == "colour" else shapes[target]
-    return Sample("multi", images, question, answer, first)
+    answers = colours if about == "colour" else shapes
+    order = [target, *(i for i in range(count) if i != target)]
+    questions = [
+        (rng.choice(MULTI_QUESTIONS[about]).format(n=ORDINALS[i]), answers[i]) for i in order
+    ]
+    return images, questions
 
 
 def corpus() -> list[str]:

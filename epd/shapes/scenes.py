@@ -18,7 +18,7 @@ COLOURS = {
 }
 SHAPES = ("circle", "square", "triangle")
 BACKGROUNDS = ((255, 255, 255), (200, 200, 200), (90, 90, 90), (20, 20, 20))
-MIN_SIZE = 16  # pixels: an outline spanning more than one 14-pixel patch
+MIN_SIZE = 20  # pixels: an outline that always spans more than one 14-pixel patch
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,7 @@ from epd.multimodal.prompt import expand_placeholders, render_prompt, scatter_im
 from epd.shapes.questions import Sample, corpus, sample
 
 IGNORE = -100
+FOLLOWUPS = 2  # most extra questions a training conversation asks about its images
 
 
 class Trainer:
@@ -55,7 +56,8 @@ class Trainer:
             init_weights(self.model, torch.Generator().manual_seed(seed))
 
     def batch(self, step: int, size: int) -> list[Sample]:
-        return [sample(random.Random(f"{self.seed}-{step}-{i}")) for i in range(size)]
+        rngs = [random.Random(f"{self.seed}-{step}-{i}") for i in range(size)]
+        return [sample(rng, followups=rng.randint(0, FOLLOWUPS)) for rng in rngs]
 
     def loss(self, samples: list[Sample]) -> tuple[torch.Tensor, float]:
         """Cross-entropy over the answer tokens of a packed batch; and first-token accuracy."""
@@ -67,12 +69,10 @@ class Trainer:
         targets: list[int] = []
         lengths: list[int] = []
         for s in samples:
-            prompt = render_prompt(self.tokenizer, s.messages())
-            prompt = expand_placeholders(prompt, pad, [next(counts) for _ in s.images])
-            answer = [*self.tokenizer.encode(s.answer, add_special_tokens=False), self.im_end]
-            ids += prompt + answer
-            targets += [IGNORE] * (len(prompt) - 1) + answer + [IGNORE]  # position t predicts t+1
-            lengths.append(len(prompt) + len(answer))
+            conversation, labels = self.conversation(s, [next(counts) for _ in s.images])
+            ids += conversation
+            targets += [*labels[1:], IGNORE]  # position t predicts token t+1
+            lengths.append(len(conversation))
         input_ids, target_ids = torch.tensor(ids), torch.tensor(targets)
         embeds = scatter_image_embeddings(lm.embed(input_ids), input_ids, image_embeds, pad)
         hidden, _ = lm.prefill(embeds, lengths)
@@ -80,6 +80,20 @@ class Trainer:
         logits = lm.logits(hidden[keep])
         correct = (logits.argmax(-1) == target_ids[keep]).float().mean().item()
         return F.cross_entropy(logits, target_ids[keep]), correct
+
+    def conversation(self, s: Sample, image_tokens: list[int]) -> tuple[list[int], list[int]]:
+        """Token ids of every turn of `s`, and labels that are the ids on answers, else IGNORE."""
+        pad = self.config.media_placeholder_token_id
+        ids: list[int] = []
+        labels: list[int] = []
+        for messages, reply in s.turns():
+            prompt = expand_placeholders(render_prompt(self.tokenizer, messages), pad, image_tokens)
+            # Each turn's prompt extends the previous turn's ids with the next question.
+            assert prompt[: len(ids)] == ids, "chat template is not prefix-stable"
+            answer = [*self.tokenizer.encode(reply, add_special_tokens=False), self.im_end]
+            labels += [IGNORE] * (len(prompt) - len(ids)) + answer
+            ids = prompt + answer
+        return ids, labels
 
     def save(self) -> None:
         state = {k: v.detach().contiguous() for k, v in self.model.state_dict().items()}

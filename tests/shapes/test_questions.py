@@ -4,7 +4,7 @@ import random
 
 from epd.checkpoint.config import ProcessorConfig
 from epd.multimodal.image_processor import ImageProcessor
-from epd.shapes.questions import KINDS, sample
+from epd.shapes.questions import KINDS, ORDINALS, sample
 from epd.shapes.scenes import COLOURS, SHAPES
 
 PROCESSOR = ImageProcessor(ProcessorConfig(image_mean=(0.5,) * 3, image_std=(0.5,) * 3))
@@ -44,3 +44,18 @@ def test_samples_are_reproducible_from_their_seed():
     a, b = sample(random.Random("x")), sample(random.Random("x"))
     assert (a.question, a.answer) == (b.question, b.answer)
     assert a.images[0].tobytes() == b.images[0].tobytes()
+
+
+def test_followups_ask_about_the_same_images_without_repeating_a_question():
+    for kind in KINDS:
+        for i in range(50):
+            plain = sample(random.Random(f"t-{kind}-{i}"), kind)
+            extra = sample(random.Random(f"t-{kind}-{i}"), kind, followups=2)
+            assert (extra.question, extra.answer) == (plain.question, plain.answer)
+            asked = [extra.question, *(q for q, _ in extra.followups)]
+            assert len(extra.followups) <= 2 and len(set(asked)) == len(asked)
+            if kind == "multi":  # each question names a different image
+                ordinals = [next(o for o in ORDINALS if o in q) for q in asked]
+                assert len(set(ordinals)) == len(ordinals)
+            if kind in ("colour", "shape"):  # the other attribute of the one shape
+                assert [a in COLOURS for _, a in extra.followups] == [kind == "shape"]

@@ -1,9 +1,13 @@
 """Training is seeded and resumable: stopping and resuming gives the same weights."""
 
+import random
+
 import torch
 
 from epd.checkpoint.weights import load_model
-from epd.shapes.train import train
+from epd.multimodal.prompt import expand_placeholders
+from epd.shapes.questions import sample
+from epd.shapes.train import IGNORE, Trainer, train
 
 
 def test_resumed_training_equals_uninterrupted(tmp_path):
@@ -18,14 +22,11 @@ def test_resumed_training_equals_uninterrupted(tmp_path):
     )
     straight = load_model(tmp_path / "straight").state_dict()
     resumed = load_model(tmp_path / "resumed").state_dict()
-    untrained = load_model(tmp_path / "straight").state_dict()
+    assert straight.keys() == resumed.keys()
     assert all(torch.equal(straight[k], resumed[k]) for k in straight)
-    assert untrained.keys() == straight.keys()
 
 
 def test_a_few_steps_lower_the_loss(tmp_path):
-    from epd.shapes.train import Trainer
-
     trainer = Trainer(tmp_path / "c", seed=0)
     optimizer = torch.optim.AdamW(trainer.model.parameters(), lr=3e-3)
     batch = trainer.batch(0, 8)
@@ -36,3 +37,22 @@ def test_a_few_steps_lower_the_loss(tmp_path):
         loss.backward()
         optimizer.step()
     assert trainer.loss(batch)[0].item() < first - 0.25
+
+
+def test_a_conversation_is_the_chat_template_with_only_its_answers_labelled(tmp_path):
+    trainer = Trainer(tmp_path / "d", seed=0)
+    s = sample(random.Random(5), "multi", followups=2)
+    assert len(s.followups) >= 1
+    ids, labels = trainer.conversation(s, [3] * len(s.images))
+
+    messages, last = s.turns()[-1]
+    whole = [*messages, {"role": "assistant", "content": last}]
+    text = trainer.tokenizer.apply_chat_template(whole, tokenize=False)
+    expected = trainer.tokenizer.encode(text, add_special_tokens=False)
+    pad = trainer.config.media_placeholder_token_id
+    assert ids == expand_placeholders(expected, pad, [3] * len(s.images))
+
+    labelled = trainer.tokenizer.decode([t for t in labels if t != IGNORE])
+    answers = [s.answer, *(answer for _, answer in s.followups)]
+    assert labelled == "".join(f"{answer}<|im_end|>" for answer in answers)
+    assert all(t in (IGNORE, i) for t, i in zip(labels, ids, strict=True))
