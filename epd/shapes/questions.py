@@ -11,8 +11,11 @@ from PIL import Image
 from epd.shapes.scenes import COLOURS, SHAPES, scene
 
 KINDS = ("colour", "shape", "count", "multi")
-# How often training draws each kind: colour is learned at once (and is also asked as a
-# follow-up), outlines, counts and the which-image questions slowly.
+# How often training draws each kind (KINDS order). The first stage has one image at a time and
+# mostly outlines: in the full mix from the start, the language model settles on answer priors
+# long before the tower tells outlines apart. Colour is learned at once; telling images apart by
+# their order ("the second image") is learned last, so it gets the largest share after that.
+FIRST_STAGE_MIX = (0.2, 0.5, 0.3, 0.0)
 TRAINING_MIX = (0.1, 0.2, 0.3, 0.4)
 ORDINALS = ("first", "second", "third")
 COLOUR_QUESTIONS = [
@@ -97,9 +100,14 @@ class Sample:
         return turns
 
 
-def sample(rng: random.Random, kind: str | None = None, followups: int = 0) -> Sample:
-    """One question of `kind` (drawn from TRAINING_MIX if None), with up to `followups` more."""
-    kind = kind or rng.choices(KINDS, TRAINING_MIX)[0]
+def sample(
+    rng: random.Random,
+    kind: str | None = None,
+    followups: int = 0,
+    mix: tuple[float, ...] = TRAINING_MIX,
+) -> Sample:
+    """One question of `kind` (drawn from `mix` if None), with up to `followups` more."""
+    kind = kind or rng.choices(KINDS, mix)[0]
     first = rng.random() < 0.2
     if kind == "count":
         n = rng.randint(1, 4)
@@ -148,8 +156,14 @@ def multi(rng: random.Random) -> tuple[list[Image.Image], list[tuple[str, str]]]
 
 
 def corpus() -> list[str]:
-    """Every phrase the task uses, for training the tokenizer."""
+    """Every phrase the task uses, for training the tokenizer.
+
+    The chat template's role words and every answer also stand alone (as they follow a special
+    token, without a leading space), so that with a big enough vocabulary each word the task uses
+    is one token: prompts are about half as long as with byte pieces, and answers are one token.
+    """
     lines = COLOUR_QUESTIONS + SHAPE_QUESTIONS + COUNT_QUESTIONS
     lines += [q.format(n=n) for qs in MULTI_QUESTIONS.values() for q in qs for n in ORDINALS]
     lines += [" ".join(COLOURS), " ".join(SHAPES), "1 2 3 4", "You are a helpful assistant"]
+    lines += ["system", "user", "assistant", "image", *COLOURS, *SHAPES, "1", "2", "3", "4"]
     return lines

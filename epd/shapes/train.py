@@ -32,21 +32,21 @@ from epd.checkpoint.tokenizer import load_tokenizer
 from epd.model.kimi_vl import KimiVL
 from epd.multimodal.image_processor import ImageProcessor
 from epd.multimodal.prompt import expand_placeholders, render_prompt, scatter_image_embeddings
-from epd.shapes.questions import Sample, corpus, sample
+from epd.shapes.questions import FIRST_STAGE_MIX, TRAINING_MIX, Sample, corpus, sample
 
 IGNORE = -100
 FOLLOWUPS = 2  # most extra questions a training conversation asks about its images
 
 
 class Trainer:
-    def __init__(self, out: Path, seed: int, vocab_size: int = 384) -> None:
+    def __init__(self, out: Path, seed: int, first_stage: int = 0, vocab_size: int = 512) -> None:
         out.mkdir(parents=True, exist_ok=True)
         raw_tokenizer = build_tokenizer(vocab_size, corpus())
         placeholder = raw_tokenizer.token_to_id("<|media_pad|>")
         assert placeholder is not None
         self.config = make_config("shapes", raw_tokenizer.get_vocab_size(), placeholder, None)
         write_side_files(out, self.config, raw_tokenizer)
-        self.out, self.seed = out, seed
+        self.out, self.seed, self.first_stage = out, seed, first_stage
         self.tokenizer = load_tokenizer(out)
         self.im_end = self.tokenizer.convert_tokens_to_ids("<|im_end|>")
         self.processor = ImageProcessor(load_processor_config(out))
@@ -56,8 +56,9 @@ class Trainer:
             init_weights(self.model, torch.Generator().manual_seed(seed))
 
     def batch(self, step: int, size: int) -> list[Sample]:
+        mix = FIRST_STAGE_MIX if step < self.first_stage else TRAINING_MIX
         rngs = [random.Random(f"{self.seed}-{step}-{i}") for i in range(size)]
-        return [sample(rng, followups=rng.randint(0, FOLLOWUPS)) for rng in rngs]
+        return [sample(rng, followups=rng.randint(0, FOLLOWUPS), mix=mix) for rng in rngs]
 
     def loss(self, samples: list[Sample]) -> tuple[torch.Tensor, float]:
         """Cross-entropy over the answer tokens of a packed batch; and first-token accuracy."""
@@ -107,8 +108,16 @@ def learning_rate(step: int, steps: int, peak: float, warmup: int = 100) -> floa
     return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def train(out: Path, steps: int, batch_size: int, lr: float, seed: int, state_path: Path) -> None:
-    trainer = Trainer(out, seed)
+def train(
+    out: Path,
+    steps: int,
+    batch_size: int,
+    lr: float,
+    seed: int,
+    state_path: Path,
+    first_stage: int = 0,
+) -> None:
+    trainer = Trainer(out, seed, first_stage)
     optimizer = torch.optim.AdamW(
         trainer.model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01
     )
@@ -149,8 +158,14 @@ def main() -> None:
     parser.add_argument("out", type=Path, help="checkpoint directory to write")
     parser.add_argument("--steps", type=int, default=3000)
     parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--lr", type=float, default=5e-4)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--first-stage",
+        type=int,
+        default=1000,
+        help="steps of one-image questions (mostly shape) before the full mix",
+    )
     parser.add_argument(
         "--state",
         type=Path,
@@ -159,7 +174,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     torch.set_num_threads(torch.get_num_threads())
-    train(args.out, args.steps, args.batch_size, args.lr, args.seed, args.state)
+    train(args.out, args.steps, args.batch_size, args.lr, args.seed, args.state, args.first_stage)
 
 
 if __name__ == "__main__":

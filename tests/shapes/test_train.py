@@ -7,6 +7,7 @@ import torch
 from epd.checkpoint.weights import load_model
 from epd.multimodal.prompt import expand_placeholders
 from epd.shapes.questions import sample
+from epd.shapes.scenes import COLOURS, SHAPES
 from epd.shapes.train import IGNORE, Trainer, train
 
 
@@ -56,3 +57,19 @@ def test_a_conversation_is_the_chat_template_with_only_its_answers_labelled(tmp_
     answers = [s.answer, *(answer for _, answer in s.followups)]
     assert labelled == "".join(f"{answer}<|im_end|>" for answer in answers)
     assert all(t in (IGNORE, i) for t, i in zip(labels, ids, strict=True))
+
+
+def test_the_first_stage_asks_about_one_image_at_a_time(tmp_path):
+    trainer = Trainer(tmp_path / "e", seed=0, first_stage=2)
+    first, later = trainer.batch(1, 64), trainer.batch(2, 64)
+    assert all(len(s.images) == 1 for s in first)
+    assert sum(s.kind == "shape" for s in first) > sum(s.kind == "shape" for s in later)
+    assert any(len(s.images) > 1 for s in later)
+
+
+def test_every_answer_and_template_word_is_one_token(tmp_path):
+    tokenizer = Trainer(tmp_path / "f", seed=0).tokenizer
+    for word in [*COLOURS, *SHAPES, "1", "2", "3", "4", "system", "user", "assistant"]:
+        assert len(tokenizer.encode(word, add_special_tokens=False)) == 1, word
+    question = tokenizer.encode("What colour is the shape in the second image?")
+    assert len(question) == 10  # one token per word, and the question mark
