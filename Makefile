@@ -6,9 +6,8 @@ PYTHON ?= python3
 PY     := $(VENV)/bin/python
 TORCH_CPU ?= torch==2.13.0
 
-# `make serve` runs the bundled default checkpoint; MODEL=/path/to/checkpoint serves another.
-DEFAULT_MODEL := .cache/epd/tiny-random
-MODEL ?= $(DEFAULT_MODEL)
+# `make serve` runs the bundled demo checkpoint; MODEL=/path/to/checkpoint serves another.
+MODEL ?= checkpoints/kimi-vl-shapes
 PORT  ?= 8000
 CONFIG ?= configs/local.yaml
 
@@ -35,9 +34,6 @@ test: lint
 	$(PY) -m pytest -q
 
 serve: setup
-	@if [ "$(MODEL)" = "$(DEFAULT_MODEL)" ] && [ ! -f "$(MODEL)/config.json" ]; then \
-	  $(PY) -m epd.cli make-checkpoint "$(MODEL)" --preset tiny; \
-	fi
 	exec $(PY) -m epd.cli serve --config $(CONFIG) --model "$(MODEL)" --port $(PORT) $(SERVE_FLAGS)
 
 bench: setup

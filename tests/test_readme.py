@@ -55,7 +55,7 @@ def make_serve():
         if line.startswith("epd serve ready"):
             break
     assert process.poll() is None, "".join(lines)
-    assert "'tiny-random'" in lines[-1] and "Ctrl-C" in lines[-1]
+    assert "'kimi-vl-shapes'" in lines[-1] and "Ctrl-C" in lines[-1]
     yield port
     os.killpg(process.pid, signal.SIGINT)  # Ctrl-C reaches make and everything under it
     rest = process.communicate(timeout=60)[0]
@@ -72,9 +72,10 @@ def test_curl_examples(make_serve, name):
         ["bash", "-c", with_port(block(name), make_serve)], capture_output=True, text=True
     )
     reply = json.loads(result.stdout)
-    assert reply["object"] == "chat.completion" and reply["usage"]["completion_tokens"] == 16
-    if name == "curl-image":
-        assert reply["usage"]["prompt_tokens"] > 2  # a 56×28 image is 2 tokens on top of the text
+    assert reply["object"] == "chat.completion" and reply["usage"]["completion_tokens"] >= 1
+    if name == "curl-image":  # the README says what the answer is
+        assert reply["choices"][0]["message"] == {"role": "assistant", "content": "red"}
+        assert '`{"role": "assistant", "content": "red"}`' in README
 
 
 def test_python_streaming_example(make_serve):
@@ -85,7 +86,7 @@ def test_python_streaming_example(make_serve):
         timeout=60,
     )
     assert result.returncode == 0, result.stderr
-    assert "completion_tokens=16" in result.stdout
+    assert result.stdout.startswith("circle") and "prints `circle`" in README
 
 
 def test_local_launch_commands(make_serve):
@@ -125,7 +126,7 @@ def test_local_launch_commands(make_serve):
         result = subprocess.run(
             ["bash", "-c", with_port(block("curl-text"), base + 20)], capture_output=True, text=True
         )
-        assert json.loads(result.stdout)["usage"]["completion_tokens"] == 16
+        assert json.loads(result.stdout)["usage"]["completion_tokens"] >= 1
     finally:
         for process in processes:
             process.terminate()

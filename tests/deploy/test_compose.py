@@ -21,13 +21,14 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def parsed(file: str) -> dict:
+def parsed(file: str, model_dir: str | None = "/models/x") -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "EPD_MODEL_DIR"}
     result = subprocess.run(
         [COMPOSE or "docker-compose", "-f", str(ROOT / file), "config"],
         capture_output=True,
         text=True,
         cwd=ROOT,
-        env=os.environ | {"EPD_MODEL_DIR": "/models/x"},
+        env=env | ({"EPD_MODEL_DIR": model_dir} if model_dir else {}),
     )
     assert result.returncode == 0, result.stderr
     return yaml.safe_load(result.stdout)
@@ -77,6 +78,15 @@ def test_compose_file(file, gpus):
     for name in ("encode", "decode"):
         assert services["prefill"]["depends_on"][name]["condition"] == "service_healthy"
         assert configs[name].bind.startswith("tcp://0.0.0.0:")
+
+
+@pytest.mark.parametrize("file", ["docker-compose.yml", "docker-compose.cpu.yml"])
+def test_without_a_model_dir_the_cluster_serves_the_bundled_checkpoint(file):
+    for service in parsed(file, model_dir=None)["services"].values():
+        (volume,) = service["volumes"]
+        source = volume["source"] if isinstance(volume, dict) else volume.split(":")[0]
+        assert Path(source).resolve() == (ROOT / "checkpoints" / "kimi-vl-shapes").resolve()
+        assert (Path(source) / "config.json").is_file()
 
 
 def test_image_runs_the_epd_console_script():
