@@ -173,7 +173,6 @@ def main() -> None:
         help="training state, for resuming",
     )
     args = parser.parse_args()
-    torch.set_num_threads(torch.get_num_threads())
     train(args.out, args.steps, args.batch_size, args.lr, args.seed, args.state, args.first_stage)
 
 

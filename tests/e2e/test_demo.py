@@ -76,8 +76,10 @@ def ask(client: openai.OpenAI, content: list[dict]) -> str:
 
 
 def local_answer(local: LocalPipeline, content: list[dict]) -> str:
-    body = {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": 4}
-    return local.chat(body | {"temperature": 0}).text
+    messages = [{"role": "user", "content": content}]
+    return local.chat(
+        {"model": MODEL, "messages": messages, "max_tokens": 4, "temperature": 0}
+    ).text
 
 
 @pytest.mark.parametrize(

@@ -52,10 +52,9 @@ def test_malicious_headers_are_refused_and_servers_keep_serving(
 
 def long_request(model_name, **extra):
     """A request that would decode for a long time if nobody stopped it."""
-    messages = CASES["text only"]
     return {
         "model": model_name,
-        "messages": messages,
+        "messages": CASES["text only"],
         "max_tokens": 4000,
         "temperature": 0,
         **extra,

@@ -36,8 +36,8 @@ def test_phrasings_vary_with_both_spellings():
 def test_multi_image_questions_single_out_one_image():
     for s in samples("multi", 100):
         assert 2 <= len(s.images) <= 3
-        ordinal = next(o for o in ("first", "second", "third") if o in s.question)
-        assert ("first", "second", "third").index(ordinal) < len(s.images)
+        ordinal = next(o for o in ORDINALS if o in s.question)
+        assert ORDINALS.index(ordinal) < len(s.images)
 
 
 def test_samples_are_reproducible_from_their_seed():
