@@ -2,11 +2,12 @@
 
 The whole Kimi-VL is trained — vision tower, projector and language model — through the same
 modules that serve it, with the loss on the answer tokens (and the <|im_end|> that ends them).
-Prompts of a batch are packed into one sequence (`DeepseekV3ForCausalLM.prefill(lengths=...)`).
+Prompts of a batch are packed into one sequence (`DeepseekV3ForCausalLM.prefill(lengths=...)`),
+and the batch is shared among `--workers` processes (epd.shapes.workers), one per core.
 Seeded and resumable: the batch of step s is a function of (seed, s), and the model, optimiser
 and step are saved to `--state` as training goes.
 
-    python -m epd.shapes.train checkpoints/kimi-vl-shapes    # the bundled checkpoint: 11 000 steps
+    python -m epd.shapes.train checkpoints/kimi-vl-shapes    # the bundled checkpoint
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from epd.checkpoint.tokenizer import load_tokenizer
 from epd.model.kimi_vl import KimiVL
 from epd.multimodal.image_processor import ImageProcessor
 from epd.multimodal.prompt import expand_placeholders, render_prompt, scatter_image_embeddings
+from epd.shapes import workers as team
 from epd.shapes.questions import FIRST_STAGE_MIX, TRAINING_MIX, Sample, corpus, sample
 
 IGNORE = -100
@@ -39,13 +41,22 @@ FOLLOWUPS = 2  # most extra questions a training conversation asks about its ima
 
 
 class Trainer:
-    def __init__(self, out: Path, seed: int, first_stage: int = 0, vocab_size: int = 512) -> None:
+    def __init__(
+        self,
+        out: Path,
+        seed: int,
+        first_stage: int = 0,
+        vocab_size: int = 512,
+        write_files: bool = True,
+    ) -> None:
+        """`write_files=False` reads the side files (tokenizer, configs) another worker wrote."""
         out.mkdir(parents=True, exist_ok=True)
         raw_tokenizer = build_tokenizer(vocab_size, corpus())
         placeholder = raw_tokenizer.token_to_id("<|media_pad|>")
         assert placeholder is not None
         self.config = make_config("shapes", raw_tokenizer.get_vocab_size(), placeholder, None)
-        write_side_files(out, self.config, raw_tokenizer)
+        if write_files:
+            write_side_files(out, self.config, raw_tokenizer)
         self.out, self.seed, self.first_stage = out, seed, first_stage
         self.tokenizer = load_tokenizer(out)
         self.im_end = self.tokenizer.convert_tokens_to_ids("<|im_end|>")
@@ -55,13 +66,17 @@ class Trainer:
         with torch.no_grad():
             init_weights(self.model, torch.Generator().manual_seed(seed))
 
-    def batch(self, step: int, size: int) -> list[Sample]:
+    def batch(self, step: int, size: int, part: slice = slice(None)) -> list[Sample]:
+        """The samples of step `step`'s batch, or the `part` of them one worker takes."""
         mix = FIRST_STAGE_MIX if step < self.first_stage else TRAINING_MIX
-        rngs = [random.Random(f"{self.seed}-{step}-{i}") for i in range(size)]
+        rngs = [random.Random(f"{self.seed}-{step}-{i}") for i in range(size)[part]]
         return [sample(rng, followups=rng.randint(0, FOLLOWUPS), mix=mix) for rng in rngs]
 
-    def loss(self, samples: list[Sample]) -> tuple[torch.Tensor, float]:
-        """Cross-entropy over the answer tokens of a packed batch; and first-token accuracy."""
+    def loss(self, samples: list[Sample]) -> tuple[torch.Tensor, int, int]:
+        """Over the answer tokens of a packed batch: summed cross-entropy, count, count right.
+
+        Sums, not means, so that workers' shares of a batch add up to the whole batch's loss.
+        """
         lm, pad = self.model.language_model, self.config.media_placeholder_token_id
         processed = self.processor([image for s in samples for image in s.images])
         image_embeds = self.model.encode_images(processed.pixel_values, list(processed.grids))
@@ -79,8 +94,8 @@ class Trainer:
         hidden, _ = lm.prefill(embeds, lengths)
         keep = target_ids != IGNORE
         logits = lm.logits(hidden[keep])
-        correct = (logits.argmax(-1) == target_ids[keep]).float().mean().item()
-        return F.cross_entropy(logits, target_ids[keep]), correct
+        correct = int((logits.argmax(-1) == target_ids[keep]).sum())
+        return F.cross_entropy(logits, target_ids[keep], reduction="sum"), len(logits), correct
 
     def conversation(self, s: Sample, image_tokens: list[int]) -> tuple[list[int], list[int]]:
         """Token ids of every turn of `s`, and labels that are the ids on answers, else IGNORE."""
@@ -116,30 +131,65 @@ def train(
     seed: int,
     state_path: Path,
     first_stage: int = 0,
+    workers: int = 1,
 ) -> None:
-    trainer = Trainer(out, seed, first_stage)
-    optimizer = torch.optim.AdamW(
-        trainer.model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01
-    )
+    """Train to `steps` (resuming from `state_path` if it exists) on `workers` processes."""
+    team.launch(_train, workers, out, steps, batch_size, lr, seed, state_path, first_stage)
+
+
+def _train(
+    rank: int,
+    workers: int,
+    out: Path,
+    steps: int,
+    batch_size: int,
+    lr: float,
+    seed: int,
+    state_path: Path,
+    first_stage: int,
+) -> None:
+    lead = rank == 0  # writes the files, reports progress
+    if not lead:
+        team.barrier()  # wait for the side files
+    trainer = Trainer(out, seed, first_stage, write_files=lead)
+    if lead:
+        team.barrier()
+    params = list(trainer.model.parameters())
+    optimizer = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.01, fused=True)
     start = 0
     if state_path.is_file():
         state = torch.load(state_path, weights_only=True)
         trainer.model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         start = state["step"]
-        print(f"resuming at step {start} from {state_path}")
+        if lead:
+            print(f"resuming at step {start} from {state_path}")
     trainer.model.train()
-    progress = tqdm(range(start, steps), initial=start, total=steps, desc="training", unit="step")
+    progress = tqdm(
+        range(start, steps),
+        initial=start,
+        total=steps,
+        desc="training",
+        unit="step",
+        disable=not lead,
+    )
     for step in progress:
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(step, steps, lr)
-        loss, accuracy = trainer.loss(trainer.batch(step, batch_size))
+        summed, tokens, correct = trainer.loss(
+            trainer.batch(step, batch_size, slice(rank, None, workers))
+        )
+        # (answer tokens, loss, right answers) over the whole batch, all workers together
+        whole = team.total(torch.tensor([tokens, summed.item(), correct], dtype=torch.float64))
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(trainer.model.parameters(), 1.0)
+        (summed / whole[0]).backward()
+        team.sum_gradients(params)
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
-        progress.set_postfix(loss=f"{loss.item():.3f}", token_acc=f"{accuracy:.2f}")
-        if (step + 1) % 100 == 0 or step + 1 == steps:
+        progress.set_postfix(
+            loss=f"{whole[1] / whole[0]:.3f}", token_acc=f"{whole[2] / whole[0]:.2f}"
+        )
+        if lead and ((step + 1) % 100 == 0 or step + 1 == steps):
             state_path.parent.mkdir(parents=True, exist_ok=True)
             state = {
                 "model": trainer.model.state_dict(),
@@ -148,7 +198,8 @@ def train(
             }
             torch.save(state, state_path)
             trainer.save()
-    trainer.save()
+    if lead:
+        trainer.save()
 
 
 def main() -> None:
@@ -160,6 +211,9 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--lr", type=float, default=5e-4)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--workers", type=int, default=2, help="processes sharing each batch, one per core"
+    )
     parser.add_argument(
         "--first-stage",
         type=int,
@@ -173,7 +227,16 @@ def main() -> None:
         help="training state, for resuming",
     )
     args = parser.parse_args()
-    train(args.out, args.steps, args.batch_size, args.lr, args.seed, args.state, args.first_stage)
+    train(
+        args.out,
+        args.steps,
+        args.batch_size,
+        args.lr,
+        args.seed,
+        args.state,
+        args.first_stage,
+        args.workers,
+    )
 
 
 if __name__ == "__main__":

@@ -27,17 +27,43 @@ def test_resumed_training_equals_uninterrupted(tmp_path):
     assert all(torch.equal(straight[k], resumed[k]) for k in straight)
 
 
+def test_two_workers_train_the_model_one_process_does(tmp_path):
+    for workers in (1, 2):
+        train(
+            tmp_path / f"w{workers}",
+            steps=2,
+            batch_size=4,
+            lr=1e-3,
+            seed=5,
+            state_path=tmp_path / f"w{workers}.pt",
+            workers=workers,
+        )
+    alone = load_model(tmp_path / "w1").state_dict()
+    shared = load_model(tmp_path / "w2").state_dict()
+    initial = Trainer(tmp_path / "init", seed=5).model.state_dict()
+    # The same weights up to summation order, and not because training left them alone.
+    assert all(torch.allclose(alone[k], shared[k], atol=1e-6) for k in alone)
+    assert not torch.equal(
+        alone["language_model.lm_head.weight"], initial["language_model.lm_head.weight"]
+    )
+
+
 def test_a_few_steps_lower_the_loss(tmp_path):
     trainer = Trainer(tmp_path / "c", seed=0)
     optimizer = torch.optim.AdamW(trainer.model.parameters(), lr=3e-3)
     batch = trainer.batch(0, 8)
-    first = trainer.loss(batch)[0].item()
+
+    def mean_loss() -> torch.Tensor:
+        summed, tokens, _ = trainer.loss(batch)
+        return summed / tokens
+
+    first = mean_loss().item()
     for _ in range(5):
-        loss, _ = trainer.loss(batch)
+        loss = mean_loss()
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-    assert trainer.loss(batch)[0].item() < first - 0.25
+    assert mean_loss().item() < first - 0.25
 
 
 def test_a_conversation_is_the_chat_template_with_only_its_answers_labelled(tmp_path):
