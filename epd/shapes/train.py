@@ -3,7 +3,7 @@
 The whole Kimi-VL is trained — vision tower, projector and language model — through the same
 modules that serve it, with the loss on the answer tokens (and the <|im_end|> that ends them).
 Prompts of a batch are packed into one sequence (`DeepseekV3ForCausalLM.prefill(lengths=...)`),
-and the batch is shared among `--workers` processes (epd.shapes.workers), one per core.
+and the batch is shared among `--workers` processes (epd.shapes.data_parallel), one per core.
 Seeded and resumable: the batch of step s is a function of (seed, s), and the model, optimiser
 and step are saved to `--state` as training goes.
 
@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import random
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -33,7 +35,7 @@ from epd.checkpoint.tokenizer import load_tokenizer
 from epd.model.kimi_vl import KimiVL
 from epd.multimodal.image_processor import ImageProcessor
 from epd.multimodal.prompt import expand_placeholders, render_prompt, scatter_image_embeddings
-from epd.shapes import workers as team
+from epd.shapes import data_parallel
 from epd.shapes.questions import FIRST_STAGE_MIX, TRAINING_MIX, Sample, corpus, sample
 
 IGNORE = -100
@@ -49,7 +51,7 @@ class Trainer:
         vocab_size: int = 512,
         write_files: bool = True,
     ) -> None:
-        """`write_files=False` reads the side files (tokenizer, configs) another worker wrote."""
+        """`write_files=False` reads the side files (tokenizer, configs) worker 0 writes."""
         out.mkdir(parents=True, exist_ok=True)
         raw_tokenizer = build_tokenizer(vocab_size, corpus())
         placeholder = raw_tokenizer.token_to_id("<|media_pad|>")
@@ -57,6 +59,7 @@ class Trainer:
         self.config = make_config("shapes", raw_tokenizer.get_vocab_size(), placeholder, None)
         if write_files:
             write_side_files(out, self.config, raw_tokenizer)
+        data_parallel.barrier()  # the files are written before any worker reads them
         self.out, self.seed, self.first_stage = out, seed, first_stage
         self.tokenizer = load_tokenizer(out)
         self.im_end = self.tokenizer.convert_tokens_to_ids("<|im_end|>")
@@ -123,6 +126,21 @@ def learning_rate(step: int, steps: int, peak: float, warmup: int = 100) -> floa
     return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
+def gradients(trainer: Trainer, samples: list[Sample]) -> torch.Tensor:
+    """Backpropagate the mean answer-token loss of the batch whose share `samples` is.
+
+    Each worker's parameters end up holding the whole batch's gradient. Returns (answer tokens,
+    summed loss, right answers) over the whole batch, float64.
+    """
+    summed, tokens, correct = trainer.loss(samples)
+    whole = data_parallel.all_sum(
+        torch.tensor([tokens, summed.item(), correct], dtype=torch.float64)
+    )
+    (summed / float(whole[0])).backward()
+    data_parallel.sum_gradients(trainer.model.parameters())
+    return whole
+
+
 def train(
     out: Path,
     steps: int,
@@ -134,7 +152,10 @@ def train(
     workers: int = 1,
 ) -> None:
     """Train to `steps` (resuming from `state_path` if it exists) on `workers` processes."""
-    team.launch(_train, workers, out, steps, batch_size, lr, seed, state_path, first_stage)
+    if not 1 <= workers <= batch_size:
+        raise ValueError(f"workers must be between 1 and the batch size, got {workers}")
+    args = (out, steps, batch_size, lr, seed, state_path, first_stage)
+    data_parallel.launch(_train, workers, *args)
 
 
 def _train(
@@ -149,11 +170,7 @@ def _train(
     first_stage: int,
 ) -> None:
     lead = rank == 0  # writes the files, reports progress
-    if not lead:
-        team.barrier()  # wait for the side files
     trainer = Trainer(out, seed, first_stage, write_files=lead)
-    if lead:
-        team.barrier()
     params = list(trainer.model.parameters())
     optimizer = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.01, fused=True)
     start = 0
@@ -176,30 +193,31 @@ def _train(
     for step in progress:
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(step, steps, lr)
-        summed, tokens, correct = trainer.loss(
-            trainer.batch(step, batch_size, slice(rank, None, workers))
-        )
-        # (answer tokens, loss, right answers) over the whole batch, all workers together
-        whole = team.total(torch.tensor([tokens, summed.item(), correct], dtype=torch.float64))
         optimizer.zero_grad(set_to_none=True)
-        (summed / whole[0]).backward()
-        team.sum_gradients(params)
+        tokens, loss, correct = gradients(
+            trainer, trainer.batch(step, batch_size, slice(rank, None, workers))
+        )
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
-        progress.set_postfix(
-            loss=f"{whole[1] / whole[0]:.3f}", token_acc=f"{whole[2] / whole[0]:.2f}"
-        )
+        progress.set_postfix(loss=f"{loss / tokens:.3f}", token_acc=f"{correct / tokens:.2f}")
         if lead and ((step + 1) % 100 == 0 or step + 1 == steps):
-            state_path.parent.mkdir(parents=True, exist_ok=True)
             state = {
                 "model": trainer.model.state_dict(),
                 "optimizer": optimizer.state_dict(),
                 "step": step + 1,
             }
-            torch.save(state, state_path)
+            save_atomically(state, state_path)
             trainer.save()
     if lead:
         trainer.save()
+
+
+def save_atomically(state: dict[str, Any], path: Path) -> None:
+    """Write then rename, so that an interrupted save leaves the previous state whole."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")
+    torch.save(state, partial)
+    os.replace(partial, path)
 
 
 def main() -> None:
@@ -212,7 +230,10 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=5e-4)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
-        "--workers", type=int, default=2, help="processes sharing each batch, one per core"
+        "--workers",
+        type=int,
+        default=min(2, data_parallel.cores()),
+        help="processes sharing each batch, one per core (default: 2, or 1 on one core)",
     )
     parser.add_argument(
         "--first-stage",
