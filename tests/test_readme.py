@@ -86,7 +86,7 @@ def test_python_streaming_example(make_serve):
         timeout=60,
     )
     assert result.returncode == 0, result.stderr
-    assert result.stdout.startswith("circle") and "prints `circle`" in README
+    assert result.stdout.startswith("triangle") and "prints `triangle`" in README
 
 
 def test_local_launch_commands(make_serve):
