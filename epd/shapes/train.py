@@ -136,7 +136,7 @@ def gradients(trainer: Trainer, samples: list[Sample]) -> torch.Tensor:
     whole = data_parallel.all_sum(
         torch.tensor([tokens, summed.item(), correct], dtype=torch.float64)
     )
-    (summed / float(whole[0])).backward()
+    (summed / whole[0]).backward()  # divided in float64, as the bundled checkpoint was
     data_parallel.sum_gradients(trainer.model.parameters())
     return whole
 
