@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from epd.shapes.train import train
+from epd.shapes.train import Run, train
 
 
 def main() -> None:
@@ -30,15 +30,8 @@ def main() -> None:
     for workers in args.workers:
         with tempfile.TemporaryDirectory() as tmp:
             start = time.perf_counter()
-            train(
-                Path(tmp) / "out",
-                args.steps,
-                args.batch_size,
-                lr=5e-4,
-                seed=0,
-                state_path=Path(tmp) / "state.pt",
-                workers=workers,
-            )
+            state = Path(tmp) / "state.pt"
+            train(Run(Path(tmp) / "out", args.steps, args.batch_size, 5e-4, 0, state), workers)
             seconds = time.perf_counter() - start
         print(f"workers {workers}: {seconds / args.steps * 1000:.0f} ms/step ({seconds:.0f} s)")
 

@@ -16,6 +16,7 @@ import argparse
 import math
 import os
 import random
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -141,74 +142,69 @@ def gradients(trainer: Trainer, samples: list[Sample]) -> torch.Tensor:
     return whole
 
 
-def train(
-    out: Path,
-    steps: int,
-    batch_size: int,
-    lr: float,
-    seed: int,
-    state_path: Path,
-    first_stage: int = 0,
-    workers: int = 1,
-) -> None:
-    """Train to `steps` (resuming from `state_path` if it exists) on `workers` processes."""
-    if not 1 <= workers <= batch_size:
+@dataclass(frozen=True)
+class Run:
+    """What to train: the checkpoint to write, the schedule, and the state file to resume from."""
+
+    out: Path
+    steps: int
+    batch_size: int
+    lr: float
+    seed: int
+    state_path: Path
+    first_stage: int = 0
+
+
+def train(run: Run, workers: int = 1) -> None:
+    """Train to `run.steps` (resuming from `run.state_path` if it exists) on `workers` processes."""
+    if not 1 <= workers <= run.batch_size:
         raise ValueError(f"workers must be between 1 and the batch size, got {workers}")
-    args = (out, steps, batch_size, lr, seed, state_path, first_stage)
-    data_parallel.launch(_train, workers, *args)
+    data_parallel.launch(_train, workers, run)
 
 
-def _train(
-    rank: int,
-    workers: int,
-    out: Path,
-    steps: int,
-    batch_size: int,
-    lr: float,
-    seed: int,
-    state_path: Path,
-    first_stage: int,
-) -> None:
+def _train(rank: int, workers: int, run: Run) -> None:
     lead = rank == 0  # writes the files, reports progress
-    trainer = Trainer(out, seed, first_stage, write_files=lead)
+    trainer = Trainer(run.out, run.seed, run.first_stage, write_files=lead)
     params = list(trainer.model.parameters())
-    optimizer = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.01, fused=True)
+    optimizer = torch.optim.AdamW(
+        params, lr=run.lr, betas=(0.9, 0.95), weight_decay=0.01, fused=True
+    )
     start = 0
-    if state_path.is_file():
-        state = torch.load(state_path, weights_only=True)
+    if run.state_path.is_file():
+        state = torch.load(run.state_path, weights_only=True)
         trainer.model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         start = state["step"]
         if lead:
-            print(f"resuming at step {start} from {state_path}")
+            print(f"resuming at step {start} from {run.state_path}")
     trainer.model.train()
     progress = tqdm(
-        range(start, steps),
+        range(start, run.steps),
         initial=start,
-        total=steps,
+        total=run.steps,
         desc="training",
         unit="step",
         disable=not lead,
     )
     for step in progress:
         for group in optimizer.param_groups:
-            group["lr"] = learning_rate(step, steps, lr)
+            group["lr"] = learning_rate(step, run.steps, run.lr)
         optimizer.zero_grad(set_to_none=True)
         tokens, loss, correct = gradients(
-            trainer, trainer.batch(step, batch_size, slice(rank, None, workers))
+            trainer, trainer.batch(step, run.batch_size, slice(rank, None, workers))
         )
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
         progress.set_postfix(loss=f"{loss / tokens:.3f}", token_acc=f"{correct / tokens:.2f}")
-        if lead and ((step + 1) % 100 == 0 or step + 1 == steps):
+        if lead and ((step + 1) % 100 == 0 or step + 1 == run.steps):
             state = {
                 "model": trainer.model.state_dict(),
                 "optimizer": optimizer.state_dict(),
                 "step": step + 1,
             }
-            save_atomically(state, state_path)
+            save_atomically(state, run.state_path)
             trainer.save()
-    if lead:
+    if lead and start >= run.steps:  # nothing left to train: write the checkpoint from the state
         trainer.save()
 
 
@@ -248,16 +244,10 @@ def main() -> None:
         help="training state, for resuming",
     )
     args = parser.parse_args()
-    train(
-        args.out,
-        args.steps,
-        args.batch_size,
-        args.lr,
-        args.seed,
-        args.state,
-        args.first_stage,
-        args.workers,
+    run = Run(
+        args.out, args.steps, args.batch_size, args.lr, args.seed, args.state, args.first_stage
     )
+    train(run, args.workers)
 
 
 if __name__ == "__main__":

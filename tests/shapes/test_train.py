@@ -11,16 +11,14 @@ from epd.multimodal.prompt import expand_placeholders
 from epd.shapes import data_parallel
 from epd.shapes.questions import sample
 from epd.shapes.scenes import COLOURS, SHAPES
-from epd.shapes.train import IGNORE, Trainer, gradients, train
+from epd.shapes.train import IGNORE, Run, Trainer, gradients, train
 
 
 @pytest.mark.parametrize("workers", [1, 2])
 def test_resumed_training_equals_uninterrupted(tmp_path, workers):
     def run(name: str, steps: int) -> None:
         state = tmp_path / f"{name}.pt"
-        train(
-            tmp_path / name, steps, batch_size=2, lr=1e-3, seed=3, state_path=state, workers=workers
-        )
+        train(Run(tmp_path / name, steps, batch_size=2, lr=1e-3, seed=3, state_path=state), workers)
 
     run("straight", 2)
     run("resumed", 1)
