@@ -1,22 +1,62 @@
-"""Every message that travels between epd processes.
+"""Every message that travels between epd processes, and the values it may hold.
 
-Headers hold only these dataclasses and plain Python values (str, int, float, bool, None, bytes,
-tuples). Tensors are top-level fields and travel as raw frames beside the header; grids are tuples
-of ints. `ALLOWED` is the exact allow-list of classes the receiving unpickler will build.
+Messages are msgspec Structs: frozen, with exactly their declared fields, decoded only into
+these types (see `codec`). Tensors are top-level fields and travel as raw frames beside the
+header; grids are tuples of ints. Each type checks its values, not only their types, when it is
+built, here or by the decoder: a NaN is a float, and a hand-off holding one must be refused
+before it meets the requests it would be batched with.
 """
 
 from __future__ import annotations
 
+import math
 import typing
-from dataclasses import dataclass, field
 
+import msgspec
 import torch
 
 Grid = tuple[int, int]
 
+MAX_ID_CHARS = 256  # request ids, error codes
+MAX_ADDRESS_CHARS = 512  # ZeroMQ addresses
+MAX_STOP_STRINGS = 4
+MAX_STOP_CHARS = 256  # longer stop strings would make every step's stop check slow
+MAX_TOP_LOGPROBS = 20
+MIN_LOGPROB = -9999.0  # what OpenAI reports for a token the model all but ruled out
+FINISH_REASONS = (None, "stop", "length")
+ADDRESS_SCHEMES = ("tcp://", "ipc://", "inproc://")
 
-@dataclass(frozen=True)
-class SamplingParams:
+
+def require(condition: bool, problem: str) -> None:
+    """Raise ValueError(problem) unless `condition` holds; the decoder reports it as refused."""
+    if not condition:
+        raise ValueError(problem)
+
+
+def check_id(value: str, name: str) -> None:
+    require(0 < len(value) <= MAX_ID_CHARS, f"{name} must be 1 to {MAX_ID_CHARS} characters")
+
+
+def check_address(value: str, name: str, optional: bool = False) -> None:
+    require(
+        (optional and not value)
+        or (len(value) <= MAX_ADDRESS_CHARS and value.startswith(ADDRESS_SCHEMES)),
+        f"{name} must be a ZeroMQ address (tcp://, ipc://), not {value[:80]!r}",
+    )
+
+
+def check_tensor(tensor: torch.Tensor, name: str, rank: int) -> None:
+    """A floating tensor of `rank` dimensions holding only finite values."""
+    require(tensor.dim() == rank, f"{name} must have {rank} dimensions, not {tensor.dim()}")
+    require(tensor.is_floating_point(), f"{name} must hold floats, not {tensor.dtype}")
+    require(bool(torch.isfinite(tensor).all()), f"{name} holds NaN or infinite values")
+
+
+class Value(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=True):
+    """A record inside a message: its fields, in order, and nothing else."""
+
+
+class SamplingParams(Value, frozen=True):
     """How to pick each token; temperature 0 is greedy."""
 
     max_tokens: int
@@ -28,58 +68,114 @@ class SamplingParams:
     logprobs: bool = False
     top_logprobs: int = 0
 
+    def __post_init__(self) -> None:
+        require(self.max_tokens >= 1, f"max_tokens must be at least 1, not {self.max_tokens}")
+        require(
+            math.isfinite(self.temperature) and self.temperature >= 0,
+            f"temperature must be a finite number ≥ 0, not {self.temperature}",
+        )
+        require(0 < self.top_p <= 1, f"top_p must be in (0, 1], not {self.top_p}")
+        require(self.top_k >= 0, f"top_k must be ≥ 0 (0: no limit), not {self.top_k}")
+        require(
+            self.seed is None or -(2**63) <= self.seed < 2**64,
+            "seed must fit in 64 bits",
+        )
+        require(
+            len(self.stop) <= MAX_STOP_STRINGS
+            and all(0 < len(s) <= MAX_STOP_CHARS for s in self.stop),
+            f"stop takes up to {MAX_STOP_STRINGS} strings of 1 to {MAX_STOP_CHARS} characters",
+        )
+        require(
+            0 <= self.top_logprobs <= MAX_TOP_LOGPROBS,
+            f"top_logprobs must be 0 to {MAX_TOP_LOGPROBS}, not {self.top_logprobs}",
+        )
 
-@dataclass(frozen=True)
-class EncodeRequest:
-    """prefill → encode: part `part_index` of `part_count` of a request's images, in order."""
+
+def check_logprob(logprob: float, token_bytes: tuple[int, ...]) -> None:
+    require(MIN_LOGPROB <= logprob <= 0, f"a logprob must be in [{MIN_LOGPROB}, 0], not {logprob}")
+    require(all(0 <= b < 256 for b in token_bytes), "token bytes must be 0 to 255")
+
+
+class TopLogprob(Value, frozen=True):
+    token: str
+    logprob: float
+    bytes: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        check_logprob(self.logprob, self.bytes)
+
+
+class TokenLogprob(Value, frozen=True):
+    token: str
+    logprob: float
+    bytes: tuple[int, ...]
+    top_logprobs: tuple[TopLogprob, ...] = ()
+
+    def __post_init__(self) -> None:
+        check_logprob(self.logprob, self.bytes)
+        require(
+            len(self.top_logprobs) <= MAX_TOP_LOGPROBS,
+            f"at most {MAX_TOP_LOGPROBS} top logprobs",
+        )
+
+
+class WireMessage(Value, frozen=True, tag=True):
+    """A message: the header names its type (the class name) before the fields."""
 
     request_id: str
+
+    def __post_init__(self) -> None:
+        check_id(self.request_id, "request_id")
+
+
+class EncodeRequest(WireMessage, frozen=True):
+    """prefill → encode: part `part_index` of `part_count` of a request's images, in order."""
+
     part_index: int
     part_count: int
     images: tuple[bytes, ...]  # encoded files: PNG, JPEG, WebP, GIF
     first_image: int  # index of images[0] among all the request's images
     reply_to: str
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require(0 <= self.part_index < self.part_count, "part_index must be in [0, part_count)")
+        require(len(self.images) > 0 and all(self.images), "an encode request needs images")
+        require(self.first_image >= 0, "first_image must be ≥ 0")
+        check_address(self.reply_to, "reply_to")
 
-@dataclass(frozen=True)
-class ImageEmbeddings:
+
+class ImageEmbeddings(WireMessage, frozen=True):
     """encode → prefill: projected embeddings of one part, rows ordered image by image."""
 
-    request_id: str
     part_index: int
     grids: tuple[Grid, ...]  # Kimi-VL (h, w) in patches, one per image
     embeddings: torch.Tensor  # (Σ h·w/4, text hidden)
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require(self.part_index >= 0, "part_index must be ≥ 0")
+        require(
+            len(self.grids) > 0 and all(h > 0 and w > 0 for h, w in self.grids),
+            "grids must be positive (h, w) pairs",
+        )
+        check_tensor(self.embeddings, "embeddings", rank=2)
 
-@dataclass(frozen=True)
-class Failure:
+
+class Failure(WireMessage, frozen=True):
     """Any process → the one waiting on a request: what went wrong, never silence."""
 
-    request_id: str
-    code: str  # "bad_image", "internal", ...
+    code: str  # "bad_image", "bad_request", "internal", ...
     message: str
 
-
-@dataclass(frozen=True)
-class TopLogprob:
-    token: str
-    logprob: float
-    bytes: tuple[int, ...]
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_id(self.code, "code")
 
 
-@dataclass(frozen=True)
-class TokenLogprob:
-    token: str
-    logprob: float
-    bytes: tuple[int, ...]
-    top_logprobs: tuple[TopLogprob, ...] = ()
-
-
-@dataclass(frozen=True)
-class KVHandoff:
+class KVHandoff(WireMessage, frozen=True):
     """prefill → decode: everything needed to go on generating where prefill stopped."""
 
-    request_id: str
     reply_to: str
     prompt_tokens: int
     first_token: int
@@ -88,26 +184,42 @@ class KVHandoff:
     rng_state: torch.Tensor  # the request's generator state after sampling the first token
     cache: torch.Tensor  # latent KV (layers, prompt_tokens, kv_lora_rank + qk_rope_head_dim)
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_address(self.reply_to, "reply_to", optional=True)  # empty: served in-process
+        require(self.first_token >= 0, "first_token must be ≥ 0")
+        require(
+            self.rng_state.dtype == torch.uint8 and self.rng_state.dim() == 1,
+            "rng_state must be a 1-D uint8 tensor",
+        )
+        check_tensor(self.cache, "cache", rank=3)
+        require(
+            self.prompt_tokens >= 1 and self.cache.shape[1] == self.prompt_tokens,
+            f"a cache of {self.cache.shape[1]} tokens for a prompt of {self.prompt_tokens}",
+        )
 
-@dataclass(frozen=True)
-class TokenDelta:
+
+class TokenDelta(WireMessage, frozen=True):
     """decode → prefill: newly generated tokens and the text they complete."""
 
-    request_id: str
     token_ids: tuple[int, ...]
     text: str
     completion_tokens: int  # total so far
     finish_reason: str | None = None  # "stop" or "length" on the last delta
-    logprobs: tuple[TokenLogprob, ...] = field(default=())
+    logprobs: tuple[TokenLogprob, ...] = ()
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require(len(self.token_ids) > 0, "a delta carries at least one token")
+        require(all(t >= 0 for t in self.token_ids), "token ids must be ≥ 0")
+        require(self.completion_tokens >= len(self.token_ids), "completion_tokens is too small")
+        require(self.finish_reason in FINISH_REASONS, f"finish_reason {self.finish_reason!r}")
+        require(len(self.logprobs) <= len(self.token_ids), "more logprobs than tokens")
 
 
-@dataclass(frozen=True)
-class Abort:
+class Abort(WireMessage, frozen=True):
     """prefill → decode: the client went away; free the request."""
-
-    request_id: str
 
 
 Message = EncodeRequest | ImageEmbeddings | Failure | KVHandoff | TokenDelta | Abort
-MESSAGE_TYPES: tuple[type, ...] = typing.get_args(Message)
-ALLOWED: tuple[type, ...] = (*MESSAGE_TYPES, SamplingParams, TokenLogprob, TopLogprob)
+MESSAGE_TYPES: tuple[type[WireMessage], ...] = typing.get_args(Message)

@@ -1,0 +1,124 @@
+"""Messages check their values, not only their types: a NaN is a float.
+
+Each poisoned value is refused when a message is built here and when a peer's header carries it.
+"""
+
+import math
+
+import msgspec
+import pytest
+import torch
+
+from epd.wire.codec import WireError, decode, encode
+from epd.wire.messages import (
+    EncodeRequest,
+    ImageEmbeddings,
+    KVHandoff,
+    SamplingParams,
+    TokenDelta,
+    TokenLogprob,
+)
+
+NAN, INF = math.nan, math.inf
+RNG = torch.Generator().manual_seed(0).get_state()
+
+
+def handoff(**changes):
+    fields = {
+        "request_id": "r",
+        "reply_to": "tcp://127.0.0.1:7102",
+        "prompt_tokens": 3,
+        "first_token": 5,
+        "first_logprob": None,
+        "sampling": SamplingParams(8),
+        "rng_state": RNG,
+        "cache": torch.zeros(2, 3, 8),
+    }
+    return KVHandoff(**(fields | changes))
+
+
+SAMPLING = [
+    ({"temperature": NAN}, "temperature"),
+    ({"temperature": INF}, "temperature"),
+    ({"temperature": -0.5}, "temperature"),
+    ({"top_p": NAN}, "top_p"),
+    ({"top_p": 0.0}, "top_p"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"top_k": -5}, "top_k"),
+    ({"top_logprobs": 5000}, "top_logprobs"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"stop": ("",)}, "stop"),
+    ({"stop": ("x" * 10_000,)}, "stop"),
+    ({"stop": ("a",) * 5}, "stop"),
+]
+
+
+@pytest.mark.parametrize("changes,field", SAMPLING, ids=lambda v: str(v))
+def test_poisoned_sampling_is_refused_here_and_on_the_wire(changes, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**({"max_tokens": 8} | changes))
+    good = encode(handoff())
+    raw = msgspec.msgpack.decode(good[0])
+    sampling = SamplingParams(8)
+    values = [getattr(sampling, name) for name in SamplingParams.__struct_fields__]
+    for name, value in changes.items():
+        values[SamplingParams.__struct_fields__.index(name)] = value
+    raw[6] = values
+    with pytest.raises(WireError, match=field):
+        decode([msgspec.msgpack.encode(raw), *map(bytes, good[1:])])
+
+
+@pytest.mark.parametrize("value", [NAN, INF, -INF])
+def test_a_cache_holding_nan_or_inf_is_refused(value):
+    cache = torch.zeros(2, 3, 8)
+    cache[1, 2, 3] = value
+    with pytest.raises(ValueError, match="cache holds NaN or infinite"):
+        handoff(cache=cache)
+    frames = encode(handoff())
+    frames[2] = cache.numpy().tobytes()
+    with pytest.raises(WireError, match="cache holds NaN or infinite"):
+        decode([bytes(f) for f in frames])
+
+
+def test_embeddings_holding_nan_are_refused():
+    frames = encode(ImageEmbeddings("r", 0, ((2, 2),), torch.zeros(1, 4)))
+    with pytest.raises(WireError, match="embeddings holds NaN"):
+        decode([frames[0], torch.full((1, 4), NAN).numpy().tobytes()])
+
+
+@pytest.mark.parametrize(
+    "changes,fragment",
+    [
+        ({"cache": torch.zeros(2, 4, 8)}, "a cache of 4 tokens for a prompt of 3"),
+        ({"cache": torch.zeros(3, 8)}, "cache must have 3 dimensions"),
+        ({"cache": torch.zeros(2, 3, 8, dtype=torch.int64)}, "cache must hold floats"),
+        ({"rng_state": torch.zeros(4)}, "rng_state"),
+        ({"first_token": -1}, "first_token"),
+        ({"reply_to": "http://example.com"}, "reply_to must be a ZeroMQ address"),
+        ({"request_id": ""}, "request_id"),
+        ({"request_id": "r" * 1000}, "request_id"),
+    ],
+)
+def test_handoffs_check_their_shapes_and_ids(changes, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        handoff(**changes)
+
+
+@pytest.mark.parametrize(
+    "build,fragment",
+    [
+        (lambda: TokenLogprob("x", NAN, ()), "logprob"),
+        (lambda: TokenLogprob("x", 0.5, ()), "logprob"),
+        (lambda: TokenLogprob("x", -1.0, (300,)), "token bytes"),
+        (lambda: TokenDelta("r", (), "", 1), "at least one token"),
+        (lambda: TokenDelta("r", (-3,), "", 1), "token ids"),
+        (lambda: TokenDelta("r", (3,), "", 1, "exploded"), "finish_reason"),
+        (lambda: EncodeRequest("r", 2, 2, (b"x",), 0, "tcp://a:1"), "part_index"),
+        (lambda: EncodeRequest("r", 0, 1, (), 0, "tcp://a:1"), "needs images"),
+        (lambda: EncodeRequest("r", 0, 1, (b"x",), -1, "tcp://a:1"), "first_image"),
+        (lambda: ImageEmbeddings("r", 0, ((0, 2),), torch.zeros(1, 4)), "grids"),
+    ],
+)
+def test_other_messages_check_their_values(build, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        build()
