@@ -1,5 +1,7 @@
-"""Inbox and Outbox over real ZeroMQ sockets."""
+"""Inbox and Outbox over real ZeroMQ sockets: nothing waits on a peer, nothing grows unbounded."""
 
+import os
+import threading
 import time
 
 import pytest
@@ -7,7 +9,7 @@ import torch
 import zmq
 
 from epd.wire.messages import Abort, ImageEmbeddings
-from epd.wire.transport import Inbox, Outbox
+from epd.wire.transport import Inbox, Outbox, WireProbe, reply_allowed
 
 
 @pytest.fixture
@@ -17,7 +19,9 @@ def address(tmp_path):
 
 @pytest.fixture
 def context():
-    return zmq.Context()
+    context = zmq.Context()
+    yield context
+    context.destroy(linger=0)
 
 
 def wait_until(check, timeout=3.0):
@@ -29,53 +33,82 @@ def wait_until(check, timeout=3.0):
     return False
 
 
-def test_lost_peers_are_kept_for_the_watcher_even_if_someone_asks_is_up(context, address):
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_messages_arrive_typed(context, address):
+    inbox, outbox = Inbox(context, address), Outbox(context, [address])
+    assert wait_until(lambda: outbox.is_up(address))
+    embeddings = torch.randn(6, 4)
+    assert outbox.send(address, ImageEmbeddings("r", 0, ((4, 6),), embeddings))
+    received = inbox.recv(timeout_ms=2000)
+    assert isinstance(received, ImageEmbeddings) and torch.equal(received.embeddings, embeddings)
+
+
+def test_the_first_message_to_a_new_peer_waits_for_its_connection(context, address):
     inbox, outbox = Inbox(context, address), Outbox(context)
-    outbox.connect(address, wait_ms=2000)
+    assert outbox.send(address, Abort("first"))  # queued: the connection is not up yet
+    assert wait_until(lambda: not outbox.poll() and outbox.pending == 0)
+    assert inbox.recv(timeout_ms=2000) == Abort("first")
+
+
+def test_a_dead_peer_costs_no_wait_and_is_reported_once(context, address):
+    outbox = Outbox(context, connect_timeout_s=0.2)
+    start = time.monotonic()
+    for i in range(100):
+        assert outbox.send(address, Abort(f"r{i}"))
+    assert time.monotonic() - start < 0.5
+    assert wait_until(lambda: address in outbox.poll())
+    assert outbox.pending == 0 and outbox.pending_bytes == 0
+    assert outbox.poll() == []
+
+
+def test_queues_are_bounded(context, address):
+    outbox = Outbox(context, max_pending=3)
+    assert all(outbox.send(address, Abort(f"r{i}")) for i in range(3))
+    assert not outbox.send(address, Abort("r3"))
+    small = Outbox(context, max_pending_bytes=2000)
+    assert not small.send(address, ImageEmbeddings("r", 0, ((2, 2),), torch.zeros(1, 1000)))
+
+
+def test_disconnect_is_reported_and_reconnect_recovers(context, address):
+    inbox, outbox = Inbox(context, address), Outbox(context, [address])
+    assert wait_until(lambda: outbox.is_up(address))
     inbox.close()
-    assert wait_until(lambda: not outbox.is_up(address))
-    assert outbox.take_lost() == [address]
-    outbox.close()
+    assert wait_until(lambda: address in outbox.poll())
+    assert outbox.poll() == []  # reported once
+    inbox = Inbox(context, address)  # the peer comes back on the same address
+    assert wait_until(lambda: outbox.is_up(address))
+    assert outbox.send(address, Abort("again"))
+    assert inbox.recv(timeout_ms=2000) == Abort("again")
 
 
 def test_unconnectable_address_is_refused_not_raised(context):
     outbox = Outbox(context)
     assert outbox.send("tcp://*:7102", Abort("r")) is False
-    assert outbox.sockets == {}
-    outbox.close()
+    assert outbox.peers == {}
 
 
-def test_send_to_an_absent_peer_fails_at_once(context, address):
-    outbox = Outbox(context)
-    start = time.monotonic()
-    assert outbox.send(address, Abort("r")) is False
-    assert time.monotonic() - start < 0.5
-    outbox.close()
+def test_distinct_reply_addresses_cannot_exhaust_descriptors(context, tmp_path):
+    outbox = Outbox(context, max_peers=16, idle_close_s=0.3, connect_timeout_s=0.1)
+    outbox.send(f"ipc://{tmp_path}/warm-up", Abort("r"))  # libzmq starts its threads
+    assert wait_until(lambda: not outbox.poll() and not outbox.peers)
+    before = open_fds()
+    for i in range(500):
+        outbox.send(f"ipc://{tmp_path}/dead-{i}", Abort("r"))
+        outbox.poll()
+    assert len(outbox.peers) <= 16
+    assert open_fds() - before < 16 * 4
+    assert wait_until(lambda: not outbox.poll() and not outbox.peers)  # idle ones are closed
+    assert wait_until(lambda: open_fds() <= before)
 
 
-def test_messages_arrive_typed(context, address):
-    inbox, outbox = Inbox(context, address), Outbox(context)
-    outbox.connect(address, wait_ms=2000)
-    assert outbox.is_up(address)
-    embeddings = torch.randn(6, 4)
-    assert outbox.send(address, ImageEmbeddings("r", 0, ((4, 6),), embeddings))
-    received = inbox.recv(timeout_ms=2000)
-    assert isinstance(received, ImageEmbeddings) and torch.equal(received.embeddings, embeddings)
-    inbox.close(), outbox.close()
-
-
-def test_disconnect_is_reported_and_reconnect_recovers(context, address):
-    inbox, outbox = Inbox(context, address), Outbox(context)
-    outbox.connect(address, wait_ms=2000)
-    inbox.close()
-    assert wait_until(lambda: address in outbox.take_lost())
-    assert outbox.take_lost() == []  # reported once
-    assert outbox.send(address, Abort("lost")) is False
-    inbox = Inbox(context, address)  # the peer comes back on the same address
-    assert wait_until(lambda: outbox.is_up(address))
-    assert outbox.send(address, Abort("again"))
-    assert inbox.recv(timeout_ms=2000) == Abort("again")
-    inbox.close(), outbox.close()
+def test_pinned_peers_stay_open(context, address):
+    outbox = Outbox(context, [address], idle_close_s=0.05)
+    time.sleep(0.1)
+    outbox.poll()
+    assert address in outbox.peers
 
 
 def test_refused_message_is_dropped_and_the_inbox_goes_on(context, address, caplog):
@@ -83,11 +116,45 @@ def test_refused_message_is_dropped_and_the_inbox_goes_on(context, address, capl
     raw = context.socket(zmq.PUSH)
     raw.connect(address)
     raw.send_multipart([b"\x80\x05cos\nsystem\n."])
-    raw.send_multipart([b"not a pickle at all"])
-    outbox = Outbox(context)
-    outbox.connect(address, wait_ms=2000)
+    raw.send_multipart([b"not a header at all"])
+    outbox = Outbox(context, [address])
+    assert wait_until(lambda: outbox.is_up(address))
     outbox.send(address, Abort("fine"))
     received = [inbox.recv(timeout_ms=2000) for _ in range(3)]  # fair-queued: any order
     assert sorted(received, key=str) == [Abort("fine"), None, None]
     assert caplog.text.count("refused a message") == 2
-    raw.close(linger=0), inbox.close(), outbox.close()
+    raw.close(linger=0)
+
+
+def test_a_frame_over_the_limit_is_never_read(context, address):
+    inbox = Inbox(context, address, max_frame_bytes=1 << 20)
+    raw = context.socket(zmq.PUSH)
+    raw.connect(address)
+    raw.send(bytes(8 << 20))
+    outbox = Outbox(context, [address])
+    assert wait_until(lambda: outbox.is_up(address))
+    outbox.send(address, Abort("after"))
+    assert inbox.recv(timeout_ms=2000) == Abort("after")
+    assert inbox.recv(timeout_ms=200) is None  # the big frame never arrived
+    raw.close(linger=0)
+
+
+@pytest.mark.parametrize(
+    "address,allowed",
+    [
+        ("tcp://127.0.0.1:7102", True),
+        ("tcp://10.0.3.7:7102", True),
+        ("tcp://10.0.3.7:9999", False),
+        ("tcp://evil.example:7102", False),
+        ("ipc:///tmp/x", False),
+    ],
+)
+def test_reply_addresses_must_match_a_configured_prefill(address, allowed):
+    assert reply_allowed(address, ("tcp://127.0.0.1:7102", "tcp://10.*:7102")) is allowed
+
+
+def test_the_probe_sees_the_io_thread_move_messages(context):
+    trips = threading.Semaphore(0)
+    probe = WireProbe(context, trips.release, interval_s=0.05)
+    assert all(trips.acquire(timeout=2) for _ in range(3))
+    probe.close()
