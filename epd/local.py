@@ -69,7 +69,10 @@ class LocalPipeline:
         _, first = self.scheduler.add(handoff)
         deltas = [first]
         while len(self.scheduler):
-            deltas += [delta for _, delta in self.scheduler.step()]
+            step = self.scheduler.step()
+            if step.failed:
+                raise RuntimeError(step.failed[0][1])
+            deltas += [delta for _, delta in step.produced]
         return Completion(
             text="".join(d.text for d in deltas),
             token_ids=[t for d in deltas for t in d.token_ids],

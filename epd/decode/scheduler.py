@@ -3,12 +3,18 @@
 New sequences join between steps (their first token, sampled by prefill, is emitted on
 arrival); finished and aborted ones leave between steps and their caches are freed. Beyond
 `max_batch_size` sequences wait, in arrival order, for a free slot.
+
+A step's failures are per sequence: a row whose logits are not finite or cannot be sampled
+fails that sequence only, and when the batched forward itself fails, each sequence is run alone
+so only the ones that fail alone are failed.
 """
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from collections.abc import Collection
+from dataclasses import dataclass, field
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -18,6 +24,16 @@ from epd.generation.sequence import Sequence
 from epd.model.deepseek import DeepseekV3ForCausalLM
 from epd.model.latent_cache import LatentCache
 from epd.wire.messages import KVHandoff, TokenDelta
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Step:
+    """What one step did: a delta for each sequence that advanced, a reason for each that failed."""
+
+    produced: list[tuple[Sequence, TokenDelta]] = field(default_factory=list)
+    failed: list[tuple[Sequence, str]] = field(default_factory=list)
 
 
 class Scheduler:
@@ -38,15 +54,28 @@ class Scheduler:
         return len(self.running) + len(self.waiting)
 
     def check(self, handoff: KVHandoff) -> None:
-        """Refuse a hand-off this model cannot resume, before it touches any state."""
+        """Refuse a hand-off this model cannot resume, before it touches any state.
+
+        The message checked its own values (finite cache, sampling in range); these checks need
+        the model: sizes, the vocabulary and the context length.
+        """
         config = self.lm.config
         expected = (config.num_hidden_layers, handoff.prompt_tokens, config.latent_dim)
         if tuple(handoff.cache.shape) != expected:
             raise ValueError(f"KV cache of shape {tuple(handoff.cache.shape)}, expected {expected}")
         if not 0 <= handoff.first_token < config.vocab_size:
             raise ValueError(f"first token {handoff.first_token} is outside the vocabulary")
-        if handoff.sampling.max_tokens < 1:
-            raise ValueError("max_tokens must be at least 1")
+        total = handoff.prompt_tokens + handoff.sampling.max_tokens
+        if total > config.max_position_embeddings:
+            raise ValueError(
+                f"{handoff.prompt_tokens} prompt tokens and max_tokens "
+                f"{handoff.sampling.max_tokens} exceed the context length "
+                f"{config.max_position_embeddings}"
+            )
+        if handoff.request_id in self.running or any(
+            s.request_id == handoff.request_id for s in self.waiting
+        ):
+            raise ValueError(f"request {handoff.request_id} is already decoding")
 
     def add(self, handoff: KVHandoff) -> tuple[Sequence, TokenDelta]:
         """Admit a prefilled request; its first token is accepted (and may already finish it)."""
@@ -79,21 +108,50 @@ class Scheduler:
         self.waiting = deque(kept)
         return found
 
+    def drain(self) -> list[Sequence]:
+        """Remove and return every sequence, running or waiting."""
+        sequences = [*self.running.values(), *self.waiting]
+        self.running.clear()
+        self.waiting.clear()
+        return sequences
+
     @torch.inference_mode()
-    def step(self) -> list[tuple[Sequence, TokenDelta]]:
-        """Advance every running sequence by one token; return what each produced."""
+    def step(self) -> Step:
+        """Advance every running sequence by one token; say what each produced or why it failed."""
         while self.waiting and len(self.running) < self.max_batch_size:
             sequence = self.waiting.popleft()
             self.running[sequence.request_id] = sequence
-        batch = list(self.running.values())
-        if not batch:
-            return []
-        tokens = torch.tensor([s.last_token for s in batch], device=self.device)
-        logits = self.lm.logits(self.lm.decode(tokens, [s.cache for s in batch]))  # (B, vocab)
-        produced = []
-        for sequence, row in zip(batch, logits, strict=True):
-            delta = sequence.accept(*sequence.pick(row))
-            produced.append((sequence, delta))
+        step = Step()
+        for sequence, row in self._logits(list(self.running.values())):
+            try:
+                if isinstance(row, Exception):
+                    raise row
+                if not bool(torch.isfinite(row).all()):
+                    raise ValueError("the model's logits for this request are not finite")
+                delta = sequence.accept(*sequence.pick(row))
+            except Exception as e:
+                log.exception("request %s failed in a decode step", sequence.request_id)
+                step.failed.append((sequence, f"decode failed: {type(e).__name__}: {e}"))
+                del self.running[sequence.request_id]
+                continue
+            step.produced.append((sequence, delta))
             if sequence.finish_reason is not None:
                 del self.running[sequence.request_id]
-        return produced
+        return step
+
+    def _logits(self, batch: list[Sequence]) -> list[tuple[Sequence, torch.Tensor | Exception]]:
+        """Each sequence's next-token logits (vocab,), or the error that kept it from them."""
+        if not batch:
+            return []
+        try:
+            return list(zip(batch, self._forward(batch), strict=True))
+        except Exception as e:
+            if len(batch) == 1:
+                return [(batch[0], e)]
+            log.exception("a batched decode step failed; running its %d requests alone", len(batch))
+        # A failed forward advanced no cache (lengths move only at its end), so each can retry.
+        return [pair for sequence in batch for pair in self._logits([sequence])]
+
+    def _forward(self, batch: list[Sequence]) -> torch.Tensor:
+        tokens = torch.tensor([s.last_token for s in batch], device=self.device)
+        return self.lm.logits(self.lm.decode(tokens, [s.cache for s in batch]))  # (B, vocab)

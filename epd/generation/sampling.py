@@ -12,7 +12,11 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from epd.checkpoint.tokenizer import decode_text
-from epd.wire.messages import SamplingParams, TokenLogprob, TopLogprob
+from epd.wire.messages import MIN_LOGPROB, SamplingParams, TokenLogprob, TopLogprob
+
+# Below this temperature sampling is greedy: dividing by a tinier one can overflow float32
+# logits to inf, whose softmax is NaN (vLLM draws the same line).
+GREEDY_BELOW = 1e-5
 
 
 def make_generator(seed: int | None) -> torch.Generator:
@@ -27,7 +31,7 @@ def restore_generator(state: torch.Tensor) -> torch.Generator:
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
     """One token id from a float32 logits row (vocab,)."""
-    if params.temperature == 0:
+    if params.temperature < GREEDY_BELOW:
         return int(logits.argmax())
     logits = logits.float().cpu() / params.temperature
     if params.top_k and params.top_k < logits.numel():
@@ -45,8 +49,11 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
 def token_logprob(
     logits: torch.Tensor, token: int, top: int, tokenizer: PreTrainedTokenizerBase
 ) -> TokenLogprob:
-    """The model's log-probability of `token` and of its `top` likeliest alternatives."""
-    logprobs = logits.float().log_softmax(-1).cpu()
+    """The model's log-probability of `token` and of its `top` likeliest alternatives.
+
+    Values are kept within [MIN_LOGPROB, 0], so they stay finite JSON numbers.
+    """
+    logprobs = logits.float().log_softmax(-1).cpu().clamp(MIN_LOGPROB, 0.0)
     alternatives = []
     if top:
         best = logprobs.topk(top)

@@ -31,7 +31,7 @@ def run_alone(parts, i, max_tokens=12):
     scheduler = Scheduler(lm, tokenizer, eos)
     tokens = list(scheduler.add(handoff(engine, i, max_tokens))[1].token_ids)
     while len(scheduler):
-        tokens += [t for _, d in scheduler.step() for t in d.token_ids]
+        tokens += [t for _, d in scheduler.step().produced for t in d.token_ids]
     return tokens
 
 
@@ -45,13 +45,13 @@ def test_requests_joining_mid_flight_match_running_alone(parts):
             produced.setdefault(sequence.request_id, []).extend(delta.token_ids)
 
     record([scheduler.add(handoff(engine, 0))])
-    record(scheduler.step())
-    record(scheduler.step())
+    record(scheduler.step().produced)
+    record(scheduler.step().produced)
     record([scheduler.add(handoff(engine, 1)), scheduler.add(handoff(engine, 2, max_tokens=3))])
     sizes = []
     while len(scheduler):
         sizes.append(len(scheduler.running) + len(scheduler.waiting))
-        record(scheduler.step())
+        record(scheduler.step().produced)
     assert sizes[0] == 3 and sizes[-1] == 1  # the short request left early
     for i in range(3):
         assert produced[f"r{i}"] == run_alone(parts, i, 3 if i == 2 else 12)
@@ -65,7 +65,7 @@ def test_abort_frees_the_request(parts):
     scheduler.step()
     assert scheduler.abort("r0") and not scheduler.abort("r0")
     assert list(scheduler.running) == ["r1"]
-    assert all(s.request_id == "r1" for s, _ in scheduler.step())
+    assert all(s.request_id == "r1" for s, _ in scheduler.step().produced)
 
 
 def test_batch_size_limit_queues_the_rest(parts):
@@ -73,9 +73,9 @@ def test_batch_size_limit_queues_the_rest(parts):
     scheduler = Scheduler(lm, tokenizer, eos, max_batch_size=2)
     for i in range(3):
         scheduler.add(handoff(engine, i))
-    assert len(scheduler.step()) == 2 and len(scheduler.waiting) == 1
+    assert len(scheduler.step().produced) == 2 and len(scheduler.waiting) == 1
     scheduler.abort("r0")
-    assert {s.request_id for s, _ in scheduler.step()} == {"r1", "r2"}
+    assert {s.request_id for s, _ in scheduler.step().produced} == {"r1", "r2"}
 
 
 def test_first_token_can_finish_a_request(parts):
@@ -83,3 +83,66 @@ def test_first_token_can_finish_a_request(parts):
     scheduler = Scheduler(lm, tokenizer, eos)
     _, delta = scheduler.add(handoff(engine, 0, max_tokens=1))
     assert delta.finish_reason == "length" and len(scheduler) == 0
+
+
+def poison(scheduler, request_id, rows):
+    """Make the batched forward give `request_id`'s row these logits."""
+    forward = scheduler._forward
+
+    def poisoned(batch):
+        logits = forward(batch)
+        for i, sequence in enumerate(batch):
+            if sequence.request_id == request_id:
+                logits[i] = rows
+        return logits
+
+    scheduler._forward = poisoned
+
+
+@pytest.mark.parametrize("row", [float("nan"), float("inf")])
+def test_a_row_that_cannot_be_sampled_fails_alone(parts, row):
+    lm, tokenizer, engine, eos = parts
+    scheduler = Scheduler(lm, tokenizer, eos)
+    expected = {i: run_alone(parts, i) for i in (0, 2)}
+    produced = {f"r{i}": list(scheduler.add(handoff(engine, i))[1].token_ids) for i in range(3)}
+    poison(scheduler, "r1", row)
+    step = scheduler.step()
+    assert [(s.request_id, "not finite" in why) for s, why in step.failed] == [("r1", True)]
+    for sequence, delta in step.produced:
+        produced[sequence.request_id] += delta.token_ids
+    while len(scheduler):
+        for sequence, delta in scheduler.step().produced:
+            produced[sequence.request_id] += delta.token_ids
+    assert produced["r0"] == expected[0] and produced["r2"] == expected[2]
+
+
+def test_a_failing_batched_forward_fails_only_the_request_that_fails_alone(parts):
+    lm, tokenizer, engine, eos = parts
+    scheduler = Scheduler(lm, tokenizer, eos)
+    expected = {i: run_alone(parts, i) for i in (0, 2)}
+    produced = {f"r{i}": list(scheduler.add(handoff(engine, i))[1].token_ids) for i in range(3)}
+    forward = scheduler._forward
+
+    def breaks_with_r1(batch):
+        if any(s.request_id == "r1" for s in batch):
+            raise RuntimeError("r1's cache broke the kernel")
+        return forward(batch)
+
+    scheduler._forward = breaks_with_r1
+    while len(scheduler):
+        step = scheduler.step()
+        assert all(s.request_id == "r1" and "kernel" in why for s, why in step.failed)
+        for sequence, delta in step.produced:
+            produced[sequence.request_id] += delta.token_ids
+    assert produced["r0"] == expected[0] and produced["r2"] == expected[2]
+
+
+def test_hand_offs_past_the_context_or_already_decoding_are_refused(parts):
+    lm, tokenizer, engine, eos = parts
+    scheduler = Scheduler(lm, tokenizer, eos)
+    room = lm.config.max_position_embeddings - len(PROMPTS[0])
+    with pytest.raises(ValueError, match="exceed the context length"):
+        scheduler.add(handoff(engine, 0, max_tokens=room + 1))
+    scheduler.add(handoff(engine, 0, max_tokens=room))
+    with pytest.raises(ValueError, match="already decoding"):
+        scheduler.add(handoff(engine, 0))

@@ -1,7 +1,9 @@
-"""The decode loop: a bad hand-off or a failing step fails its requests, not the server."""
+"""The decode loop: whatever fails, every admitted request ends with its last delta or a Failure."""
 
-import dataclasses
+import random
+import time
 
+import msgspec
 import pytest
 import torch
 import zmq
@@ -17,40 +19,63 @@ from epd.wire.messages import Failure, SamplingParams, TokenDelta
 from epd.wire.transport import Inbox, Outbox
 
 
-@pytest.fixture
-def wired(tiny_checkpoint, tmp_path):
+@pytest.fixture(scope="module")
+def model(tiny_checkpoint):
     lm = load_model(tiny_checkpoint, role="language").language_model
     tokenizer = load_tokenizer(tiny_checkpoint)
-    scheduler = Scheduler(lm, tokenizer, load_generation_config(tiny_checkpoint).eos_token_ids)
     engine = PrefillEngine(
         lm, tokenizer, load_model_config(tiny_checkpoint).media_placeholder_token_id
     )
+    return lm, tokenizer, engine, load_generation_config(tiny_checkpoint).eos_token_ids
+
+
+@pytest.fixture
+def wired(model, tmp_path):
+    lm, tokenizer, engine, eos = model
+    here, decoder = f"ipc://{tmp_path}/prefill", f"ipc://{tmp_path}/decode"
     context = zmq.Context()
-    server = DecodeServer(scheduler, Inbox(context, f"ipc://{tmp_path}/decode"), Outbox(context))
+    scheduler = Scheduler(lm, tokenizer, eos, max_batch_size=2)
+    server = DecodeServer(scheduler, Inbox(context, decoder), Outbox(context), (here,))
     prefill = context.socket(zmq.PULL)
-    prefill.bind(f"ipc://{tmp_path}/prefill")
-    to_decode = Outbox(context)
-    to_decode.connect(f"ipc://{tmp_path}/decode", wait_ms=2000)
+    prefill.bind(here)
+    to_decode = Outbox(context, [decoder])
+    deadline = time.monotonic() + 3
+    while not to_decode.is_up(decoder) and time.monotonic() < deadline:
+        time.sleep(0.01)
 
-    def handoff(request_id, **changes):
-        sampling = SamplingParams(4, temperature=0)
-        made = engine.run(request_id, [5, 6, 7], None, sampling, f"ipc://{tmp_path}/prefill")
-        return dataclasses.replace(made, **changes)
+    def handoff(request_id, max_tokens=4, reply_to=here, **changes):
+        sampling = SamplingParams(max_tokens, temperature=0)
+        made = engine.run(request_id, [5, 6, 7], None, sampling, reply_to)
+        return msgspec.structs.replace(made, **changes)
 
-    def received():
-        assert prefill.poll(3000)
-        return decode(prefill.recv_multipart())
+    def received(timeout_ms=3000):
+        server.outbox.poll()  # a first reply waits for the connection to come up
+        deadline = time.monotonic() + timeout_ms / 1000
+        while time.monotonic() < deadline:
+            server.outbox.poll()
+            if prefill.poll(10):
+                return decode(prefill.recv_multipart())
+        return None
 
-    yield server, lambda m: to_decode.send(f"ipc://{tmp_path}/decode", m), handoff, received
+    yield server, lambda m: to_decode.send(decoder, m), handoff, received
     server.inbox.close(), server.outbox.close(), to_decode.close(), prefill.close(linger=0)
-    context.term()
+    context.destroy(linger=0)
+
+
+def step_until(server, done, steps=100):
+    """Step until `done()`: messages sent just before may take a step or two to arrive."""
+    for _ in range(steps):
+        server.step()
+        if done():
+            return
+    raise AssertionError("the server never got there")
 
 
 def test_bad_handoff_gets_a_failure_and_the_server_goes_on(wired):
     server, send, handoff, received = wired
     send(handoff("bad", cache=torch.zeros(1, 3, 5)))
     send(handoff("good"))
-    server.step()
+    step_until(server, lambda: len(server.scheduler) == 1)
     failure = received()
     assert isinstance(failure, Failure) and failure.request_id == "bad"
     assert "KV cache of shape (1, 3, 5)" in failure.message
@@ -58,10 +83,17 @@ def test_bad_handoff_gets_a_failure_and_the_server_goes_on(wired):
     assert isinstance(first, TokenDelta) and first.request_id == "good"
 
 
+def test_a_reply_address_that_is_not_a_prefill_of_this_decoder_is_refused(wired, tmp_path, caplog):
+    server, send, handoff, _ = wired
+    send(handoff("forged", reply_to=f"ipc://{tmp_path}/elsewhere"))
+    step_until(server, lambda: "not a prefill of this decoder" in caplog.text)
+    assert len(server.scheduler) == 0 and server.outbox.peers == {}
+
+
 def test_failing_step_fails_the_batch_not_the_process(wired, monkeypatch):
     server, send, handoff, received = wired
-    send(handoff("r1"))
-    server.step()
+    send(handoff("r1", max_tokens=50))
+    step_until(server, lambda: len(server.scheduler) == 1)
     assert isinstance(received(), TokenDelta)  # the first token
     assert isinstance(received(), TokenDelta)  # one step
 
@@ -73,3 +105,59 @@ def test_failing_step_fails_the_batch_not_the_process(wired, monkeypatch):
     failure = received()
     assert isinstance(failure, Failure) and "device lost" in failure.message
     assert len(server.scheduler) == 0
+
+
+def test_waiting_requests_are_failed_too_never_lost(wired, monkeypatch):
+    server, send, handoff, received = wired
+    for i in range(3):  # a batch holds two; the third waits
+        send(handoff(f"r{i}", max_tokens=50))
+    step_until(server, lambda: len(server.scheduler) == 3)
+    assert len(server.scheduler.running) == 2 and len(server.scheduler.waiting) == 1
+
+    def bug():
+        raise RuntimeError("a scheduler bug")
+
+    monkeypatch.setattr(server.scheduler, "step", bug)
+    server.step()
+    ends = {}
+    while (message := received(timeout_ms=500)) is not None:
+        if isinstance(message, Failure):
+            ends[message.request_id] = message.message
+    assert ends == {f"r{i}": "decode failed: RuntimeError: a scheduler bug" for i in range(3)}
+
+
+def test_every_admitted_request_ends_exactly_once_whatever_fails(wired):
+    """Random forwards fail; each request still gets one last delta or one Failure."""
+    server, send, handoff, received = wired
+    chance = random.Random(0)
+    forward = server.scheduler._forward
+
+    def flaky(batch):
+        if chance.random() < 0.3:
+            raise RuntimeError("flaky device")
+        return forward(batch)
+
+    server.scheduler._forward = flaky
+    for i in range(6):
+        send(handoff(f"r{i}", max_tokens=chance.randint(1, 6)))
+    ends: dict[str, list[str]] = {}
+    for _ in range(40):
+        server.step()
+        while (message := received(timeout_ms=20)) is not None:
+            last = isinstance(message, Failure) or message.finish_reason is not None
+            if last:
+                ends.setdefault(message.request_id, []).append(type(message).__name__)
+    assert sorted(ends) == [f"r{i}" for i in range(6)]
+    assert all(len(kinds) == 1 for kinds in ends.values())
+    assert "Failure" in {k for kinds in ends.values() for k in kinds}
+
+
+def test_stopping_fails_what_is_still_held(wired):
+    server, send, handoff, received = wired
+    send(handoff("held", max_tokens=50))
+    step_until(server, lambda: len(server.scheduler) == 1)
+    assert isinstance(received(), TokenDelta)
+    server.fail_all("unavailable", "decode stopped")
+    while isinstance(message := received(timeout_ms=500), TokenDelta):
+        pass
+    assert isinstance(message, Failure) and message.code == "unavailable"
