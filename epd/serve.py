@@ -2,13 +2,15 @@
 
 Each child is a real OS process (`python -m epd.cli <role> ...`). `serve` waits for every
 child's ready line; a child that dies before it is ready ends `serve` with that child's error. A
-child that dies later is restarted with exponential backoff while the others keep running.
+child that dies later (its watchdog ends a child that stalls) is restarted with exponential
+backoff while the others keep running. Children end when `serve` does, even if it is killed.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import os
 import subprocess
 import sys
 import threading
@@ -18,7 +20,7 @@ from typing import Any
 
 from epd.config.roles import ROLES, ServeConfig
 from epd.config.sources import SHARED, build, flag_values, read_config_file, role_values, to_flags
-from epd.process import stop_event
+from epd.process import SUPERVISOR_ENV, stop_event
 
 CHILDREN = ("encode", "decode", "prefill")
 HEALTHY_AFTER_S = 60.0  # a child that lived this long restarts without accumulated backoff
@@ -38,7 +40,12 @@ class Child:
     def start(self) -> None:
         self.ready.clear()
         self.process = subprocess.Popen(
-            self.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
+            self.argv,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            bufsize=1,
+            env=os.environ | {SUPERVISOR_ENV: str(os.getpid())},  # it ends when serve does
         )
         self.started_at, self.restart_at = time.monotonic(), None
         threading.Thread(target=self.relay, args=(self.process,), daemon=True).start()
