@@ -93,9 +93,14 @@ def test_local_launch_commands(make_serve):
     """Each README line, run as written with the ports moved off the defaults."""
     base = free_base()
     ports = {
-        "launch_encode": {"EPD_BIND": f"tcp://127.0.0.1:{base}", "EPD_HEALTH_PORT": str(base + 10)},
+        "launch_encode": {
+            "EPD_BIND": f"tcp://127.0.0.1:{base}",
+            "EPD_PREFILLS": f"tcp://127.0.0.1:{base + 1}",
+            "EPD_HEALTH_PORT": str(base + 10),
+        },
         "launch_decode": {
             "EPD_BIND": f"tcp://127.0.0.1:{base + 2}",
+            "EPD_PREFILLS": f"tcp://127.0.0.1:{base + 1}",
             "EPD_HEALTH_PORT": str(base + 12),
         },
         "launch_prefill": {

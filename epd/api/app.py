@@ -21,7 +21,7 @@ from epd.api.schema import ChatCompletionRequest, parse_request
 from epd.config.roles import PrefillConfig
 from epd.prefill.coordinator import Coordinator
 from epd.prefill.engine import PrefillEngine
-from epd.process import health
+from epd.process import Watchdog, health
 from epd.wire.messages import TokenDelta
 
 log = logging.getLogger(__name__)
@@ -34,6 +34,7 @@ class Service:
     model_name: str
     builder: PromptBuilder
     engine: PrefillEngine
+    watchdog: Watchdog | None = None
     coordinator: Coordinator | None = None
 
     async def load_images(self, chat: ChatCompletionRequest) -> list[bytes]:
@@ -56,7 +57,9 @@ class Service:
 def create_app(service: Service, on_started: Callable[[], Any] | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        service.coordinator = Coordinator(service.config, service.engine)
+        service.coordinator = Coordinator(
+            service.config, service.engine, service.builder.processor.max_tokens(), service.watchdog
+        )
         service.coordinator.start()
         if on_started is not None:
             started = asyncio.create_task(on_started())
@@ -77,8 +80,10 @@ def create_app(service: Service, on_started: Callable[[], Any] | None = None) ->
         return await api_error(_, internal(f"{type(error).__name__}: {error}"))
 
     @app.get("/health")
-    async def health_check() -> dict[str, Any]:
-        return health("prefill")
+    async def health_check() -> JSONResponse:
+        watchdog = service.coordinator.watchdog if service.coordinator else service.watchdog
+        status, body = health("prefill", watchdog)
+        return JSONResponse(body, status_code=status)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

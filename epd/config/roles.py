@@ -34,7 +34,9 @@ def _check_value(name: str, value: Any) -> str | None:
     if name.startswith("max_") and not value >= 1:
         return "must be at least 1"
     addresses = value if isinstance(value, tuple) else (value,)
-    is_address = name in ("bind", "encoders", "decoders") or (name == "advertise" and value)
+    is_address = name in ("bind", "encoders", "decoders", "prefills") or (
+        name == "advertise" and value
+    )
     if is_address and not (addresses and all(a.startswith(ADDRESS_SCHEMES) for a in addresses)):
         return "must be ZeroMQ addresses such as tcp://127.0.0.1:7101"
     return None
@@ -59,20 +61,40 @@ class ModelOptions(Settings):
     trust_remote_code: bool = option(False, "allow the checkpoint's tokenizer code (real Kimi-VL)")
 
 
+def prefills_option() -> Any:
+    return option(
+        ("tcp://127.0.0.1:7102",),
+        "prefill addresses this role replies to (* matches anything); requests naming another "
+        "reply address are refused",
+    )
+
+
+def watchdog_option() -> Any:
+    return option(
+        10.0, "GET /health answers 503 after this long without progress; twice that, it exits"
+    )
+
+
 @dataclass(frozen=True)
 class EncodeConfig(ModelOptions):
     bind: str = option("tcp://127.0.0.1:7101", "ZeroMQ address that receives encode requests")
+    prefills: tuple[str, ...] = prefills_option()
     health_host: str = option("127.0.0.1", "host of the GET /health endpoint")
     health_port: int = option(7111, "port of the GET /health endpoint")
     max_image_pixels: int = option(50_000_000, "refuse decoded images larger than this")
+    max_image_bytes: int = option(20 * 1024 * 1024, "size limit of one image, encoded")
+    max_images: int = option(16, "most images in one encode request")
+    watchdog_s: float = watchdog_option()
 
 
 @dataclass(frozen=True)
 class DecodeConfig(ModelOptions):
     bind: str = option("tcp://127.0.0.1:7103", "ZeroMQ address that receives KV hand-offs")
+    prefills: tuple[str, ...] = prefills_option()
     health_host: str = option("127.0.0.1", "host of the GET /health endpoint")
     health_port: int = option(7113, "port of the GET /health endpoint")
     max_batch_size: int = option(64, "most sequences advanced together in one decode step")
+    watchdog_s: float = watchdog_option()
 
 
 @dataclass(frozen=True)
@@ -91,6 +113,7 @@ class PrefillConfig(ModelOptions):
     max_image_pixels: int = option(50_000_000, "refuse images larger than this (from their header)")
     max_images: int = option(16, "most images in one request")
     default_max_tokens: int = option(1024, "max_tokens when a request gives none")
+    watchdog_s: float = watchdog_option()
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -125,7 +148,7 @@ class ServeConfig(ModelOptions):
         n, loopback = self.internal_base_port, "tcp://127.0.0.1"
         encode, prefill, decode = (f"{loopback}:{n + i}" for i in range(3))
         return {
-            "encode": {"bind": encode, "health_port": n + 10},
+            "encode": {"bind": encode, "health_port": n + 10, "prefills": (prefill,)},
             "prefill": {
                 "bind": prefill,
                 "host": self.host,
@@ -133,7 +156,7 @@ class ServeConfig(ModelOptions):
                 "encoders": (encode,),
                 "decoders": (decode,),
             },
-            "decode": {"bind": decode, "health_port": n + 12},
+            "decode": {"bind": decode, "health_port": n + 12, "prefills": (prefill,)},
         }[role]
 
 

@@ -13,12 +13,19 @@ from epd.dtypes import model_dtype
 from epd.encode.encoder import Encoder
 from epd.multimodal.image_processor import ImageProcessor
 from epd.multimodal.images import ImageError
-from epd.process import HealthServer, announce_ready, setup_logging, stop_event
+from epd.process import (
+    HealthServer,
+    Watchdog,
+    announce_ready,
+    follow_supervisor,
+    setup_logging,
+    stop_event,
+)
 from epd.wire.messages import EncodeRequest, Failure, ImageEmbeddings
-from epd.wire.transport import Inbox, Outbox
+from epd.wire.transport import Inbox, Outbox, WireProbe, reply_allowed
 
 log = logging.getLogger(__name__)
-REPLY_CONNECT_MS = 2000
+HEADER_SLACK_BYTES = 1 << 20  # a header's own fields, beside the image files it carries
 
 
 def handle(encoder: Encoder, request: EncodeRequest) -> ImageEmbeddings | Failure:
@@ -32,30 +39,67 @@ def handle(encoder: Encoder, request: EncodeRequest) -> ImageEmbeddings | Failur
     return ImageEmbeddings(request.request_id, request.part_index, grids, embeddings)
 
 
+class EncodeServer:
+    def __init__(
+        self, encoder: Encoder, inbox: Inbox, outbox: Outbox, config: EncodeConfig
+    ) -> None:
+        self.encoder, self.inbox, self.outbox, self.config = encoder, inbox, outbox, config
+
+    def over_limits(self, request: EncodeRequest) -> Failure | None:
+        """A Failure for a request with more or larger images than this encoder takes."""
+        most, largest = self.config.max_images, self.config.max_image_bytes
+        if len(request.images) > most:
+            message = f"{len(request.images)} images is over this encoder's limit of {most}"
+            return Failure(request.request_id, "bad_request", message)
+        for index, image in enumerate(request.images, request.first_image):
+            if len(image) > largest:
+                message = f"image {index}: larger than this encoder's limit of {largest} bytes"
+                return Failure(request.request_id, "bad_image", message)
+        return None
+
+    def step(self) -> None:
+        """Answer one request, if one comes within a moment."""
+        self.outbox.poll()
+        request = self.inbox.recv(timeout_ms=10 if self.outbox.pending else 100)
+        if request is None:
+            return
+        if not isinstance(request, EncodeRequest):
+            log.error("ignored a %s: encode only takes EncodeRequest", type(request).__name__)
+        elif not reply_allowed(request.reply_to, self.config.prefills):
+            log.error(
+                "refused %s: %r is not a prefill of this encoder",
+                request.request_id,
+                request.reply_to,
+            )
+        else:
+            reply = self.over_limits(request) or handle(self.encoder, request)
+            if not self.outbox.send(request.reply_to, reply):
+                log.warning(
+                    "dropped the reply to %s: %s unreachable", request.request_id, request.reply_to
+                )
+
+
 def run(config: EncodeConfig) -> None:
     setup_logging("encode")
     stop = stop_event()
+    follow_supervisor()
     model = load_model(config.model, "encode", config.device, model_dtype(config.dtype))
     processor = ImageProcessor(load_processor_config(config.model))
     encoder = Encoder(model, processor, config.max_image_pixels)
     context: zmq.Context = zmq.Context.instance()
-    inbox, outbox = Inbox(context, config.bind), Outbox(context)
-    health = HealthServer("encode", config.health_host, config.health_port)
+    largest = config.max_images * config.max_image_bytes + HEADER_SLACK_BYTES
+    server = EncodeServer(encoder, Inbox(context, config.bind, largest), Outbox(context), config)
+    watchdog = Watchdog(config.watchdog_s)
+    probe = WireProbe(context, lambda: watchdog.beat("wire"))
+    health = HealthServer("encode", config.health_host, config.health_port, watchdog)
     announce_ready("encode", zmq=config.bind, health=health.url)
     try:
         while not stop.is_set():
-            request = inbox.recv(timeout_ms=100)
-            if request is None:
-                continue
-            if not isinstance(request, EncodeRequest):
-                log.error("ignored a %s: encode only takes EncodeRequest", type(request).__name__)
-                continue
-            reply = handle(encoder, request)
-            if not outbox.send(request.reply_to, reply, wait_ms=REPLY_CONNECT_MS):
-                log.warning(
-                    "dropped the reply to %s: %s unreachable", request.request_id, request.reply_to
-                )
+            watchdog.beat("loop")
+            server.step()
     finally:
+        watchdog.close()
         health.close()
-        inbox.close()
-        outbox.close()
+        probe.close()
+        server.inbox.close()
+        server.outbox.close(linger_ms=500)

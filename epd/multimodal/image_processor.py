@@ -60,6 +60,14 @@ class ImageProcessor:
         mh, mw = self.config.merge_kernel_size
         return (h // mh) * (w // mw)
 
+    def max_tokens(self) -> int:
+        """An upper bound on the tokens of any one image (it sizes message limits)."""
+        (mh, mw), side = self.config.merge_kernel_size, MAX_SIDE - 1
+        # A resized image has at most in_token_limit whole patches of at most `side` per row
+        # and column; rounding up to whole merge windows adds under mh + 1 rows, mw + 1 columns.
+        patches = self.config.in_token_limit + (mh + mw + 2) * side + (mh + 1) * (mw + 1)
+        return patches // (mh * mw)
+
     def preprocess(self, image: Image.Image) -> tuple[torch.Tensor, tuple[int, int]]:
         """One image → patches (h·w, 3, p, p) and its (h, w) grid."""
         image = image.convert("RGB")

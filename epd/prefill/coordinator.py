@@ -16,12 +16,14 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 import torch
+import zmq
 
 from epd.api.errors import APIError, bad_request, internal, timed_out, unavailable
 from epd.api.prepare import PreparedRequest
 from epd.config.roles import PrefillConfig
 from epd.multimodal.grids import kimi_vl_grids
 from epd.prefill.engine import PrefillEngine
+from epd.process import Watchdog
 from epd.wire.messages import (
     Abort,
     EncodeRequest,
@@ -31,11 +33,12 @@ from epd.wire.messages import (
     Message,
     TokenDelta,
 )
-from epd.wire.transport import Inbox, Outbox, async_context
+from epd.wire.transport import Inbox, Outbox, WireProbe, async_context
 
 log = logging.getLogger(__name__)
 PEER_POLL_S = 0.02
 PEER_GRACE_S = 0.5  # how long a request waits for a peer that is just connecting
+HEADER_SLACK_BYTES = 1 << 20  # beside the largest embeddings frame a payload may hold
 T = TypeVar("T")
 
 
@@ -55,6 +58,10 @@ class Stream:
 def failure_error(failure: Failure) -> APIError:
     if failure.code == "bad_image":
         return bad_request(failure.message, code="invalid_image")
+    if failure.code == "bad_request":
+        return bad_request(failure.message)
+    if failure.code == "unavailable":
+        return unavailable(failure.message)
     return internal(failure.message)
 
 
@@ -76,12 +83,20 @@ async def within(awaitable: Awaitable[T], seconds: float, error: APIError) -> T:
 
 
 class Coordinator:
-    def __init__(self, config: PrefillConfig, engine: PrefillEngine) -> None:
+    def __init__(
+        self,
+        config: PrefillConfig,
+        engine: PrefillEngine,
+        max_image_tokens: int,
+        watchdog: Watchdog | None = None,
+    ) -> None:
         self.config, self.engine = config, engine
-        self.outbox = Outbox()
-        for address in (*config.encoders, *config.decoders):
-            self.outbox.connect(address)
-        self.inbox = Inbox(async_context(), config.bind)
+        self.watchdog = watchdog or Watchdog(config.watchdog_s, exits=False)
+        self.outbox = Outbox(pinned=(*config.encoders, *config.decoders))
+        rows = config.max_images * max_image_tokens
+        largest = rows * engine.lm.config.hidden_size * 4 + HEADER_SLACK_BYTES  # float32 rows
+        self.inbox = Inbox(async_context(), config.bind, largest)
+        self.probe = WireProbe(zmq.Context.instance(), lambda: self.watchdog.beat("wire"))
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="prefill")  # one model, one queue
         self.waits: dict[tuple[str, int], EncodeWait] = {}
         self.streams: dict[str, Stream] = {}
@@ -96,6 +111,8 @@ class Coordinator:
             task.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
         self.executor.shutdown(wait=True)
+        self.watchdog.close()  # stopping is not stalling
+        self.probe.close()
         self.inbox.close()
         self.outbox.close()
 
@@ -105,6 +122,7 @@ class Coordinator:
             message = await self.inbox.arecv()
             if message is not None:
                 self.route(message)
+            del message  # an unclaimed payload must not stay alive until the next one comes
 
     def route(self, message: Message) -> None:
         if isinstance(message, ImageEmbeddings):
@@ -127,9 +145,10 @@ class Coordinator:
             stream.queue.put_nowait(error)
 
     async def watch_peers(self) -> None:
-        """Fail at once every request held by a peer that disconnected."""
+        """Fail at once every request held by a peer that disconnected (or never took it)."""
         while True:
-            for address in self.outbox.take_lost():
+            self.watchdog.beat("loop")
+            for address in self.outbox.poll():
                 log.warning("lost the connection to %s", address)
                 error = unavailable(f"lost the connection to {address} while it held this request")
                 for wait in self.waits.values():

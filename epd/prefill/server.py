@@ -13,7 +13,7 @@ from epd.checkpoint.weights import load_model
 from epd.config.roles import PrefillConfig
 from epd.dtypes import model_dtype
 from epd.prefill.engine import PrefillEngine
-from epd.process import announce_ready, setup_logging, stop_event
+from epd.process import Watchdog, announce_ready, follow_supervisor, setup_logging, stop_event
 
 
 def build_service(config: PrefillConfig) -> Service:
@@ -30,7 +30,9 @@ def build_service(config: PrefillConfig) -> Service:
 
 def run(config: PrefillConfig) -> None:
     setup_logging("prefill")
+    follow_supervisor()
     service = build_service(config)
+    service.watchdog = Watchdog(config.watchdog_s)  # once the model is loaded: that takes time
     server: uvicorn.Server
 
     async def announce() -> None:

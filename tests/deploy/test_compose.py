@@ -75,6 +75,7 @@ def test_compose_file(file, gpus):
     assert prefill.encoders == (f"tcp://encode:{configs['encode'].bind.rsplit(':', 1)[1]}",)
     assert prefill.decoders == (f"tcp://decode:{configs['decode'].bind.rsplit(':', 1)[1]}",)
     assert prefill.advertise == f"tcp://prefill:{prefill.bind.rsplit(':', 1)[1]}"
+    assert configs["encode"].prefills == configs["decode"].prefills == (prefill.advertise,)
     for name in ("encode", "decode"):
         assert services["prefill"]["depends_on"][name]["condition"] == "service_healthy"
         assert configs[name].bind.startswith("tcp://0.0.0.0:")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import io
+import os
 import random
 import signal
 import socket
@@ -40,8 +41,8 @@ def free_base() -> int:
 class Process:
     """A running `python -m epd.cli ...`, its output collected, stopped with SIGTERM."""
 
-    def __init__(self, *args: str, ready: str) -> None:
-        self.lines: deque[str] = deque(maxlen=500)
+    def __init__(self, *args: str, ready: str, env: dict[str, str] | None = None) -> None:
+        self.lines: deque[str] = deque(maxlen=2000)
         self.ready = threading.Event()
         self.popen = subprocess.Popen(
             [sys.executable, "-m", "epd.cli", *args],
@@ -49,6 +50,7 @@ class Process:
             stderr=subprocess.STDOUT,
             text=True,
             bufsize=1,
+            env=os.environ | (env or {}),
         )
         threading.Thread(target=self._read, args=(ready,), daemon=True).start()
 
@@ -80,6 +82,36 @@ class Process:
                 self.popen.kill()
                 self.popen.wait()
         return self.popen.returncode
+
+
+def role(
+    name: str, checkpoint: Path, base: int, prefills: str = "", env: dict[str, str] | None = None
+) -> Process:
+    """One role started by hand: encode on base, prefill on base+1 (API base+20), decode base+2.
+
+    Encode and decode reply only to addresses matching `prefills` (default: that prefill).
+    """
+    replies = ["--prefills", prefills or f"tcp://127.0.0.1:{base + 1}"]
+    flags = {
+        "encode": ["--bind", f"tcp://127.0.0.1:{base}", "--health-port", str(base + 10), *replies],
+        "decode": [
+            *("--bind", f"tcp://127.0.0.1:{base + 2}", "--health-port", str(base + 12)),
+            *replies,
+        ],
+        "prefill": [
+            *("--bind", f"tcp://127.0.0.1:{base + 1}", "--port", str(base + 20)),
+            *("--encoders", f"tcp://127.0.0.1:{base}", "--decoders", f"tcp://127.0.0.1:{base + 2}"),
+            *("--served-model-name", "tiny"),
+        ],
+    }[name]
+    return Process(name, "--model", str(checkpoint), *flags, ready=f"epd {name} ready", env=env)
+
+
+def usage(pid: int) -> tuple[int, int]:
+    """A process's resident memory in bytes and its open file descriptors."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    rss_kib = int(next(line for line in status.splitlines() if line.startswith("VmRSS")).split()[1])
+    return rss_kib * 1024, len(os.listdir(f"/proc/{pid}/fd"))
 
 
 def serve(checkpoint: Path, base: int) -> Process:

@@ -12,7 +12,7 @@ import openai
 import pytest
 from PIL import Image
 
-from .stack import Process, data_url, free_base, image_part, serve, text_part
+from .stack import data_url, free_base, image_part, role, serve, text_part
 
 IMAGE = [
     {
@@ -21,26 +21,6 @@ IMAGE = [
     }
 ]
 TEXT = [{"role": "user", "content": "Hi"}]
-
-
-def role(name, checkpoint, base):
-    flags = {
-        "encode": ["--bind", f"tcp://127.0.0.1:{base}", "--health-port", str(base + 10)],
-        "decode": ["--bind", f"tcp://127.0.0.1:{base + 2}", "--health-port", str(base + 12)],
-        "prefill": [
-            "--bind",
-            f"tcp://127.0.0.1:{base + 1}",
-            "--port",
-            str(base + 20),
-            "--encoders",
-            f"tcp://127.0.0.1:{base}",
-            "--decoders",
-            f"tcp://127.0.0.1:{base + 2}",
-            "--served-model-name",
-            "tiny",
-        ],
-    }[name]
-    return Process(name, "--model", str(checkpoint), *flags, ready=f"epd {name} ready")
 
 
 @pytest.fixture
@@ -148,3 +128,28 @@ def test_serve_exits_with_the_error_of_a_child_that_cannot_start(tmp_path):
     )
     assert result.returncode != 0
     assert "failed to start" in result.stderr and "config.json is missing" in result.stderr
+
+
+def test_children_end_when_serve_is_killed(tiny_checkpoint):
+    """kill -9 of `epd serve` leaves no orphan holding its ports: a new one starts at once."""
+    base = free_base()
+    stack = serve(tiny_checkpoint, base)
+    children = [health(base + 10)["pid"], health(base + 12)["pid"], health(base + 20)["pid"]]
+    stack.popen.send_signal(signal.SIGKILL)
+    stack.popen.wait()
+    deadline = time.monotonic() + 20
+    while any(alive(pid) for pid in children) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(alive(pid) for pid in children)
+    again = serve(tiny_checkpoint, base)
+    assert again.stop() == 0
+
+
+def alive(pid: int) -> bool:
+    """Running, not ended: a zombie waiting for its new parent to reap it has ended."""
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            state = next(line for line in status if line.startswith("State:"))
+    except FileNotFoundError:
+        return False
+    return "Z" not in state.split()[1]

@@ -53,11 +53,21 @@ def test_three_scripts_form_a_stack(tiny_checkpoint):
     processes = {
         "encode": launch(
             "launch_encode.sh",
-            shared | {"EPD_BIND": tcp["encode"], "EPD_HEALTH_PORT": str(base + 10)},
+            shared
+            | {
+                "EPD_BIND": tcp["encode"],
+                "EPD_PREFILLS": tcp["prefill"],
+                "EPD_HEALTH_PORT": str(base + 10),
+            },
         ),
         "decode": launch(
             "launch_decode.sh",
-            shared | {"EPD_BIND": tcp["decode"], "EPD_HEALTH_PORT": str(base + 12)},
+            shared
+            | {
+                "EPD_BIND": tcp["decode"],
+                "EPD_PREFILLS": tcp["prefill"],
+                "EPD_HEALTH_PORT": str(base + 12),
+            },
         ),
         "prefill": launch(
             "launch_prefill.sh",

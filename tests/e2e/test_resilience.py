@@ -2,6 +2,7 @@
 
 import contextlib
 import json
+import os
 import pickle
 import time
 import urllib.request
@@ -46,7 +47,8 @@ def test_malicious_headers_are_refused_and_servers_keep_serving(
     while process.output.count("refused a message") < 9 and time.monotonic() < deadline:
         time.sleep(0.1)
     assert process.output.count("refused a message") == 9
-    assert "os.system" in process.output or "posix.system" in process.output
+    assert process.output.count("a pickle, protocol") == 9  # named for what it is, never loaded
+    assert not os.path.exists("/tmp/epd-pwned")
     assert ask(client, model_name, CASES["one image"], max_tokens=3).usage.completion_tokens == 3
 
 

@@ -26,14 +26,15 @@ def test_two_encoders_two_decoders(tiny_checkpoint, local):
     base = free_base()
     tcp = [f"tcp://127.0.0.1:{base + i}" for i in range(5)]  # encoders 0-1, decoders 2-3, prefill 4
     model = ["--model", str(tiny_checkpoint)]
+    peer = [*model, "--prefills", tcp[4]]
     processes = [
         Process(
-            "encode", *model, "--bind", tcp[i], "--health-port", str(base + 10 + i), ready="ready"
+            "encode", *peer, "--bind", tcp[i], "--health-port", str(base + 10 + i), ready="ready"
         )
         for i in (0, 1)
     ] + [
         Process(
-            "decode", *model, "--bind", tcp[i], "--health-port", str(base + 10 + i), ready="ready"
+            "decode", *peer, "--bind", tcp[i], "--health-port", str(base + 10 + i), ready="ready"
         )
         for i in (2, 3)
     ]

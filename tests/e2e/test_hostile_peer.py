@@ -1,0 +1,264 @@
+"""A hostile peer and a dead one, against real processes while honest streams run.
+
+The cluster's encode and decode reply to any loopback address (`--prefills 'tcp://127.0.0.1:*'`,
+as a Kubernetes config matches a pod network), so the attacker can name addresses it owns and
+addresses nobody serves; and every ZeroMQ socket redials a lost peer every millisecond instead
+of every 100, so an outage fills whatever it can fill a hundred times faster.
+"""
+
+import base64
+import json
+import multiprocessing
+import signal
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import msgspec
+import openai
+import pytest
+import torch
+import zmq
+from PIL import Image
+
+from epd.checkpoint.config import load_model_config
+from epd.wire.codec import decode, encode
+from epd.wire.messages import EncodeRequest, Failure, ImageEmbeddings, KVHandoff, SamplingParams
+from tests.wire.test_hostile_headers import MESSAGE_PACKS, PICKLES
+
+from .stack import data_url, free_base, image_part, role, text_part, usage
+
+# Every lost peer redialled each millisecond; one torch thread per role, so three roles on two
+# cores do not spin against each other (see docs/benchmarks.md).
+ENV = {"EPD_ZMQ_RECONNECT_MS": "1", "OMP_NUM_THREADS": "1"}
+CASES = {
+    "text": [{"role": "user", "content": "Tell me about shapes"}],
+    "image": [
+        {
+            "role": "user",
+            "content": [image_part(data_url(Image.new("RGB", (84, 56), "red"))), text_part("?")],
+        }
+    ],
+}
+PARAMS = {"max_tokens": 40, "temperature": 0}
+CORPUS = [[p.values[0]] for p in PICKLES] + [[m] for m in MESSAGE_PACKS.values()]
+PNG = base64.b64decode(data_url(Image.new("RGB", (28, 28), "blue")).split(",")[1])
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_checkpoint):
+    base = free_base()
+    processes = {
+        name: role(name, tiny_checkpoint, base, "tcp://127.0.0.1:*", ENV)
+        for name in ("encode", "decode", "prefill")
+    }
+    for process in processes.values():
+        process.wait_ready()
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{base + 20}/v1", api_key="-", max_retries=0)
+    yield processes, client, base
+    for name, process in processes.items():
+        assert process.stop() == 0, f"{name} did not stop cleanly:\n{process.output}"
+
+
+@pytest.fixture(scope="module")
+def expected(local):
+    return {
+        case: local.chat({"model": "tiny", "messages": m, **PARAMS}).text
+        for case, m in CASES.items()
+    }
+
+
+def health(base: int) -> dict[str, tuple[int, dict]]:
+    """Every role's GET /health: (status, body)."""
+    answers = {}
+    for name, port in (("encode", base + 10), ("prefill", base + 20), ("decode", base + 12)):
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
+                answers[name] = (r.status, json.loads(r.read()))
+        except urllib.error.HTTPError as e:
+            answers[name] = (e.code, json.loads(e.read()))
+    return answers
+
+
+class Honest:
+    """Greedy streams, one thread per case, repeated until stopped: texts and inter-chunk gaps."""
+
+    def __init__(self, client: openai.OpenAI) -> None:
+        self.client, self.stop = client, threading.Event()
+        self.texts: list[tuple[str, str]] = []
+        self.gaps: list[float] = []
+        self.errors: list[Exception] = []
+        self.threads = [threading.Thread(target=self.run, args=(c,)) for c in CASES for _ in (0, 1)]
+
+    def __enter__(self) -> "Honest":
+        for thread in self.threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.stop.set()
+        for thread in self.threads:
+            thread.join(120)
+
+    def run(self, case: str) -> None:
+        while not self.stop.is_set():
+            try:
+                self.texts.append((case, self.one(case)))
+            except Exception as e:
+                self.errors.append(e)
+
+    def one(self, case: str) -> str:
+        text, last = "", None
+        stream = self.client.chat.completions.create(
+            model="tiny", messages=CASES[case], stream=True, **PARAMS
+        )
+        for chunk in stream:
+            now = time.monotonic()
+            if last is not None:
+                self.gaps.append(now - last)
+            last = now
+            if chunk.choices:
+                text += chunk.choices[0].delta.content or ""
+        return text
+
+
+def frames(message) -> list[bytes]:
+    return [bytes(f) for f in encode(message)]
+
+
+def push(port: int, messages: list[list[bytes]], linger_ms: int = 2000) -> None:
+    """Send raw multipart messages to a role's ZeroMQ port, as anyone on the network can."""
+    context = zmq.Context()
+    sender = context.socket(zmq.PUSH)
+    sender.setsockopt(zmq.SNDHWM, 0)
+    sender.connect(f"tcp://127.0.0.1:{port}")
+    for message in messages:
+        sender.send_multipart(message)
+    sender.close(linger=linger_ms)
+    context.term()
+
+
+def edited(message, index: int, value) -> list[bytes]:
+    """A message's frames with field `index` of its header replaced (values, not types, bad)."""
+    frames = [bytes(f) for f in encode(message)]
+    header = msgspec.msgpack.decode(frames[0])
+    if isinstance(index, tuple):
+        header[index[0]][index[1]] = value
+    else:
+        header[index] = value
+    return [msgspec.msgpack.encode(header), *frames[1:]]
+
+
+def handoff(checkpoint, request_id: str, reply_to: str, max_tokens: int = 300) -> KVHandoff:
+    text = load_model_config(checkpoint).text
+    return KVHandoff(
+        request_id,
+        reply_to,
+        prompt_tokens=4,
+        first_token=7,
+        first_logprob=None,
+        sampling=SamplingParams(max_tokens, temperature=0),
+        rng_state=torch.Generator().manual_seed(0).get_state(),
+        cache=torch.randn(text.num_hidden_layers, 4, text.latent_dim),
+    )
+
+
+def poisoned_handoffs(checkpoint) -> list[list[bytes]]:
+    good = handoff(checkpoint, "poisoned", "tcp://127.0.0.1:9")
+    nan_cache = good.cache.clone()
+    nan_cache[0, 0, 0] = float("nan")
+    sampling = {"temperature": 1, "top_p": 2, "top_k": 3, "top_logprobs": 7}
+    bad = [
+        ("temperature", float("nan")),
+        ("top_p", float("nan")),
+        ("top_p", 0.0),
+        ("top_k", -5),
+        ("top_logprobs", 5000),
+    ]
+    frames = [edited(good, (6, sampling[name]), value) for name, value in bad]
+    header, rng, _ = [bytes(f) for f in encode(good)]
+    frames.append([header, rng, nan_cache.numpy().tobytes()])
+    frames.append([header, rng, (nan_cache / 0).numpy().tobytes()])
+    return frames
+
+
+def attack(base: int, checkpoint: str) -> None:
+    """Everything a hostile peer sends, from its own process (as from another host)."""
+    files = (PNG,)
+    leaks = [EncodeRequest("far", 0, 1, files, 0, "tcp://10.9.9.9:7102")] + [
+        EncodeRequest(f"leak-{i}", 0, 1, files, 0, f"tcp://127.0.0.1:{2000 + i}")
+        for i in range(300)
+    ]
+    dead = [handoff(checkpoint, f"dead-{i}", f"tcp://127.0.0.1:{i + 1}") for i in range(30)]
+    unclaimed = ImageEmbeddings("unknown", 0, ((40, 60),), torch.randn(600, 64))
+    for port in (base, base + 1, base + 2):
+        push(port, CORPUS)
+    push(base + 2, poisoned_handoffs(checkpoint))
+    push(base + 2, [frames(h) for h in dead])
+    push(base, [frames(r) for r in leaks])
+    push(base + 1, [[bytes(500 << 20)]], linger_ms=500)
+    push(base + 1, [frames(unclaimed)] * 20)
+
+
+def test_hostile_and_dead_peers_hurt_no_honest_request(cluster, expected, tiny_checkpoint):
+    processes, client, base = cluster
+    pids = {name: body["pid"] for name, (_, body) in health(base).items()}
+    for case in CASES:  # warm up, so the baseline below includes what serving always holds
+        client.chat.completions.create(model="tiny", messages=CASES[case], **PARAMS)
+    mine = zmq.Context().socket(zmq.PULL)  # an address of ours that decode may reply to
+    mine_port = mine.bind_to_random_port("tcp://127.0.0.1")
+    too_long = handoff(tiny_checkpoint, "too-long", f"tcp://127.0.0.1:{mine_port}", 10**6)
+    push(base + 2, [[bytes(f) for f in encode(too_long)]])
+    assert mine.poll(5000)  # refused with a Failure, which only a real peer can hear
+    failure = decode(mine.recv_multipart())
+    assert isinstance(failure, Failure) and "exceed the context length" in failure.message
+    mine.close(linger=0)
+    before = {name: usage(pid) for name, pid in pids.items()}
+    refused = sum(p.output.count("refused a message") for p in processes.values())
+
+    with Honest(client) as honest:
+        attacker = multiprocessing.get_context("spawn").Process(
+            target=attack, args=(base, str(tiny_checkpoint))
+        )
+        attacker.start()
+        attacker.join(60)
+        time.sleep(3)  # the dead peers time out while the honest streams go on
+        assert all(status == 200 for status, _ in health(base).values())
+
+    assert not honest.errors, honest.errors[:3]
+    assert {case for case, _ in honest.texts} == set(CASES)
+    assert all(text == expected[case] for case, text in honest.texts)
+    assert max(honest.gaps) < 1.0, f"a stream stalled for {max(honest.gaps):.2f}s"
+    refused_now = sum(p.output.count("refused a message") for p in processes.values())
+    assert attacker.exitcode == 0
+    assert refused_now - refused == 3 * len(CORPUS) + 7
+    assert "'tcp://10.9.9.9:7102' is not a prefill of this encoder" in processes["encode"].output
+
+    deadline = time.monotonic() + 20  # encode works through its queue, dead peers time out
+    while time.monotonic() < deadline:
+        after = {name: usage(pid) for name, pid in pids.items()}
+        if all(after[n][1] <= before[n][1] + 2 for n in pids):
+            break
+        time.sleep(0.5)
+    for name in pids:
+        (rss_before, fds_before), (rss_after, fds_after) = before[name], after[name]
+        assert fds_after <= fds_before + 2, f"{name}: {fds_before} → {fds_after} descriptors"
+        grown = (rss_after - rss_before) >> 20
+        assert grown < 64, f"{name} grew by {grown} MiB"
+    assert health(base)["decode"][1]["running"] == 0  # the dead peers' requests were dropped
+
+
+def test_encode_and_decode_serve_again_after_a_long_prefill_outage(cluster, tiny_checkpoint):
+    """With every lost peer redialled each millisecond, 5 s down is 5000 failed redials per
+    socket; libzmq froze a process for good once 2000 of their events had queued."""
+    processes, client, base = cluster
+    client.chat.completions.create(model="tiny", messages=CASES["image"], max_tokens=2)
+    processes["prefill"].popen.send_signal(signal.SIGKILL)
+    processes["prefill"].popen.wait()
+    time.sleep(5)
+    processes["prefill"] = role("prefill", tiny_checkpoint, base, env=ENV).wait_ready()
+    for case in CASES:
+        reply = client.chat.completions.create(model="tiny", messages=CASES[case], max_tokens=3)
+        assert reply.usage.completion_tokens == 3
+    assert all(status == 200 for status, _ in health(base).values())
