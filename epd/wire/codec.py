@@ -14,16 +14,19 @@ from __future__ import annotations
 
 import typing
 import warnings
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 import torch
+from msgspec import Meta
 
 from epd.dtypes import DTYPES, NAMES
-from epd.wire.messages import Message, Value
+from epd.wire.messages import MESSAGE_TYPES, Message, Value
 
 Frame = bytes | memoryview
 MAX_RANK = 8
+MAX_TENSORS = 2  # the most tensor fields any message has
+HEADER_BYTES = 1 << 16  # every header but an EncodeRequest's (which holds image files) fits
 
 
 class WireError(ValueError):
@@ -34,8 +37,8 @@ class TensorRef(Value, frozen=True):
     """Stands in a header for the tensor carried by frame `frame`."""
 
     frame: int
-    dtype: str
-    shape: tuple[int, ...]
+    dtype: Annotated[str, Meta(max_length=16)]
+    shape: Annotated[tuple[int, ...], Meta(max_length=MAX_RANK)]
 
 
 def encode(message: Message) -> list[Frame]:
@@ -48,17 +51,23 @@ def encode(message: Message) -> list[Frame]:
         frames.append(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))  # type: ignore[arg-type]
         return TensorRef(len(frames), NAMES[tensor.dtype], tuple(tensor.shape))
 
-    if not isinstance(message, typing.get_args(Message)):
+    if not isinstance(message, MESSAGE_TYPES):
         raise TypeError(f"{type(message).__name__} is not a message type")
     header = msgspec.msgpack.Encoder(enc_hook=tensor_ref).encode(message)
     return [header, *frames]
 
 
-def decode(frames: typing.Sequence[Any]) -> Message:
-    """Frames (bytes, memoryviews or zmq.Frame) → a checked message; raises WireError."""
-    if not frames:
-        raise WireError("empty message")
+def decode(frames: typing.Sequence[Any], max_header_bytes: int = HEADER_BYTES) -> Message:
+    """Frames (bytes, memoryviews or zmq.Frame) → a checked message; raises WireError.
+
+    Sizes are checked before anything is decoded: a header over `max_header_bytes` or more
+    frames than a message has tensors is refused unread.
+    """
+    if not 0 < len(frames) <= 1 + MAX_TENSORS:
+        raise WireError(f"a message has 1 to {1 + MAX_TENSORS} frames, not {len(frames)}")
     buffers = [f.buffer if hasattr(f, "buffer") else memoryview(f) for f in frames]
+    if buffers[0].nbytes > max_header_bytes:
+        raise WireError(f"a {buffers[0].nbytes}-byte header is over {max_header_bytes} bytes")
     used: set[int] = set()
 
     def tensor(hint: type, raw: Any) -> torch.Tensor:

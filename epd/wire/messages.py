@@ -2,54 +2,42 @@
 
 Messages are msgspec Structs: frozen, with exactly their declared fields, decoded only into
 these types (see `codec`). Tensors are top-level fields and travel as raw frames beside the
-header; grids are tuples of ints. Each type checks its values, not only their types, when it is
-built, here or by the decoder: a NaN is a float, and a hand-off holding one must be refused
-before it meets the requests it would be batched with.
+header; grids are tuples of ints. Field lengths are bounded by their types, and each type checks
+its values when it is built, here or by the decoder (see `limits`): a NaN is a float, and a
+hand-off holding one must be refused before it meets the requests it would be batched with.
 """
 
 from __future__ import annotations
 
 import math
 import typing
+from typing import Annotated
 
 import msgspec
 import torch
+from msgspec import Meta
 
-Grid = tuple[int, int]
+from epd.wire.limits import (
+    FINISH_REASONS,
+    MAX_ITEMS,
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_TOP_LOGPROBS,
+    Address,
+    Grid,
+    Id,
+    Text,
+    TokenBytes,
+    check_address,
+    check_id,
+    check_logprob,
+    check_tensor,
+    require,
+)
 
-MAX_ID_CHARS = 256  # request ids, error codes
-MAX_ADDRESS_CHARS = 512  # ZeroMQ addresses
-MAX_STOP_STRINGS = 4
-MAX_STOP_CHARS = 256  # longer stop strings would make every step's stop check slow
-MAX_TOP_LOGPROBS = 20
-MIN_LOGPROB = -9999.0  # what OpenAI reports for a token the model all but ruled out
-FINISH_REASONS = (None, "stop", "length")
-ADDRESS_SCHEMES = ("tcp://", "ipc://", "inproc://")
-
-
-def require(condition: bool, problem: str) -> None:
-    """Raise ValueError(problem) unless `condition` holds; the decoder reports it as refused."""
-    if not condition:
-        raise ValueError(problem)
-
-
-def check_id(value: str, name: str) -> None:
-    require(0 < len(value) <= MAX_ID_CHARS, f"{name} must be 1 to {MAX_ID_CHARS} characters")
-
-
-def check_address(value: str, name: str, optional: bool = False) -> None:
-    require(
-        (optional and not value)
-        or (len(value) <= MAX_ADDRESS_CHARS and value.startswith(ADDRESS_SCHEMES)),
-        f"{name} must be a ZeroMQ address (tcp://, ipc://), not {value[:80]!r}",
-    )
-
-
-def check_tensor(tensor: torch.Tensor, name: str, rank: int) -> None:
-    """A floating tensor of `rank` dimensions holding only finite values."""
-    require(tensor.dim() == rank, f"{name} must have {rank} dimensions, not {tensor.dim()}")
-    require(tensor.is_floating_point(), f"{name} must hold floats, not {tensor.dtype}")
-    require(bool(torch.isfinite(tensor).all()), f"{name} holds NaN or infinite values")
+StopStrings = Annotated[
+    tuple[Annotated[str, Meta(max_length=MAX_STOP_CHARS)], ...], Meta(max_length=MAX_STOP_STRINGS)
+]
 
 
 class Value(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=True):
@@ -64,7 +52,7 @@ class SamplingParams(Value, frozen=True):
     top_p: float = 1.0
     top_k: int = 0  # 0: no limit
     seed: int | None = None
-    stop: tuple[str, ...] = ()
+    stop: StopStrings = ()
     logprobs: bool = False
     top_logprobs: int = 0
 
@@ -91,25 +79,20 @@ class SamplingParams(Value, frozen=True):
         )
 
 
-def check_logprob(logprob: float, token_bytes: tuple[int, ...]) -> None:
-    require(MIN_LOGPROB <= logprob <= 0, f"a logprob must be in [{MIN_LOGPROB}, 0], not {logprob}")
-    require(all(0 <= b < 256 for b in token_bytes), "token bytes must be 0 to 255")
-
-
 class TopLogprob(Value, frozen=True):
-    token: str
+    token: Text
     logprob: float
-    bytes: tuple[int, ...]
+    bytes: TokenBytes
 
     def __post_init__(self) -> None:
         check_logprob(self.logprob, self.bytes)
 
 
 class TokenLogprob(Value, frozen=True):
-    token: str
+    token: Text
     logprob: float
-    bytes: tuple[int, ...]
-    top_logprobs: tuple[TopLogprob, ...] = ()
+    bytes: TokenBytes
+    top_logprobs: Annotated[tuple[TopLogprob, ...], Meta(max_length=MAX_TOP_LOGPROBS)] = ()
 
     def __post_init__(self) -> None:
         check_logprob(self.logprob, self.bytes)
@@ -122,7 +105,7 @@ class TokenLogprob(Value, frozen=True):
 class WireMessage(Value, frozen=True, tag=True):
     """A message: the header names its type (the class name) before the fields."""
 
-    request_id: str
+    request_id: Id
 
     def __post_init__(self) -> None:
         check_id(self.request_id, "request_id")
@@ -133,9 +116,9 @@ class EncodeRequest(WireMessage, frozen=True):
 
     part_index: int
     part_count: int
-    images: tuple[bytes, ...]  # encoded files: PNG, JPEG, WebP, GIF
+    images: Annotated[tuple[bytes, ...], Meta(max_length=MAX_ITEMS)]  # PNG, JPEG, WebP, GIF files
     first_image: int  # index of images[0] among all the request's images
-    reply_to: str
+    reply_to: Address
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -149,7 +132,7 @@ class ImageEmbeddings(WireMessage, frozen=True):
     """encode → prefill: projected embeddings of one part, rows ordered image by image."""
 
     part_index: int
-    grids: tuple[Grid, ...]  # Kimi-VL (h, w) in patches, one per image
+    grids: Annotated[tuple[Grid, ...], Meta(max_length=MAX_ITEMS)]  # Kimi-VL (h, w) in patches
     embeddings: torch.Tensor  # (Σ h·w/4, text hidden)
 
     def __post_init__(self) -> None:
@@ -165,8 +148,8 @@ class ImageEmbeddings(WireMessage, frozen=True):
 class Failure(WireMessage, frozen=True):
     """Any process → the one waiting on a request: what went wrong, never silence."""
 
-    code: str  # "bad_image", "bad_request", "internal", ...
-    message: str
+    code: Id  # "bad_image", "bad_request", "unavailable", "internal", ...
+    message: Text  # build it with `limits.cut` when it quotes an exception
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -176,7 +159,7 @@ class Failure(WireMessage, frozen=True):
 class KVHandoff(WireMessage, frozen=True):
     """prefill → decode: everything needed to go on generating where prefill stopped."""
 
-    reply_to: str
+    reply_to: Address
     prompt_tokens: int
     first_token: int
     first_logprob: TokenLogprob | None
@@ -202,11 +185,11 @@ class KVHandoff(WireMessage, frozen=True):
 class TokenDelta(WireMessage, frozen=True):
     """decode → prefill: newly generated tokens and the text they complete."""
 
-    token_ids: tuple[int, ...]
-    text: str
+    token_ids: Annotated[tuple[int, ...], Meta(max_length=MAX_ITEMS)]
+    text: Text
     completion_tokens: int  # total so far
-    finish_reason: str | None = None  # "stop" or "length" on the last delta
-    logprobs: tuple[TokenLogprob, ...] = ()
+    finish_reason: Annotated[str, Meta(max_length=16)] | None = None  # "stop" or "length"
+    logprobs: Annotated[tuple[TokenLogprob, ...], Meta(max_length=MAX_ITEMS)] = ()
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -10,6 +10,8 @@ import urllib.request
 import requests
 import zmq
 
+from tests.wire.test_hostile_headers import PWNED
+
 from .test_stack import CASES, ask
 
 
@@ -22,7 +24,7 @@ class Exploit:
     def __reduce__(self):
         import os
 
-        return os.system, ("touch /tmp/epd-pwned",)
+        return os.system, (f"touch {PWNED}",)
 
 
 def test_malicious_headers_are_refused_and_servers_keep_serving(
@@ -48,7 +50,7 @@ def test_malicious_headers_are_refused_and_servers_keep_serving(
         time.sleep(0.1)
     assert process.output.count("refused a message") == 9
     assert process.output.count("a pickle, protocol") == 9  # named for what it is, never loaded
-    assert not os.path.exists("/tmp/epd-pwned")
+    assert not os.path.exists(PWNED)
     assert ask(client, model_name, CASES["one image"], max_tokens=3).usage.completion_tokens == 3
 
 

@@ -11,7 +11,9 @@ import os
 import struct
 import subprocess
 import sys
+import tempfile
 import time
+import uuid
 
 import msgspec
 import pytest
@@ -21,6 +23,7 @@ from epd.wire import codec, messages, transport
 from epd.wire.codec import WireError, decode
 
 TARGET = ("epd.wire.messages", "SamplingParams")  # an allowed class under the old unpickler
+PWNED = os.path.join(tempfile.gettempdir(), f"epd-pwned-{uuid.uuid4().hex}")  # os.system's mark
 
 
 class Pickle:
@@ -92,7 +95,7 @@ def reduce_with_wrong_arguments(p: Pickle) -> bytes:
 
 
 def reduce_os_system(p: Pickle) -> bytes:
-    return p.glob("os", "system").tuple(lambda p: p.str("touch /tmp/epd-pwned")).op(b"R").done()
+    return p.glob("os", "system").tuple(lambda p: p.str(f"touch {PWNED}")).op(b"R").done()
 
 
 def memo_reuse(p: Pickle) -> bytes:
@@ -170,6 +173,12 @@ MESSAGE_PACKS = {
     "bad UTF-8": b"\x92\xa5Abort\xa2\xff\xfe",
     "trailing bytes": msgpack("Abort", "r") + b"\x00",
     "empty": b"",
+    "a header over 64 KiB": msgpack("Failure", "r", "internal", "x" * 70_000),
+    "a map where a tensor goes": msgpack(
+        "ImageEmbeddings", "r", 0, [[2, 2]], {i: i for i in range(5000)}
+    ),
+    "a ten-thousand-character request id": msgpack("Abort", "r" * 10_000),
+    "a thousand token ids": msgpack("TokenDelta", "r", list(range(1000)), "x", 1000),
 }
 
 
@@ -189,7 +198,7 @@ def unchanged():
     before = state()
     yield
     assert state() == before
-    assert not os.path.exists("/tmp/epd-pwned")
+    assert not os.path.exists(PWNED)
 
 
 @pytest.mark.parametrize("payload", PICKLES)
@@ -206,6 +215,11 @@ def test_hostile_message_packs_are_refused_and_change_nothing(payload, unchanged
     with pytest.raises(WireError):
         decode([payload])
     assert time.monotonic() - start < 1.0
+
+
+def test_more_frames_than_a_message_has_tensors_are_refused_unread(unchanged):
+    with pytest.raises(WireError, match="1 to 3 frames, not 10000"):
+        decode([msgpack("Abort", "r")] + [b"x"] * 9999)
 
 
 def test_the_corpus_is_hostile_to_a_plain_unpickler():

@@ -53,7 +53,7 @@ SAMPLING = [
 ]
 
 
-@pytest.mark.parametrize("changes,field", SAMPLING, ids=lambda v: str(v))
+@pytest.mark.parametrize("changes,field", SAMPLING, ids=lambda v: str(v)[:40])
 def test_poisoned_sampling_is_refused_here_and_on_the_wire(changes, field):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**({"max_tokens": 8} | changes))
@@ -64,7 +64,7 @@ def test_poisoned_sampling_is_refused_here_and_on_the_wire(changes, field):
     for name, value in changes.items():
         values[SamplingParams.__struct_fields__.index(name)] = value
     raw[6] = values
-    with pytest.raises(WireError, match=field):
+    with pytest.raises(WireError, match=rf"{field}|at `\$\[6\]"):  # named, or its place
         decode([msgspec.msgpack.encode(raw), *map(bytes, good[1:])])
 
 
