@@ -28,6 +28,10 @@ from epd.wire.messages import KVHandoff, TokenDelta
 log = logging.getLogger(__name__)
 
 
+class Busy(ValueError):
+    """Decode holds as many requests as it may: this one must go elsewhere or come back later."""
+
+
 @dataclass
 class Step:
     """What one step did: a delta for each sequence that advanced, a reason for each that failed."""
@@ -46,12 +50,19 @@ class Scheduler:
     ) -> None:
         self.lm, self.tokenizer, self.eos_ids = lm, tokenizer, eos_ids
         self.max_batch_size = max_batch_size
+        self.max_waiting = 4 * max_batch_size  # each holds its cache: bound what one peer can park
         self.device = lm.lm_head.weight.device
         self.running: dict[str, Sequence] = {}
         self.waiting: deque[Sequence] = deque()
 
     def __len__(self) -> int:
         return len(self.running) + len(self.waiting)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self.running or any(s.request_id == request_id for s in self.waiting)
+
+    def sequences(self) -> list[Sequence]:
+        return [*self.running.values(), *self.waiting]
 
     def check(self, handoff: KVHandoff) -> None:
         """Refuse a hand-off this model cannot resume, before it touches any state.
@@ -72,10 +83,10 @@ class Scheduler:
                 f"{handoff.sampling.max_tokens} exceed the context length "
                 f"{config.max_position_embeddings}"
             )
-        if handoff.request_id in self.running or any(
-            s.request_id == handoff.request_id for s in self.waiting
-        ):
+        if handoff.request_id in self:
             raise ValueError(f"request {handoff.request_id} is already decoding")
+        if len(self.waiting) >= self.max_waiting:
+            raise Busy(f"decode is full: {len(self.waiting)} requests wait for a batch slot")
 
     def add(self, handoff: KVHandoff) -> tuple[Sequence, TokenDelta]:
         """Admit a prefilled request; its first token is accepted (and may already finish it)."""
@@ -110,7 +121,7 @@ class Scheduler:
 
     def drain(self) -> list[Sequence]:
         """Remove and return every sequence, running or waiting."""
-        sequences = [*self.running.values(), *self.waiting]
+        sequences = self.sequences()
         self.running.clear()
         self.waiting.clear()
         return sequences
@@ -143,13 +154,15 @@ class Scheduler:
         """Each sequence's next-token logits (vocab,), or the error that kept it from them."""
         if not batch:
             return []
+        lengths = [s.cache.length for s in batch]
         try:
             return list(zip(batch, self._forward(batch), strict=True))
         except Exception as e:
+            for sequence, length in zip(batch, lengths, strict=True):
+                sequence.cache.length = length  # a failure after the caches grew must not count
             if len(batch) == 1:
                 return [(batch[0], e)]
             log.exception("a batched decode step failed; running its %d requests alone", len(batch))
-        # A failed forward advanced no cache (lengths move only at its end), so each can retry.
         return [pair for sequence in batch for pair in self._logits([sequence])]
 
     def _forward(self, batch: list[Sequence]) -> torch.Tensor:

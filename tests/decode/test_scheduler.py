@@ -5,7 +5,7 @@ import pytest
 from epd.checkpoint.config import load_generation_config, load_model_config
 from epd.checkpoint.tokenizer import load_tokenizer
 from epd.checkpoint.weights import load_model
-from epd.decode.scheduler import Scheduler
+from epd.decode.scheduler import Busy, Scheduler
 from epd.prefill.engine import PrefillEngine
 from epd.wire.messages import SamplingParams
 
@@ -146,3 +146,36 @@ def test_hand_offs_past_the_context_or_already_decoding_are_refused(parts):
     scheduler.add(handoff(engine, 0, max_tokens=room))
     with pytest.raises(ValueError, match="already decoding"):
         scheduler.add(handoff(engine, 0))
+
+
+def test_a_failure_after_the_caches_grew_does_not_shift_them(parts):
+    """The logits fail once the caches have taken the step's row: the retry must not count it."""
+    lm, tokenizer, engine, eos = parts
+    scheduler = Scheduler(lm, tokenizer, eos)
+    expected = {i: run_alone(parts, i) for i in range(2)}
+    produced = {f"r{i}": list(scheduler.add(handoff(engine, i))[1].token_ids) for i in range(2)}
+    logits, failed = lm.logits, []
+
+    def fails_once_batched(hidden):
+        if hidden.shape[0] > 1 and not failed:
+            failed.append(True)
+            raise RuntimeError("out of memory")
+        return logits(hidden)
+
+    lm.logits = fails_once_batched
+    try:
+        while len(scheduler):
+            for sequence, delta in scheduler.step().produced:
+                produced[sequence.request_id] += delta.token_ids
+    finally:
+        del lm.logits
+    assert failed and produced == {f"r{i}": expected[i] for i in range(2)}
+
+
+def test_decode_refuses_what_it_has_no_room_to_park(parts):
+    lm, tokenizer, engine, eos = parts
+    scheduler = Scheduler(lm, tokenizer, eos, max_batch_size=1)
+    for i in range(4):
+        scheduler.add(engine.run(f"w{i}", PROMPTS[0], None, SamplingParams(8, temperature=0)))
+    with pytest.raises(Busy, match="decode is full"):
+        scheduler.add(handoff(engine, 1))
