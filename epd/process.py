@@ -61,7 +61,10 @@ def follow_supervisor() -> None:
     if not supervisor:
         return
     if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM) != 0:
+            errno = ctypes.get_errno()
+            log.warning("no parent-death signal (errno %d): watching the parent only", errno)
 
     def watch() -> None:
         while os.getppid() == int(supervisor):

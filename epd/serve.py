@@ -24,6 +24,7 @@ from epd.process import SUPERVISOR_ENV, stop_event
 
 CHILDREN = ("encode", "decode", "prefill")
 HEALTHY_AFTER_S = 60.0  # a child that lived this long restarts without accumulated backoff
+STOP_TIMEOUT_S = 10.0  # children still running this long after SIGTERM are killed (< STOP_GRACE_S)
 
 
 @dataclass
@@ -62,15 +63,28 @@ class Child:
     def exit_code(self) -> int | None:
         return None if self.process is None else self.process.poll()
 
-    def stop(self, timeout: float = 10.0) -> None:
-        if self.process is None or self.process.poll() is not None:
+    def terminate(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+
+    def wait(self, deadline: float) -> None:
+        """Wait for the child to end until `deadline` (monotonic), then kill it."""
+        if self.process is None:
             return
-        self.process.terminate()
         try:
-            self.process.wait(timeout)
+            self.process.wait(max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
+
+
+def stop_all(children: list[Child], timeout: float = STOP_TIMEOUT_S) -> None:
+    """Ask every child to stop at once, then wait for all of them under one deadline."""
+    for child in children:
+        child.terminate()
+    deadline = time.monotonic() + timeout
+    for child in children:
+        child.wait(deadline)
 
 
 def start_all(children: list[Child], stop: threading.Event) -> None:
@@ -82,8 +96,7 @@ def start_all(children: list[Child], stop: threading.Event) -> None:
             (c for c in children if c.exit_code() is not None and not c.ready.is_set()), None
         )
         if failed is not None or stop.is_set():
-            for child in children:
-                child.stop()
+            stop_all(children)
             if failed is None:
                 sys.exit(0)
             time.sleep(0.2)  # let the relay thread print the last lines
@@ -156,6 +169,5 @@ def run(config: ServeConfig, child_configs: dict[str, Any]) -> None:
                 supervise(child, config.max_restart_delay_s)
             stop.wait(0.2)
     finally:
-        for child in children:
-            child.stop()
+        stop_all(children)
         print("epd serve: stopped", flush=True)

@@ -7,7 +7,7 @@
 # EPD_DEVICE, EPD_DTYPE, EPD_PYTHON):
 #   EPD_BIND             ZeroMQ address that receives KV hand-offs (tcp://0.0.0.0:7103)
 #   EPD_PREFILLS         prefill addresses this role replies to, space-separated
-#                        (* matches anything): tcp://PREFILL_NODE:7102 ...
+#                        (tcp://PREFILL_NODE:7102, or a network: tcp://10.0.0.0/8:7102)
 #   EPD_HEALTH_HOST      host of GET /health
 #   EPD_HEALTH_PORT      port of GET /health
 #   EPD_MAX_BATCH_SIZE   most sequences per decode step

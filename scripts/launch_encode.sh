@@ -7,7 +7,7 @@
 # EPD_DEVICE, EPD_DTYPE, EPD_PYTHON):
 #   EPD_BIND          ZeroMQ address that receives encode requests (tcp://0.0.0.0:7101)
 #   EPD_PREFILLS      prefill addresses this role replies to, space-separated
-#                     (* matches anything): tcp://PREFILL_NODE:7102 ...
+#                     (tcp://PREFILL_NODE:7102, or a network: tcp://10.0.0.0/8:7102)
 #   EPD_HEALTH_HOST   host of GET /health
 #   EPD_HEALTH_PORT   port of GET /health
 # Any other argument goes to `epd encode` as is (see `epd encode --help`).

@@ -81,8 +81,10 @@ def create_app(service: Service, on_started: Callable[[], Any] | None = None) ->
 
     @app.get("/health")
     async def health_check() -> JSONResponse:
-        watchdog = service.coordinator.watchdog if service.coordinator else service.watchdog
-        status, body = health("prefill", watchdog)
+        coordinator = service.coordinator
+        status, body = health("prefill", coordinator.watchdog if coordinator else None)
+        if coordinator is not None:
+            body["refused_messages"] = coordinator.inbox.refusals.total
         return JSONResponse(body, status_code=status)
 
     @app.get("/v1/models")

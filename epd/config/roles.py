@@ -64,8 +64,8 @@ class ModelOptions(Settings):
 def prefills_option() -> Any:
     return option(
         ("tcp://127.0.0.1:7102",),
-        "prefill addresses this role replies to (* matches anything); requests naming another "
-        "reply address are refused",
+        "prefill addresses this role replies to: exact, or tcp://NETWORK:PORT such as "
+        "tcp://10.0.0.0/8:7102 (port * for any); requests naming another are refused",
     )
 
 

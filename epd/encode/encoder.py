@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -20,19 +20,26 @@ class Encoder:
 
     @torch.inference_mode()
     def encode(
-        self, images: Sequence[bytes], first_index: int = 0
+        self,
+        images: Sequence[bytes],
+        first_index: int = 0,
+        progress: Callable[[], None] = lambda: None,
     ) -> tuple[tuple[tuple[int, int], ...], torch.Tensor]:
         """All images in one batch → grids ((h, w) ints) and embeddings (Σ h·w/4, hidden).
 
         Raises ImageError naming the image (by its index in the request) that cannot be used.
+        `progress` is called as each image is decoded and preprocessed, which for a large one
+        takes a while.
         """
-        decoded = [
-            decode_image(data, first_index + i, self.max_image_pixels)
-            for i, data in enumerate(images)
-        ]
-        processed = self.processor(decoded)
-        grids = kimi_vl_grids(processed.grids)  # plain (h, w) ints: safe for a message header
-        pixels = processed.pixel_values.to(self.device, self.dtype)
+        patches, sizes = [], []
+        for i, data in enumerate(images):
+            image = decode_image(data, first_index + i, self.max_image_pixels)
+            pixels, grid = self.processor.preprocess(image)  # (h·w, 3, p, p)
+            patches.append(pixels)
+            sizes.append(grid)
+            progress()
+        grids = kimi_vl_grids(sizes)  # plain (h, w) ints: safe for a message header
+        pixels = torch.cat(patches).to(self.device, self.dtype)
         embeddings = self.model.encode_images(pixels, list(grids))
         # Rows must slice into exactly one piece per grid; they travel as one contiguous frame.
         split_embeddings(embeddings, grids, "kimi_vl", self.processor.config.merge_kernel_size)

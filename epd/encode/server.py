@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import zmq
 
@@ -21,29 +22,42 @@ from epd.process import (
     setup_logging,
     stop_event,
 )
+from epd.wire.addresses import Prefills
+from epd.wire.codec import HEADER_BYTES
+from epd.wire.limits import cut
 from epd.wire.messages import EncodeRequest, Failure, ImageEmbeddings
-from epd.wire.transport import Inbox, Outbox, WireProbe, reply_allowed
+from epd.wire.outbox import Outbox
+from epd.wire.transport import Inbox, WireProbe
 
 log = logging.getLogger(__name__)
-HEADER_SLACK_BYTES = 1 << 20  # a header's own fields, beside the image files it carries
 
 
-def handle(encoder: Encoder, request: EncodeRequest) -> ImageEmbeddings | Failure:
+def handle(
+    encoder: Encoder, request: EncodeRequest, progress: Callable[[], None] = lambda: None
+) -> ImageEmbeddings | Failure:
+    """Embeddings for the request's images, or a Failure saying why there are none."""
     try:
-        grids, embeddings = encoder.encode(request.images, request.first_image)
+        grids, embeddings = encoder.encode(request.images, request.first_image, progress)
+        return ImageEmbeddings(request.request_id, request.part_index, grids, embeddings)
     except ImageError as e:
-        return Failure(request.request_id, "bad_image", str(e))
+        return Failure(request.request_id, "bad_image", cut(str(e)))
     except Exception as e:  # the request fails, the server goes on: prefill hears why
         log.exception("encoding %s failed", request.request_id)
-        return Failure(request.request_id, "internal", f"encode failed: {type(e).__name__}: {e}")
-    return ImageEmbeddings(request.request_id, request.part_index, grids, embeddings)
+        why = cut(f"encode failed: {type(e).__name__}: {e}")
+        return Failure(request.request_id, "internal", why)
 
 
 class EncodeServer:
     def __init__(
-        self, encoder: Encoder, inbox: Inbox, outbox: Outbox, config: EncodeConfig
+        self,
+        encoder: Encoder,
+        inbox: Inbox,
+        outbox: Outbox,
+        config: EncodeConfig,
+        progress: Callable[[], None] = lambda: None,
     ) -> None:
         self.encoder, self.inbox, self.outbox, self.config = encoder, inbox, outbox, config
+        self.prefills, self.progress = Prefills.parse(config.prefills), progress
 
     def over_limits(self, request: EncodeRequest) -> Failure | None:
         """A Failure for a request with more or larger images than this encoder takes."""
@@ -60,19 +74,19 @@ class EncodeServer:
     def step(self) -> None:
         """Answer one request, if one comes within a moment."""
         self.outbox.poll()
-        request = self.inbox.recv(timeout_ms=10 if self.outbox.pending else 100)
+        request = self.inbox.recv(timeout_ms=10 if self.outbox.queued else 100)
         if request is None:
             return
         if not isinstance(request, EncodeRequest):
             log.error("ignored a %s: encode only takes EncodeRequest", type(request).__name__)
-        elif not reply_allowed(request.reply_to, self.config.prefills):
+        elif not self.prefills.allows(request.reply_to):
             log.error(
                 "refused %s: %r is not a prefill of this encoder",
                 request.request_id,
                 request.reply_to,
             )
         else:
-            reply = self.over_limits(request) or handle(self.encoder, request)
+            reply = self.over_limits(request) or handle(self.encoder, request, self.progress)
             if not self.outbox.send(request.reply_to, reply):
                 log.warning(
                     "dropped the reply to %s: %s unreachable", request.request_id, request.reply_to
@@ -83,20 +97,31 @@ def run(config: EncodeConfig) -> None:
     setup_logging("encode")
     stop = stop_event()
     follow_supervisor()
+    Prefills.parse(config.prefills)  # a bad pattern fails now, before the model loads
     model = load_model(config.model, "encode", config.device, model_dtype(config.dtype))
     processor = ImageProcessor(load_processor_config(config.model))
     encoder = Encoder(model, processor, config.max_image_pixels)
     context: zmq.Context = zmq.Context.instance()
-    largest = config.max_images * config.max_image_bytes + HEADER_SLACK_BYTES
-    server = EncodeServer(encoder, Inbox(context, config.bind, largest), Outbox(context), config)
+    largest = config.max_images * config.max_image_bytes + HEADER_BYTES  # image files in a header
+    inbox = Inbox(context, config.bind, largest, max_header_bytes=largest)
     watchdog = Watchdog(config.watchdog_s)
+    server = EncodeServer(encoder, inbox, Outbox(context), config, lambda: watchdog.beat("loop"))
     probe = WireProbe(context, lambda: watchdog.beat("wire"))
-    health = HealthServer("encode", config.health_host, config.health_port, watchdog)
+    health = HealthServer(
+        "encode",
+        config.health_host,
+        config.health_port,
+        watchdog,
+        lambda: {"refused_messages": inbox.refusals.total},
+    )
     announce_ready("encode", zmq=config.bind, health=health.url)
     try:
         while not stop.is_set():
             watchdog.beat("loop")
-            server.step()
+            try:
+                server.step()
+            except Exception:  # a bug in one step must not end the server
+                log.exception("an encode step failed")
     finally:
         watchdog.close()
         health.close()

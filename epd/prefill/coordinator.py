@@ -33,12 +33,12 @@ from epd.wire.messages import (
     Message,
     TokenDelta,
 )
-from epd.wire.transport import Inbox, Outbox, WireProbe, async_context
+from epd.wire.outbox import Outbox
+from epd.wire.transport import Inbox, WireProbe, async_context
 
 log = logging.getLogger(__name__)
 PEER_POLL_S = 0.02
 PEER_GRACE_S = 0.5  # how long a request waits for a peer that is just connecting
-HEADER_SLACK_BYTES = 1 << 20  # beside the largest embeddings frame a payload may hold
 T = TypeVar("T")
 
 
@@ -94,7 +94,7 @@ class Coordinator:
         self.watchdog = watchdog or Watchdog(config.watchdog_s, exits=False)
         self.outbox = Outbox(pinned=(*config.encoders, *config.decoders))
         rows = config.max_images * max_image_tokens
-        largest = rows * engine.lm.config.hidden_size * 4 + HEADER_SLACK_BYTES  # float32 rows
+        largest = rows * engine.lm.config.hidden_size * 4  # float32 embeddings of every image
         self.inbox = Inbox(async_context(), config.bind, largest)
         self.probe = WireProbe(zmq.Context.instance(), lambda: self.watchdog.beat("wire"))
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="prefill")  # one model, one queue
@@ -123,6 +123,9 @@ class Coordinator:
             if message is not None:
                 self.route(message)
             del message  # an unclaimed payload must not stay alive until the next one comes
+            # A queued message makes arecv return at once, without yielding: let the API and
+            # the peer watch run between messages, or a flood would starve them.
+            await asyncio.sleep(0)
 
     def route(self, message: Message) -> None:
         if isinstance(message, ImageEmbeddings):
@@ -145,19 +148,26 @@ class Coordinator:
             stream.queue.put_nowait(error)
 
     async def watch_peers(self) -> None:
-        """Fail at once every request held by a peer that disconnected (or never took it)."""
+        """Fail at once every request held by a peer that disconnected, or that its peer did
+        not take in time."""
         while True:
             self.watchdog.beat("loop")
-            for address in self.outbox.poll():
+            losses = self.outbox.poll()
+            for address in losses.peers:
                 log.warning("lost the connection to %s", address)
-                error = unavailable(f"lost the connection to {address} while it held this request")
-                for wait in self.waits.values():
-                    if wait.encoder == address and not wait.future.done():
-                        wait.future.set_exception(error)
-                for stream in self.streams.values():
-                    if stream.decoder == address:
-                        stream.queue.put_nowait(error)
+                self.fail_held_by(address)
+            for address, request_id in losses.requests:
+                self.fail(request_id, unavailable(f"{address} did not take this request in time"))
             await asyncio.sleep(PEER_POLL_S)
+
+    def fail_held_by(self, address: str) -> None:
+        error = unavailable(f"lost the connection to {address} while it held this request")
+        for wait in self.waits.values():
+            if wait.encoder == address and not wait.future.done():
+                wait.future.set_exception(error)
+        for stream in self.streams.values():
+            if stream.decoder == address:
+                stream.queue.put_nowait(error)
 
     # Sending.
     async def pick(self, addresses: tuple[str, ...], role: str) -> list[str]:

@@ -13,7 +13,14 @@ from epd.checkpoint.weights import load_model
 from epd.config.roles import PrefillConfig
 from epd.dtypes import model_dtype
 from epd.prefill.engine import PrefillEngine
-from epd.process import Watchdog, announce_ready, follow_supervisor, setup_logging, stop_event
+from epd.process import (
+    STOP_GRACE_S,
+    Watchdog,
+    announce_ready,
+    follow_supervisor,
+    setup_logging,
+    stop_event,
+)
 
 
 def build_service(config: PrefillConfig) -> Service:
@@ -48,6 +55,12 @@ def run(config: PrefillConfig) -> None:
     stop_event()
     app = create_app(service, on_started=announce)
     server = uvicorn.Server(
-        uvicorn.Config(app, host=config.host, port=config.port, log_level="warning")
+        uvicorn.Config(
+            app,
+            host=config.host,
+            port=config.port,
+            log_level="warning",
+            timeout_graceful_shutdown=int(STOP_GRACE_S / 2),  # then open streams are cut
+        )
     )
     server.run()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import contextlib
 import io
 import os
 import random
@@ -13,8 +14,10 @@ import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Iterator
 from pathlib import Path
 
+import openai
 from PIL import Image
 
 READY_TIMEOUT_S = 120
@@ -85,13 +88,17 @@ class Process:
 
 
 def role(
-    name: str, checkpoint: Path, base: int, prefills: str = "", env: dict[str, str] | None = None
+    name: str,
+    checkpoint: Path,
+    base: int,
+    prefills: tuple[str, ...] = (),
+    env: dict[str, str] | None = None,
 ) -> Process:
     """One role started by hand: encode on base, prefill on base+1 (API base+20), decode base+2.
 
-    Encode and decode reply only to addresses matching `prefills` (default: that prefill).
+    Encode and decode reply only to `prefills` (default: that prefill).
     """
-    replies = ["--prefills", prefills or f"tcp://127.0.0.1:{base + 1}"]
+    replies = ["--prefills", *(prefills or [f"tcp://127.0.0.1:{base + 1}"])]
     flags = {
         "encode": ["--bind", f"tcp://127.0.0.1:{base}", "--health-port", str(base + 10), *replies],
         "decode": [
@@ -105,6 +112,25 @@ def role(
         ],
     }[name]
     return Process(name, "--model", str(checkpoint), *flags, ready=f"epd {name} ready", env=env)
+
+
+@contextlib.contextmanager
+def cluster(
+    checkpoint: Path, prefills: tuple[str, ...] = (), env: dict[str, str] | None = None
+) -> Iterator[tuple[dict[str, Process], openai.OpenAI, int]]:
+    """The three roles started by hand (see `role`), their openai client, and their base port."""
+    base = free_base()
+    names = ("encode", "decode", "prefill")
+    processes = {name: role(name, checkpoint, base, prefills, env) for name in names}
+    try:
+        for process in processes.values():
+            process.wait_ready()
+        url = f"http://127.0.0.1:{base + 20}/v1"
+        yield processes, openai.OpenAI(base_url=url, api_key="-", max_retries=0), base
+    finally:
+        codes = {name: process.stop() for name, process in processes.items()}
+    for name, code in codes.items():
+        assert code == 0, f"{name} did not stop cleanly:\n{processes[name].output}"
 
 
 def usage(pid: int) -> tuple[int, int]:

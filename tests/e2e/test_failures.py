@@ -12,7 +12,7 @@ import openai
 import pytest
 from PIL import Image
 
-from .stack import data_url, free_base, image_part, role, serve, text_part
+from .stack import cluster, data_url, free_base, image_part, role, serve, text_part
 
 IMAGE = [
     {
@@ -24,17 +24,9 @@ TEXT = [{"role": "user", "content": "Hi"}]
 
 
 @pytest.fixture
-def cluster(tiny_checkpoint):
-    base = free_base()
-    processes = {
-        name: role(name, tiny_checkpoint, base) for name in ("encode", "decode", "prefill")
-    }
-    for process in processes.values():
-        process.wait_ready()
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{base + 20}/v1", api_key="-", max_retries=0)
-    yield processes, client, base
-    for name, process in processes.items():
-        assert process.stop() == 0, f"{name} did not stop cleanly:\n{process.output}"
+def three(tiny_checkpoint):
+    with cluster(tiny_checkpoint) as started:
+        yield started
 
 
 def ask(client, messages):
@@ -54,8 +46,8 @@ def eventually(check, timeout=15.0):
             time.sleep(0.2)
 
 
-def test_dead_encode_fails_image_requests_fast_and_text_goes_on(cluster, tiny_checkpoint):
-    processes, client, base = cluster
+def test_dead_encode_fails_image_requests_fast_and_text_goes_on(three, tiny_checkpoint):
+    processes, client, base = three
     assert ask(client, IMAGE).usage.completion_tokens == 3
     processes["encode"].popen.send_signal(signal.SIGKILL)
     processes["encode"].popen.wait()
@@ -69,8 +61,8 @@ def test_dead_encode_fails_image_requests_fast_and_text_goes_on(cluster, tiny_ch
     assert eventually(lambda: ask(client, IMAGE)).usage.completion_tokens == 3
 
 
-def test_dead_decode_fails_fast_then_recovers(cluster, tiny_checkpoint):
-    processes, client, base = cluster
+def test_dead_decode_fails_fast_then_recovers(three, tiny_checkpoint):
+    processes, client, base = three
     processes["decode"].popen.send_signal(signal.SIGKILL)
     processes["decode"].popen.wait()
     time.sleep(0.3)
