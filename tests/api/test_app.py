@@ -33,6 +33,18 @@ def chat(client, **body):
 USER = [{"role": "user", "content": "hi"}]
 
 
+@pytest.mark.parametrize("field", ["temperature", "top_p"])
+@pytest.mark.parametrize("value", ["NaN", "Infinity", "-Infinity"])
+def test_non_finite_numbers_are_refused(client, field, value):
+    body = '{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "%s": %s}'
+    response = client.post(
+        "/v1/chat/completions",
+        content=body % (field, value),
+        headers={"Content-Type": "application/json"},
+    )
+    assert response.status_code == 400 and field in response.json()["error"]["message"]
+
+
 def test_models_and_health(client):
     assert client.get("/v1/models").json()["data"][0]["id"] == "tiny"
     assert client.get("/health").json()["status"] == "ok"
@@ -50,6 +62,7 @@ def test_models_and_health(client):
         ({"messages": USER, "top_logprobs": 2}, 400, "top_logprobs requires logprobs"),
         ({"messages": USER, "stream_options": {"include_usage": True}}, 400, "requires stream"),
         ({"messages": USER, "stop": ["a", "b", "c", "d", "e"]}, 400, "up to 4"),
+        ({"messages": USER, "stop": ["x" * 300]}, 400, "stop takes up to 4 strings of 1 to 256"),
         ({"messages": []}, 400, "invalid messages"),
         ({"messages": [{"role": "tool", "content": "x"}]}, 400, "invalid messages"),
         ({"messages": [{"role": "user", "content": [{"type": "audio"}]}]}, 400, "invalid messages"),
