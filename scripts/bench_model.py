@@ -16,9 +16,9 @@ from pathlib import Path
 
 import torch
 
-from epd.checkpoint.config import KimiVLConfig, TextConfig
 from epd.checkpoint.synthetic import make_checkpoint
 from epd.checkpoint.weights import load_model
+from epd.model.config import KimiVLConfig, TextConfig
 
 
 def best_seconds(fn: Callable[[], object], repeats: int) -> float:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from typing import cast
+
 import torch
 from torch import nn
 
-from epd.checkpoint.config import TextConfig
+from epd.model.config import TextConfig
 from epd.model.latent_cache import DecodeBatch, LatentCache
 from epd.model.mla import MLAttention
 from epd.model.moe import MLP, MoE
@@ -43,6 +46,10 @@ class DeepseekV3Model(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
+    def decoder_layers(self) -> Iterator[DecoderLayer]:
+        """The layers, typed (iterating a ModuleList gives plain Modules)."""
+        return cast(Iterator[DecoderLayer], iter(self.layers))
+
 
 class DeepseekV3ForCausalLM(nn.Module):
     """Positions are plain 1-D token indices; RoPE covers only the qk_rope_head_dim part."""
@@ -75,7 +82,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         positions = torch.cat([torch.arange(n, device=embeds.device) for n in lengths])
         angles = self.angles(positions)
         x, latents = embeds, []
-        for layer in self.model.layers:
+        for layer in self.model.decoder_layers():
             x, latent = layer.prefill(x, angles, lengths)
             latents.append(latent)
         return self.model.norm(x), LatentCache.from_tensor(torch.stack(latents))
@@ -85,7 +92,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         batch = DecodeBatch(caches)
         angles = self.angles(batch.positions)
         x = self.embed(input_ids)
-        for layer in self.model.layers:
+        for layer in self.model.decoder_layers():
             x = layer.decode(x, angles, batch)
         batch.advance()
         return self.model.norm(x)

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Literal
 
 import torch
 from torch import nn
 
-from epd.checkpoint.config import KimiVLConfig
+from epd.model.config import KimiVLConfig
 from epd.model.deepseek import DeepseekV3ForCausalLM
-from epd.model.moonvit import Grids, MoonViT
+from epd.model.moonvit import Grid, MoonViT
 from epd.model.projector import Projector
 
 Role = Literal["encode", "language", "all"]
@@ -34,6 +35,6 @@ class KimiVL(nn.Module):
         if role in ("language", "all"):
             self.language_model = DeepseekV3ForCausalLM(config.text)
 
-    def encode_images(self, pixel_values: torch.Tensor, grids: Grids) -> torch.Tensor:
+    def encode_images(self, pixel_values: torch.Tensor, grids: Sequence[Grid]) -> torch.Tensor:
         """Patches (Σ h·w, 3, p, p) of images with (h, w) grids → (Σ h·w/4, text hidden)."""
         return self.multi_modal_projector(self.vision_tower(pixel_values, grids))

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from epd.checkpoint.config import TextConfig
+from epd.model.config import TextConfig
 from epd.model.latent_cache import DecodeBatch
 from epd.model.norm import RMSNorm
 from epd.model.rope import rotate

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from epd.checkpoint.config import TextConfig
+from epd.model.config import TextConfig
 
 # Routing stays in float32 whatever the serving dtype, as in the reference implementation.
 FLOAT32_TENSOR_SUFFIXES = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")

@@ -7,14 +7,16 @@ packed sequence; attention runs per image, which is exactly the block-diagonal m
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from epd.checkpoint.config import VisionConfig
+from epd.model.config import VisionConfig
 from epd.model.rope import rotate, vision_angles
 
-Grids = list[tuple[int, int]]
+Grid = tuple[int, int]  # an image's (h, w) in patches
 
 
 class PositionTable(nn.Module):
@@ -24,7 +26,7 @@ class PositionTable(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(height, width, dim))
 
-    def forward(self, grids: Grids) -> torch.Tensor:
+    def forward(self, grids: Sequence[Grid]) -> torch.Tensor:
         """→ (Σ h·w, D), each image's table flattened row-major."""
         table = self.weight.permute(2, 0, 1).unsqueeze(0)  # (1, D, H0, W0)
         pieces = []
@@ -47,7 +49,7 @@ class PatchEmbed(nn.Module):
             config.init_pos_emb_height, config.init_pos_emb_width, config.hidden_size
         )
 
-    def forward(self, pixel_values: torch.Tensor, grids: Grids) -> torch.Tensor:
+    def forward(self, pixel_values: torch.Tensor, grids: Sequence[Grid]) -> torch.Tensor:
         x = self.proj(pixel_values.to(self.proj.weight.dtype))  # (L, D, 1, 1)
         return x.flatten(1) + self.pos_emb(grids)  # (L, D)
 
@@ -97,7 +99,7 @@ class Encoder(nn.Module):
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.num_hidden_layers))
         self.final_layernorm = nn.LayerNorm(config.hidden_size, eps=1e-5)
 
-    def forward(self, x: torch.Tensor, grids: Grids) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, grids: Sequence[Grid]) -> torch.Tensor:
         angles = torch.cat([vision_angles(h, w, self.head_dim, x.device) for h, w in grids])
         lengths = [h * w for h, w in grids]
         for block in self.blocks:
@@ -105,7 +107,7 @@ class Encoder(nn.Module):
         return self.final_layernorm(x)
 
 
-def merge_patches(x: torch.Tensor, grids: Grids, kernel: tuple[int, int]) -> torch.Tensor:
+def merge_patches(x: torch.Tensor, grids: Sequence[Grid], kernel: tuple[int, int]) -> torch.Tensor:
     """Group each image's patches into kh×kw windows: (Σ h·w, D) → (Σ h·w/(kh·kw), kh·kw, D).
 
     Per image: view (h/kh, kh, w/kw, kw, D) → permute (0, 2, 1, 3, 4), so every output row holds
@@ -128,6 +130,6 @@ class MoonViT(nn.Module):
         self.patch_embed = PatchEmbed(config)
         self.encoder = Encoder(config)
 
-    def forward(self, pixel_values: torch.Tensor, grids: Grids) -> torch.Tensor:
+    def forward(self, pixel_values: torch.Tensor, grids: Sequence[Grid]) -> torch.Tensor:
         x = self.encoder(self.patch_embed(pixel_values, grids), grids)
         return merge_patches(x, grids, self.merge_kernel)

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from epd.checkpoint.config import KimiVLConfig
+from epd.model.config import KimiVLConfig
 
 
 class Projector(nn.Module):
