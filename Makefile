@@ -26,8 +26,8 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 lint: setup
-	$(VENV)/bin/ruff check epd tests scripts
-	$(VENV)/bin/ruff format --check epd tests scripts
+	$(VENV)/bin/ruff check epd shapes tests scripts
+	$(VENV)/bin/ruff format --check epd shapes tests scripts
 	$(VENV)/bin/mypy
 
 test: lint

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from epd.shapes.train import Run, train
+from shapes.train import Run, train
 
 
 def main() -> None:

@@ -18,15 +18,16 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from epd.checkpoint.config import KimiVLConfig, TextConfig, VisionConfig
 from epd.checkpoint.tokenizer import SPECIAL_TOKENS
+from epd.model.config import KimiVLConfig, TextConfig, VisionConfig
 from epd.model.kimi_vl import KimiVL
 
 CHAT_TEMPLATE = (Path(__file__).parent / "chat_template.jinja").read_text().strip()
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
-PRESETS: dict[str, tuple[VisionConfig, dict[str, Any]]] = {
+Sizes = tuple[VisionConfig, dict[str, Any]]  # the vision config, and the text config's sizes
+PRESETS: dict[str, Sizes] = {
     # Fast enough for unit tests; a 16×16 position table forces interpolation.
     "tiny": (
         VisionConfig(32, 2, 2, 64, init_pos_emb_height=16, init_pos_emb_width=16),
@@ -40,24 +41,6 @@ PRESETS: dict[str, tuple[VisionConfig, dict[str, Any]]] = {
             qk_rope_head_dim=8,
             v_head_dim=16,
             moe_intermediate_size=32,
-            n_routed_experts=8,
-            n_shared_experts=1,
-            num_experts_per_tok=2,
-        ),
-    ),
-    # The bundled demo model (epd.shapes): small enough to train on two CPU cores.
-    "shapes": (
-        VisionConfig(96, 4, 4, 256, init_pos_emb_height=16, init_pos_emb_width=16),
-        dict(
-            hidden_size=128,
-            intermediate_size=384,
-            num_hidden_layers=4,
-            num_attention_heads=4,
-            kv_lora_rank=64,
-            qk_nope_head_dim=32,
-            qk_rope_head_dim=16,
-            v_head_dim=32,
-            moe_intermediate_size=96,
             n_routed_experts=8,
             n_shared_experts=1,
             num_experts_per_tok=2,
@@ -118,11 +101,9 @@ def build_tokenizer(vocab_size: int, corpus: list[str] | None = None) -> Tokeniz
 
 
 def make_config(
-    preset: str, vocab_size: int, placeholder_id: int, q_lora_rank: int | None
+    sizes: Sizes, vocab_size: int, placeholder_id: int, q_lora_rank: int | None
 ) -> KimiVLConfig:
-    if preset not in PRESETS:
-        raise ValueError(f"unknown preset {preset!r}; expected one of {sorted(PRESETS)}")
-    vision, text = PRESETS[preset]
+    vision, text = sizes
     text_config = TextConfig(vocab_size=vocab_size, **text, **TEXT_DEFAULTS)  # type: ignore[arg-type]
     return KimiVLConfig(vision, replace(text_config, q_lora_rank=q_lora_rank), placeholder_id)
 
@@ -229,7 +210,9 @@ def make_checkpoint(
     tokenizer = build_tokenizer(vocab_size)
     placeholder = tokenizer.token_to_id("<|media_pad|>")
     assert placeholder is not None
-    config = make_config(preset, tokenizer.get_vocab_size(), placeholder, q_lora_rank)
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; expected one of {sorted(PRESETS)}")
+    config = make_config(PRESETS[preset], tokenizer.get_vocab_size(), placeholder, q_lora_rank)
     generator = torch.Generator().manual_seed(seed)
     model = KimiVL(config)
     with torch.no_grad():

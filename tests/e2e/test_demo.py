@@ -1,6 +1,6 @@
 """The bundled demo checkpoint answers questions right through the three-process stack.
 
-Most pictures are drawn here, not by epd.shapes, in sizes whose grids differ (most need
+Most pictures are drawn here, not by shapes, in sizes whose grids differ (most need
 padding), so a mis-sliced, misplaced or misordered image embedding gives a wrong answer. They
 are pictures the model gets right (it is right on about 98% of held-out colour, shape and
 which-image questions and 88% of counts, not on all); each answer must also equal the
@@ -15,7 +15,7 @@ import pytest
 from PIL import Image, ImageDraw
 
 from epd.local import LocalPipeline
-from epd.shapes.questions import sample
+from shapes.questions import sample
 
 from .stack import data_url, free_base, image_part, serve, text_part
 

@@ -4,8 +4,8 @@ import random
 
 from epd.checkpoint.config import ProcessorConfig
 from epd.multimodal.image_processor import ImageProcessor
-from epd.shapes.questions import KINDS, ORDINALS, sample
-from epd.shapes.scenes import COLOURS, SHAPES
+from shapes.questions import KINDS, ORDINALS, sample
+from shapes.scenes import COLOURS, SHAPES
 
 PROCESSOR = ImageProcessor(ProcessorConfig(image_mean=(0.5,) * 3, image_std=(0.5,) * 3))
 

@@ -8,10 +8,10 @@ import torch
 
 from epd.checkpoint.weights import load_model
 from epd.multimodal.prompt import expand_placeholders
-from epd.shapes import data_parallel
-from epd.shapes.questions import sample
-from epd.shapes.scenes import COLOURS, SHAPES
-from epd.shapes.train import IGNORE, Run, Trainer, gradients, train
+from shapes import data_parallel
+from shapes.questions import sample
+from shapes.scenes import COLOURS, SHAPES
+from shapes.train import IGNORE, Run, Trainer, gradients, train
 
 
 @pytest.mark.parametrize("workers", [1, 2])

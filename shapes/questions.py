@@ -8,7 +8,7 @@ from typing import Any
 
 from PIL import Image
 
-from epd.shapes.scenes import COLOURS, SHAPES, scene
+from shapes.scenes import COLOURS, SHAPES, scene
 
 KINDS = ("colour", "shape", "count", "multi")
 # How often training draws each kind (KINDS order). The first stage has one image at a time and

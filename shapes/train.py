@@ -3,11 +3,11 @@
 The whole Kimi-VL is trained — vision tower, projector and language model — through the same
 modules that serve it, with the loss on the answer tokens (and the <|im_end|> that ends them).
 Prompts of a batch are packed into one sequence (`DeepseekV3ForCausalLM.prefill(lengths=...)`),
-and the batch is shared among `--workers` processes (epd.shapes.data_parallel), one per core.
+and the batch is shared among `--workers` processes (shapes.data_parallel), one per core.
 Seeded and resumable: the batch of step s is a function of (seed, s), and the model, optimiser
 and step are saved to `--state` as training goes.
 
-    python -m epd.shapes.train checkpoints/kimi-vl-shapes    # the bundled checkpoint
+    python -m shapes.train checkpoints/kimi-vl-shapes    # the bundled checkpoint
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from tqdm import tqdm
 
 from epd.checkpoint.config import load_processor_config
 from epd.checkpoint.synthetic import (
+    Sizes,
     build_tokenizer,
     init_weights,
     make_config,
@@ -33,13 +34,32 @@ from epd.checkpoint.synthetic import (
     write_side_files,
 )
 from epd.checkpoint.tokenizer import load_tokenizer
+from epd.model.config import VisionConfig
 from epd.model.kimi_vl import KimiVL
 from epd.multimodal.image_processor import ImageProcessor
 from epd.multimodal.prompt import expand_placeholders, render_prompt, scatter_image_embeddings
-from epd.shapes import data_parallel
-from epd.shapes.questions import FIRST_STAGE_MIX, TRAINING_MIX, Sample, corpus, sample
+from shapes import data_parallel
+from shapes.questions import FIRST_STAGE_MIX, TRAINING_MIX, Sample, corpus, sample
 
 IGNORE = -100
+# The bundled demo model: small enough to train on two CPU cores.
+SIZES: Sizes = (
+    VisionConfig(96, 4, 4, 256, init_pos_emb_height=16, init_pos_emb_width=16),
+    dict(
+        hidden_size=128,
+        intermediate_size=384,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        kv_lora_rank=64,
+        qk_nope_head_dim=32,
+        qk_rope_head_dim=16,
+        v_head_dim=32,
+        moe_intermediate_size=96,
+        n_routed_experts=8,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+    ),
+)
 FOLLOWUPS = 2  # most extra questions a training conversation asks about its images
 
 
@@ -57,7 +77,7 @@ class Trainer:
         raw_tokenizer = build_tokenizer(vocab_size, corpus())
         placeholder = raw_tokenizer.token_to_id("<|media_pad|>")
         assert placeholder is not None
-        self.config = make_config("shapes", raw_tokenizer.get_vocab_size(), placeholder, None)
+        self.config = make_config(SIZES, raw_tokenizer.get_vocab_size(), placeholder, None)
         if write_files:
             write_side_files(out, self.config, raw_tokenizer)
         data_parallel.barrier()  # the files are written before any worker reads them

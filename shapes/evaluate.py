@@ -3,7 +3,7 @@
 Questions go through `LocalPipeline`, the same encoder, prefill engine and decode scheduler that
 the three processes run, greedy, with images sent as PNG data URLs.
 
-    python -m epd.shapes.evaluate checkpoints/kimi-vl-shapes --per-kind 200 --card
+    python -m shapes.evaluate checkpoints/kimi-vl-shapes --per-kind 200 --card
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from PIL import Image
 from tqdm import tqdm
 
 from epd.local import LocalPipeline
-from epd.shapes.questions import KINDS, sample
+from shapes.questions import KINDS, sample
 
 CARD = "README.md"
 DESCRIPTIONS = {
