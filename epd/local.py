@@ -21,8 +21,8 @@ from epd.checkpoint.weights import load_model
 from epd.config.roles import PrefillConfig
 from epd.decode.scheduler import Scheduler
 from epd.encode.encoder import Encoder
+from epd.generation.sequence import Output
 from epd.prefill.engine import PrefillEngine
-from epd.wire.messages import TokenDelta
 
 
 @dataclass(frozen=True)
@@ -31,7 +31,7 @@ class Completion:
     token_ids: list[int]
     finish_reason: str | None
     prompt_tokens: int
-    deltas: list[TokenDelta]
+    deltas: list[Output]
 
 
 class LocalPipeline:
@@ -55,13 +55,14 @@ class LocalPipeline:
 
     def chat(self, body: dict[str, Any]) -> Completion:
         request = parse_request(body)
-        urls = self.builder.image_urls(request)
+        messages = self.builder.messages(request)
+        urls = self.builder.image_urls(messages)
         limits = self.limits
         images = [
             load_image_bytes(url, i, limits.max_image_bytes, limits.image_fetch_timeout_s)
             for i, url in enumerate(urls)
         ]
-        prepared = self.builder.prepare(request, images)
+        prepared = self.builder.prepare(request, messages, images)
         embeddings = self.encoder.encode(images)[1] if images else None
         handoff = self.engine.run(
             prepared.request_id, prepared.prompt_ids, embeddings, prepared.sampling

@@ -20,10 +20,10 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from epd.generation.sampling import restore_generator
-from epd.generation.sequence import Sequence
+from epd.generation.sequence import Output, Sequence
 from epd.model.deepseek import DeepseekV3ForCausalLM
 from epd.model.latent_cache import LatentCache
-from epd.wire.messages import KVHandoff, TokenDelta
+from epd.wire.messages import KVHandoff
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ class Busy(ValueError):
 class Step:
     """What one step did: a delta for each sequence that advanced, a reason for each that failed."""
 
-    produced: list[tuple[Sequence, TokenDelta]] = field(default_factory=list)
+    produced: list[tuple[Sequence, Output]] = field(default_factory=list)
     failed: list[tuple[Sequence, str]] = field(default_factory=list)
 
 
@@ -88,7 +88,7 @@ class Scheduler:
         if len(self.waiting) >= self.max_waiting:
             raise Busy(f"decode is full: {len(self.waiting)} requests wait for a batch slot")
 
-    def add(self, handoff: KVHandoff) -> tuple[Sequence, TokenDelta]:
+    def add(self, handoff: KVHandoff) -> tuple[Sequence, Output]:
         """Admit a prefilled request; its first token is accepted (and may already finish it)."""
         self.check(handoff)
         try:
@@ -103,12 +103,11 @@ class Scheduler:
             cache,
             self.tokenizer,
             self.eos_ids,
-            handoff.reply_to,
         )
-        delta = sequence.accept(handoff.first_token, handoff.first_logprob)
+        output = sequence.accept(handoff.first_token, handoff.first_logprob)
         if sequence.finish_reason is None:
             self.waiting.append(sequence)
-        return sequence, delta
+        return sequence, output
 
     def abort(self, request_id: str) -> bool:
         """Drop a request wherever it is; its cache goes with it."""
@@ -139,13 +138,13 @@ class Scheduler:
                     raise row
                 if not bool(torch.isfinite(row).all()):
                     raise ValueError("the model's logits for this request are not finite")
-                delta = sequence.accept(*sequence.pick(row))
+                output = sequence.accept(*sequence.pick(row))
             except Exception as e:
                 log.exception("request %s failed in a decode step", sequence.request_id)
                 step.failed.append((sequence, f"decode failed: {type(e).__name__}: {e}"))
                 del self.running[sequence.request_id]
                 continue
-            step.produced.append((sequence, delta))
+            step.produced.append((sequence, output))
             if sequence.finish_reason is not None:
                 del self.running[sequence.request_id]
         return step

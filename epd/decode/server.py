@@ -19,30 +19,27 @@ from epd.checkpoint.weights import load_model
 from epd.config.roles import DecodeConfig
 from epd.decode.scheduler import Busy, Scheduler
 from epd.dtypes import model_dtype
-from epd.generation.sequence import Sequence
-from epd.process import (
-    HealthServer,
-    Watchdog,
-    announce_ready,
-    follow_supervisor,
-    setup_logging,
-    stop_event,
-)
+from epd.generation.sequence import Output, Sequence
+from epd.runtime.role import run_role
+from epd.runtime.watchdog import Watchdog
 from epd.wire.addresses import Prefills
 from epd.wire.limits import cut
 from epd.wire.messages import Abort, Failure, KVHandoff, TokenDelta
 from epd.wire.outbox import Outbox
-from epd.wire.transport import Inbox, WireProbe
+from epd.wire.transport import Inbox
 
 log = logging.getLogger(__name__)
 INTAKE_S = 0.005  # most time one step spends taking messages while requests are decoding
 
 
 class DecodeServer:
+    """The scheduler on the wire: it knows where each request's tokens go (its prefill)."""
+
     def __init__(
         self, scheduler: Scheduler, inbox: Inbox, outbox: Outbox, prefills: Prefills
     ) -> None:
         self.scheduler, self.inbox, self.outbox, self.prefills = scheduler, inbox, outbox, prefills
+        self.reply_to: dict[str, str] = {}  # request id → its prefill, while decode holds it
 
     def take_messages(self) -> None:
         """Take what arrived, for at most INTAKE_S; wait briefly only when there is nothing to do.
@@ -59,55 +56,79 @@ class DecodeServer:
             if isinstance(message, KVHandoff):
                 self.admit(message)
             elif isinstance(message, Abort):
-                if self.scheduler.abort(message.request_id):
+                if self.drop(message.request_id):
                     log.info("aborted %s: its client went away", message.request_id)
             else:
                 log.error("ignored a %s: decode takes KVHandoff and Abort", type(message).__name__)
 
     def admit(self, handoff: KVHandoff) -> None:
-        if not self.prefills.allows(handoff.reply_to):
-            log.error(
-                "refused %s: %r is not a prefill of this decoder",
-                handoff.request_id,
-                handoff.reply_to,
-            )
+        request_id, reply_to = handoff.request_id, handoff.reply_to
+        if not self.prefills.allows(reply_to):
+            log.error("refused %s: %r is not a prefill of this decoder", request_id, reply_to)
             return
-        if handoff.request_id in self.scheduler:  # a Failure would end the request in flight
-            log.error("ignored a second hand-off of %s", handoff.request_id)
+        if request_id in self.scheduler:  # a Failure would end the request in flight
+            log.error("ignored a second hand-off of %s", request_id)
             return
         try:
-            sequence, delta = self.scheduler.add(handoff)
+            _, output = self.scheduler.add(handoff)
         except Exception as e:  # a bad hand-off fails its own request, never the server
-            log.warning("refused the hand-off of %s: %s", handoff.request_id, e)
+            log.warning("refused the hand-off of %s: %s", request_id, e)
             code = "unavailable" if isinstance(e, Busy) else "bad_handoff"
             why = cut(f"decode refused the request: {e}")
-            self.outbox.send(handoff.reply_to, Failure(handoff.request_id, code, why))
+            self.outbox.send(reply_to, Failure(request_id, code, why))
             return
-        self.reply(sequence, delta)
+        self.reply_to[request_id] = reply_to
+        self.send(request_id, output)
 
-    def reply(self, sequence: Sequence, message: TokenDelta | Failure) -> None:
-        """Send to the request's prefill; one that cannot take it takes its request with it."""
-        if not self.outbox.send(sequence.reply_to, message):
-            log.warning("%s is unreachable: dropping %s", sequence.reply_to, sequence.request_id)
-            self.scheduler.abort(sequence.request_id)
+    def send(self, request_id: str, output: Output | Failure) -> None:
+        """Send a request's output (or its Failure) to its prefill; the last one ends it here.
+
+        A prefill that cannot take it takes its request with it.
+        """
+        address = self.reply_to[request_id]
+        last = isinstance(output, Failure) or output.finish_reason is not None
+        message = output if isinstance(output, Failure) else delta(request_id, output)
+        if last:
+            del self.reply_to[request_id]
+        if not self.outbox.send(address, message):
+            log.warning("%s is unreachable: dropping %s", address, request_id)
+            self.drop(request_id)
+
+    def drop(self, request_id: str) -> bool:
+        """Forget a request without a word (its client or prefill is gone)."""
+        self.reply_to.pop(request_id, None)
+        return self.scheduler.abort(request_id)
 
     def fail(self, sequences: list[Sequence], code: str, message: str) -> None:
         """End these requests with a Failure (queued if their prefill is reconnecting)."""
         for sequence in sequences:
             self.scheduler.abort(sequence.request_id)
-            self.outbox.send(sequence.reply_to, Failure(sequence.request_id, code, cut(message)))
+            self.send(sequence.request_id, Failure(sequence.request_id, code, cut(message)))
 
     def check_peers(self) -> None:
         """Requests whose prefill disconnected, or whose tokens it did not take, end here."""
         losses = self.outbox.poll()
         for prefill in losses.peers:
-            held = [s for s in self.scheduler.sequences() if s.reply_to == prefill]
+            held = [s for s in self.scheduler.sequences() if self.reply_to[s.request_id] == prefill]
             if held:
                 log.warning("lost %s: failing its %d requests", prefill, len(held))
             self.fail(held, "unavailable", f"decode lost its connection to {prefill}")
         undelivered = {request_id for _, request_id in losses.requests}
         stuck = [s for s in self.scheduler.sequences() if s.request_id in undelivered]
         self.fail(stuck, "unavailable", "tokens of this request could not be delivered in time")
+
+    def status(self) -> dict[str, object]:
+        return {
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            "refused_messages": self.inbox.refusals.total,
+        }
+
+    def close(self) -> None:
+        """Fail what is still held (its prefill hears why), then close the sockets."""
+        self.fail(self.scheduler.drain(), "unavailable", "decode stopped before this finished")
+        self.inbox.close()
+        self.outbox.close(linger_ms=500)
 
     def step(self) -> None:
         self.check_peers()
@@ -118,10 +139,21 @@ class DecodeServer:
             log.exception("a decode step failed")
             self.fail(self.scheduler.drain(), "internal", f"decode failed: {type(e).__name__}: {e}")
             return
-        for sequence, delta in step.produced:
-            self.reply(sequence, delta)
+        for sequence, output in step.produced:
+            self.send(sequence.request_id, output)
         for sequence, problem in step.failed:
-            self.reply(sequence, Failure(sequence.request_id, "internal", cut(problem)))
+            self.send(sequence.request_id, Failure(sequence.request_id, "internal", cut(problem)))
+
+
+def delta(request_id: str, output: Output) -> TokenDelta:
+    return TokenDelta(
+        request_id,
+        output.token_ids,
+        output.text,
+        output.completion_tokens,
+        output.finish_reason,
+        output.logprobs,
+    )
 
 
 def largest_frame(checkpoint: str) -> int:
@@ -131,43 +163,14 @@ def largest_frame(checkpoint: str) -> int:
 
 
 def run(config: DecodeConfig) -> None:
-    setup_logging("decode")
-    stop = stop_event()
-    follow_supervisor()
-    prefills = Prefills.parse(config.prefills)
-    model = load_model(config.model, "language", config.device, model_dtype(config.dtype))
-    tokenizer = load_tokenizer(config.model, config.trust_remote_code)
-    eos_ids = stop_token_ids(config.model, tokenizer)
-    scheduler = Scheduler(model.language_model, tokenizer, eos_ids, config.max_batch_size)
-    context: zmq.Context = zmq.Context.instance()
-    inbox = Inbox(context, config.bind, largest_frame(config.model))
-    server = DecodeServer(scheduler, inbox, Outbox(context), prefills)
-    watchdog = Watchdog(config.watchdog_s)
-    probe = WireProbe(context, lambda: watchdog.beat("wire"))
-    health = HealthServer(
-        "decode",
-        config.health_host,
-        config.health_port,
-        watchdog,
-        lambda: {
-            "running": len(scheduler.running),
-            "waiting": len(scheduler.waiting),
-            "refused_messages": inbox.refusals.total,
-        },
-    )
-    announce_ready("decode", zmq=config.bind, health=health.url)
-    try:
-        while not stop.is_set():
-            watchdog.beat("loop")
-            try:
-                server.step()
-            except Exception:  # a bug in one step must not end the server
-                log.exception("a decode step failed")
-    finally:
-        stopping = "decode stopped before this request finished"
-        server.fail(scheduler.drain(), "unavailable", stopping)
-        watchdog.close()
-        health.close()
-        probe.close()
-        server.inbox.close()
-        server.outbox.close(linger_ms=500)
+    def build(_: Watchdog) -> DecodeServer:
+        prefills = Prefills.parse(config.prefills)  # a bad pattern fails before the model loads
+        model = load_model(config.model, "language", config.device, model_dtype(config.dtype))
+        tokenizer = load_tokenizer(config.model, config.trust_remote_code)
+        eos_ids = stop_token_ids(config.model, tokenizer)
+        scheduler = Scheduler(model.language_model, tokenizer, eos_ids, config.max_batch_size)
+        context: zmq.Context = zmq.Context.instance()
+        inbox = Inbox(context, config.bind, largest_frame(config.model))
+        return DecodeServer(scheduler, inbox, Outbox(context), prefills)
+
+    run_role("decode", config, build)

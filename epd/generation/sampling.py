@@ -12,8 +12,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from epd.checkpoint.tokenizer import decode_text
-from epd.wire.limits import MIN_LOGPROB
-from epd.wire.messages import SamplingParams, TokenLogprob, TopLogprob
+from epd.generation.params import MIN_LOGPROB, SamplingParams, TokenLogprob, TopLogprob
 
 # Below this temperature sampling is greedy: dividing by a tinier one can overflow float32
 # logits to inf, whose softmax is NaN (vLLM draws the same line).

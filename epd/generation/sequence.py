@@ -2,20 +2,33 @@
 
 A sequence ends on an eos id (the token is counted but adds no text), on a stop string (the
 reply is cut before it, and text that might be the start of a stop string is held back until it
-cannot be), or at `max_tokens`.
+cannot be), or at `max_tokens`. Each accepted token gives an `Output`: what the client gets for
+it. Where the output goes is the decode server's business, not the sequence's.
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection
+from dataclasses import dataclass
 
 import torch
 from transformers import PreTrainedTokenizerBase
 
 from epd.generation.detokenizer import Detokenizer
+from epd.generation.params import FinishReason, SamplingParams, TokenLogprob
 from epd.generation.sampling import sample, token_logprob
 from epd.model.latent_cache import LatentCache
-from epd.wire.messages import SamplingParams, TokenDelta, TokenLogprob
+
+
+@dataclass(frozen=True)
+class Output:
+    """What the client gets for the tokens just accepted."""
+
+    token_ids: tuple[int, ...]
+    text: str  # released text: complete characters not held back for a stop string
+    completion_tokens: int  # total so far
+    finish_reason: FinishReason | None = None  # on the last output
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 class Sequence:
@@ -27,15 +40,14 @@ class Sequence:
         cache: LatentCache,
         tokenizer: PreTrainedTokenizerBase,
         eos_ids: Collection[int],
-        reply_to: str = "",
     ) -> None:
-        self.request_id, self.reply_to = request_id, reply_to
+        self.request_id = request_id
         self.sampling, self.generator, self.cache = sampling, generator, cache
         self.tokenizer, self.eos_ids = tokenizer, frozenset(eos_ids)
         self.detokenizer = Detokenizer(tokenizer)
         self.tokens: list[int] = []
         self.text, self.sent = "", 0  # reply text so far; characters already released
-        self.finish_reason: str | None = None
+        self.finish_reason: FinishReason | None = None
 
     @property
     def last_token(self) -> int:
@@ -48,7 +60,7 @@ class Sequence:
             return token, None
         return token, token_logprob(logits, token, self.sampling.top_logprobs, self.tokenizer)
 
-    def accept(self, token: int, logprob: TokenLogprob | None = None) -> TokenDelta:
+    def accept(self, token: int, logprob: TokenLogprob | None = None) -> Output:
         """Record a generated token and say what the client gets for it."""
         assert self.finish_reason is None
         self.tokens.append(token)
@@ -61,8 +73,7 @@ class Sequence:
             self.finish_reason = "length"
         end = len(self.text) if self.finish_reason else len(self.text) - self._held_back()
         released, self.sent = self.text[self.sent : end], max(self.sent, end)
-        return TokenDelta(
-            request_id=self.request_id,
+        return Output(
             token_ids=(token,),
             text=released,
             completion_tokens=len(self.tokens),

@@ -20,8 +20,9 @@ import msgspec
 import torch
 from msgspec import Meta
 
-from epd.dtypes import DTYPES, NAMES
-from epd.wire.messages import MESSAGE_TYPES, Message, Value
+from epd.dtypes import NAMES, TENSOR_DTYPES
+from epd.generation.params import Record
+from epd.wire.messages import MESSAGE_TYPES, Message
 
 Frame = bytes | memoryview
 MAX_RANK = 8
@@ -33,7 +34,7 @@ class WireError(ValueError):
     """A message that cannot or must not be decoded."""
 
 
-class TensorRef(Value, frozen=True):
+class TensorRef(Record, frozen=True):
     """Stands in a header for the tensor carried by frame `frame`."""
 
     frame: int
@@ -94,10 +95,10 @@ def _looks_like(header: memoryview) -> str:
 
 
 def _tensor(ref: TensorRef, buffers: list[memoryview], used: set[int]) -> torch.Tensor:
-    if ref.dtype not in DTYPES or not 0 < ref.frame < len(buffers) or ref.frame in used:
+    if ref.dtype not in TENSOR_DTYPES or not 0 < ref.frame < len(buffers) or ref.frame in used:
         raise ValueError(f"bad tensor reference {ref}")
     used.add(ref.frame)
-    dtype, raw = DTYPES[ref.dtype], buffers[ref.frame]
+    dtype, raw = TENSOR_DTYPES[ref.dtype], buffers[ref.frame]
     if len(ref.shape) > MAX_RANK or not all(0 <= d < 2**48 for d in ref.shape):
         raise ValueError(f"bad tensor shape {ref.shape}")
     count = 1

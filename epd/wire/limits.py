@@ -1,9 +1,10 @@
-"""What a message may hold: bounded field types and value checks shared by every message.
+"""What a message may hold beside its generation values (`epd.generation.params`): bounded
+field types and the value checks the messages share.
 
 Lengths are part of the field types (`Meta(max_length=...)`), so the decoder refuses an oversized
 string or array from its header alone, before building anything. Values are checked by the
-`require`/`check_*` helpers in each message's `__post_init__`, which runs both when a message is
-built here and when one is decoded.
+`check_*` helpers in each message's `__post_init__`, which runs both when a message is built
+here and when one is decoded.
 """
 
 from __future__ import annotations
@@ -13,29 +14,15 @@ from typing import Annotated
 import torch
 from msgspec import Meta
 
+from epd.generation.params import MAX_TEXT_CHARS, require
+
 MAX_ID_CHARS = 256  # request ids, error codes
 MAX_ADDRESS_CHARS = 512  # ZeroMQ addresses
-MAX_TEXT_CHARS = 1 << 14  # a delta's text, a failure's explanation, a token's spelling
 MAX_ITEMS = 256  # images per request, grids per payload, tokens per delta
-MAX_TOKEN_BYTES = 1024
-MAX_STOP_STRINGS = 4
-MAX_STOP_CHARS = 256  # longer stop strings would make every step's stop check slow
-MAX_TOP_LOGPROBS = 20
-MIN_LOGPROB = -9999.0  # what OpenAI reports for a token the model all but ruled out
-FINISH_REASONS = (None, "stop", "length")
 ADDRESS_SCHEMES = ("tcp://", "ipc://", "inproc://")
 
 Id = Annotated[str, Meta(max_length=MAX_ID_CHARS)]
 Address = Annotated[str, Meta(max_length=MAX_ADDRESS_CHARS)]
-Text = Annotated[str, Meta(max_length=MAX_TEXT_CHARS)]
-TokenBytes = Annotated[tuple[int, ...], Meta(max_length=MAX_TOKEN_BYTES)]
-Grid = tuple[int, int]
-
-
-def require(condition: bool, problem: str) -> None:
-    """Raise ValueError(problem) unless `condition` holds; the decoder reports it as refused."""
-    if not condition:
-        raise ValueError(problem)
 
 
 def check_id(value: str, name: str) -> None:
@@ -48,11 +35,6 @@ def check_address(value: str, name: str, optional: bool = False) -> None:
         or (len(value) <= MAX_ADDRESS_CHARS and value.startswith(ADDRESS_SCHEMES)),
         f"{name} must be a ZeroMQ address (tcp://, ipc://, inproc://), not {value[:80]!r}",
     )
-
-
-def check_logprob(logprob: float, token_bytes: tuple[int, ...]) -> None:
-    require(MIN_LOGPROB <= logprob <= 0, f"a logprob must be in [{MIN_LOGPROB}, 0], not {logprob}")
-    require(all(0 <= b < 256 for b in token_bytes), "token bytes must be 0 to 255")
 
 
 def check_tensor(tensor: torch.Tensor, name: str, rank: int) -> None:

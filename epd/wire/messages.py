@@ -9,100 +9,32 @@ hand-off holding one must be refused before it meets the requests it would be ba
 
 from __future__ import annotations
 
-import math
 import typing
 from typing import Annotated
 
-import msgspec
 import torch
 from msgspec import Meta
 
-from epd.wire.limits import (
-    FINISH_REASONS,
-    MAX_ITEMS,
-    MAX_STOP_CHARS,
-    MAX_STOP_STRINGS,
-    MAX_TOP_LOGPROBS,
-    Address,
-    Grid,
-    Id,
+from epd.generation.params import (
+    FinishReason,
+    Record,
+    SamplingParams,
     Text,
-    TokenBytes,
-    check_address,
-    check_id,
-    check_logprob,
-    check_tensor,
+    TokenLogprob,
     require,
 )
-
-StopStrings = Annotated[
-    tuple[Annotated[str, Meta(max_length=MAX_STOP_CHARS)], ...], Meta(max_length=MAX_STOP_STRINGS)
-]
-
-
-class Value(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=True):
-    """A record inside a message: its fields, in order, and nothing else."""
-
-
-class SamplingParams(Value, frozen=True):
-    """How to pick each token; temperature 0 is greedy."""
-
-    max_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0: no limit
-    seed: int | None = None
-    stop: StopStrings = ()
-    logprobs: bool = False
-    top_logprobs: int = 0
-
-    def __post_init__(self) -> None:
-        require(self.max_tokens >= 1, f"max_tokens must be at least 1, not {self.max_tokens}")
-        require(
-            math.isfinite(self.temperature) and self.temperature >= 0,
-            f"temperature must be a finite number ≥ 0, not {self.temperature}",
-        )
-        require(0 < self.top_p <= 1, f"top_p must be in (0, 1], not {self.top_p}")
-        require(self.top_k >= 0, f"top_k must be ≥ 0 (0: no limit), not {self.top_k}")
-        require(
-            self.seed is None or -(2**63) <= self.seed < 2**64,
-            "seed must fit in 64 bits",
-        )
-        require(
-            len(self.stop) <= MAX_STOP_STRINGS
-            and all(0 < len(s) <= MAX_STOP_CHARS for s in self.stop),
-            f"stop takes up to {MAX_STOP_STRINGS} strings of 1 to {MAX_STOP_CHARS} characters",
-        )
-        require(
-            0 <= self.top_logprobs <= MAX_TOP_LOGPROBS,
-            f"top_logprobs must be 0 to {MAX_TOP_LOGPROBS}, not {self.top_logprobs}",
-        )
+from epd.multimodal.grids import Grid
+from epd.wire.limits import (
+    MAX_ITEMS,
+    Address,
+    Id,
+    check_address,
+    check_id,
+    check_tensor,
+)
 
 
-class TopLogprob(Value, frozen=True):
-    token: Text
-    logprob: float
-    bytes: TokenBytes
-
-    def __post_init__(self) -> None:
-        check_logprob(self.logprob, self.bytes)
-
-
-class TokenLogprob(Value, frozen=True):
-    token: Text
-    logprob: float
-    bytes: TokenBytes
-    top_logprobs: Annotated[tuple[TopLogprob, ...], Meta(max_length=MAX_TOP_LOGPROBS)] = ()
-
-    def __post_init__(self) -> None:
-        check_logprob(self.logprob, self.bytes)
-        require(
-            len(self.top_logprobs) <= MAX_TOP_LOGPROBS,
-            f"at most {MAX_TOP_LOGPROBS} top logprobs",
-        )
-
-
-class WireMessage(Value, frozen=True, tag=True):
+class WireMessage(Record, frozen=True, tag=True):
     """A message: the header names its type (the class name) before the fields."""
 
     request_id: Id
@@ -112,17 +44,16 @@ class WireMessage(Value, frozen=True, tag=True):
 
 
 class EncodeRequest(WireMessage, frozen=True):
-    """prefill → encode: part `part_index` of `part_count` of a request's images, in order."""
+    """prefill → encode: part `part_index` of a request's images (prefill may split them)."""
 
     part_index: int
-    part_count: int
     images: Annotated[tuple[bytes, ...], Meta(max_length=MAX_ITEMS)]  # PNG, JPEG, WebP, GIF files
     first_image: int  # index of images[0] among all the request's images
     reply_to: Address
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        require(0 <= self.part_index < self.part_count, "part_index must be in [0, part_count)")
+        require(self.part_index >= 0, "part_index must be ≥ 0")
         require(len(self.images) > 0 and all(self.images), "an encode request needs images")
         require(self.first_image >= 0, "first_image must be ≥ 0")
         check_address(self.reply_to, "reply_to")
@@ -188,7 +119,7 @@ class TokenDelta(WireMessage, frozen=True):
     token_ids: Annotated[tuple[int, ...], Meta(max_length=MAX_ITEMS)]
     text: Text
     completion_tokens: int  # total so far
-    finish_reason: Annotated[str, Meta(max_length=16)] | None = None  # "stop" or "length"
+    finish_reason: FinishReason | None = None  # on the last delta
     logprobs: Annotated[tuple[TokenLogprob, ...], Meta(max_length=MAX_ITEMS)] = ()
 
     def __post_init__(self) -> None:
@@ -196,7 +127,6 @@ class TokenDelta(WireMessage, frozen=True):
         require(len(self.token_ids) > 0, "a delta carries at least one token")
         require(all(t >= 0 for t in self.token_ids), "token ids must be ≥ 0")
         require(self.completion_tokens >= len(self.token_ids), "completion_tokens is too small")
-        require(self.finish_reason in FINISH_REASONS, f"finish_reason {self.finish_reason!r}")
         require(len(self.logprobs) <= len(self.token_ids), "more logprobs than tokens")
 
 

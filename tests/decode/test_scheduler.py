@@ -6,8 +6,8 @@ from epd.checkpoint.config import load_generation_config, load_model_config
 from epd.checkpoint.tokenizer import load_tokenizer
 from epd.checkpoint.weights import load_model
 from epd.decode.scheduler import Busy, Scheduler
+from epd.generation.params import SamplingParams
 from epd.prefill.engine import PrefillEngine
-from epd.wire.messages import SamplingParams
 
 PROMPTS = [[5, 17, 42, 99], [7, 300, 12, 64, 128, 3, 250], [31, 77]]
 

@@ -14,10 +14,11 @@ from epd.checkpoint.tokenizer import load_tokenizer
 from epd.checkpoint.weights import load_model
 from epd.decode.scheduler import Scheduler
 from epd.decode.server import DecodeServer
+from epd.generation.params import SamplingParams
 from epd.prefill.engine import PrefillEngine
 from epd.wire.addresses import Prefills
 from epd.wire.codec import decode
-from epd.wire.messages import Failure, SamplingParams, TokenDelta
+from epd.wire.messages import Failure, TokenDelta
 from epd.wire.outbox import Outbox
 from epd.wire.transport import Inbox
 

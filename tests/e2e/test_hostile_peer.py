@@ -25,8 +25,9 @@ import zmq
 from PIL import Image
 
 from epd.checkpoint.config import load_model_config
+from epd.generation.params import SamplingParams
 from epd.wire.codec import decode, encode
-from epd.wire.messages import EncodeRequest, Failure, ImageEmbeddings, KVHandoff, SamplingParams
+from epd.wire.messages import EncodeRequest, Failure, ImageEmbeddings, KVHandoff
 from tests.wire.test_hostile_headers import MESSAGE_PACKS, PICKLES
 
 from .stack import cluster, data_url, image_part, role, text_part, usage
@@ -197,9 +198,8 @@ def poisoned_handoffs(checkpoint) -> list[list[bytes]]:
 def attack(base: int, checkpoint: str) -> None:
     """Everything a hostile peer sends, from its own process (as from another host)."""
     files = (PNG,)
-    leaks = [EncodeRequest("far", 0, 1, files, 0, "tcp://10.9.9.9:7102")] + [
-        EncodeRequest(f"leak-{i}", 0, 1, files, 0, f"tcp://127.0.0.1:{2000 + i}")
-        for i in range(300)
+    leaks = [EncodeRequest("far", 0, files, 0, "tcp://10.9.9.9:7102")] + [
+        EncodeRequest(f"leak-{i}", 0, files, 0, f"tcp://127.0.0.1:{2000 + i}") for i in range(300)
     ]
     dead = [handoff(checkpoint, f"dead-{i}", f"tcp://127.0.0.1:{i + 1}") for i in range(15)]
     dead += [handoff(checkpoint, f"void-{i}", f"tcp://192.0.2.{i + 1}:7102") for i in range(15)]

@@ -1,8 +1,8 @@
 import pytest
 import torch
 
+from epd.generation.params import SamplingParams
 from epd.generation.sampling import make_generator, restore_generator, sample, token_logprob
-from epd.wire.messages import SamplingParams
 
 LOGITS = torch.tensor([1.0, 3.0, 2.5, -1.0, 0.0])
 

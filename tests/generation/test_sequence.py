@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from epd.checkpoint.tokenizer import load_tokenizer
+from epd.generation.params import SamplingParams
 from epd.generation.sequence import Sequence
 from epd.model.latent_cache import LatentCache
-from epd.wire.messages import SamplingParams
 
 
 @pytest.fixture(scope="module")

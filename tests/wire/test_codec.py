@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 import torch
 
+from epd.generation.params import SamplingParams, TokenLogprob, TopLogprob
 from epd.wire.codec import WireError, decode, encode
 from epd.wire.messages import (
     Abort,
@@ -12,16 +13,13 @@ from epd.wire.messages import (
     Failure,
     ImageEmbeddings,
     KVHandoff,
-    SamplingParams,
     TokenDelta,
-    TokenLogprob,
-    TopLogprob,
 )
 
 LOGPROB = TokenLogprob("hi", -0.5, (104, 105), (TopLogprob("hi", -0.5, (104, 105)),))
 RNG = torch.Generator().manual_seed(3).get_state()
 MESSAGES = [
-    EncodeRequest("r1", 0, 2, (b"\x89PNG...", b"GIF89a"), 0, "tcp://127.0.0.1:1"),
+    EncodeRequest("r1", 0, (b"\x89PNG...", b"GIF89a"), 0, "tcp://127.0.0.1:1"),
     ImageEmbeddings("r1", 1, ((40, 60), (20, 40)), torch.randn(800, 16)),
     Failure("r1", "bad_image", "image 1: corrupt"),
     KVHandoff(

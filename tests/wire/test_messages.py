@@ -9,14 +9,13 @@ import msgspec
 import pytest
 import torch
 
+from epd.generation.params import SamplingParams, TokenLogprob
 from epd.wire.codec import WireError, decode, encode
 from epd.wire.messages import (
     EncodeRequest,
     ImageEmbeddings,
     KVHandoff,
-    SamplingParams,
     TokenDelta,
-    TokenLogprob,
 )
 
 NAN, INF = math.nan, math.inf
@@ -112,13 +111,18 @@ def test_handoffs_check_their_shapes_and_ids(changes, fragment):
         (lambda: TokenLogprob("x", -1.0, (300,)), "token bytes"),
         (lambda: TokenDelta("r", (), "", 1), "at least one token"),
         (lambda: TokenDelta("r", (-3,), "", 1), "token ids"),
-        (lambda: TokenDelta("r", (3,), "", 1, "exploded"), "finish_reason"),
-        (lambda: EncodeRequest("r", 2, 2, (b"x",), 0, "tcp://a:1"), "part_index"),
-        (lambda: EncodeRequest("r", 0, 1, (), 0, "tcp://a:1"), "needs images"),
-        (lambda: EncodeRequest("r", 0, 1, (b"x",), -1, "tcp://a:1"), "first_image"),
+        (lambda: EncodeRequest("r", -1, (b"x",), 0, "tcp://a:1"), "part_index"),
+        (lambda: EncodeRequest("r", 0, (), 0, "tcp://a:1"), "needs images"),
+        (lambda: EncodeRequest("r", 0, (b"x",), -1, "tcp://a:1"), "first_image"),
         (lambda: ImageEmbeddings("r", 0, ((0, 2),), torch.zeros(1, 4)), "grids"),
     ],
 )
 def test_other_messages_check_their_values(build, fragment):
     with pytest.raises(ValueError, match=fragment):
         build()
+
+
+def test_a_finish_reason_is_stop_or_length():
+    header = msgspec.msgpack.encode(["TokenDelta", "r", [3], "", 1, "exploded", []])
+    with pytest.raises(WireError, match="Invalid enum value 'exploded'"):
+        decode([header])
