@@ -13,7 +13,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from epd.api.errors import APIError, bad_request, internal
+from epd.api.errors import APIError, bad_request, from_prefill, internal
 from epd.api.images import load_image_bytes
 from epd.api.prepare import PromptBuilder
 from epd.api.responses import Reply
@@ -21,7 +21,9 @@ from epd.api.schema import ChatCompletionRequest, parse_request
 from epd.config.roles import PrefillConfig
 from epd.prefill.coordinator import Coordinator
 from epd.prefill.engine import PrefillEngine
-from epd.process import Watchdog, health
+from epd.prefill.errors import PrefillError
+from epd.runtime.health import health_router
+from epd.runtime.watchdog import Watchdog
 from epd.wire.messages import TokenDelta
 
 log = logging.getLogger(__name__)
@@ -34,11 +36,16 @@ class Service:
     model_name: str
     builder: PromptBuilder
     engine: PrefillEngine
-    watchdog: Watchdog | None = None
+    watchdog: Watchdog
     coordinator: Coordinator | None = None
 
-    async def load_images(self, chat: ChatCompletionRequest) -> list[bytes]:
-        urls = self.builder.image_urls(chat)
+    def status(self) -> dict[str, object]:
+        """What GET /health adds to its body."""
+        if self.coordinator is None:
+            return {}
+        return {"refused_messages": self.coordinator.inbox.refusals.total}
+
+    async def load_images(self, urls: list[str]) -> list[bytes]:
         if len(urls) > self.config.max_images:
             raise bad_request(f"{len(urls)} images is over the limit of {self.config.max_images}")
         c = self.config
@@ -74,18 +81,16 @@ def create_app(service: Service, on_started: Callable[[], Any] | None = None) ->
     async def api_error(_: Request, error: APIError) -> JSONResponse:
         return JSONResponse(error.body(), status_code=error.status)
 
+    @app.exception_handler(PrefillError)
+    async def prefill_error(_: Request, error: PrefillError) -> JSONResponse:
+        return await api_error(_, from_prefill(error))
+
     @app.exception_handler(Exception)
     async def unexpected(_: Request, error: Exception) -> JSONResponse:
         log.exception("unhandled error")
         return await api_error(_, internal(f"{type(error).__name__}: {error}"))
 
-    @app.get("/health")
-    async def health_check() -> JSONResponse:
-        coordinator = service.coordinator
-        status, body = health("prefill", coordinator.watchdog if coordinator else None)
-        if coordinator is not None:
-            body["refused_messages"] = coordinator.inbox.refusals.total
-        return JSONResponse(body, status_code=status)
+    app.include_router(health_router("prefill", service.watchdog, service.status))
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -114,9 +119,10 @@ def create_app(service: Service, on_started: Callable[[], Any] | None = None) ->
 async def complete(service: Service, chat: ChatCompletionRequest, request: Request) -> Response:
     coordinator = service.coordinator
     assert coordinator is not None
-    images = await service.load_images(chat)
+    messages = service.builder.messages(chat)
+    images = await service.load_images(service.builder.image_urls(messages))
     try:
-        prepared = service.builder.prepare(chat, images)
+        prepared = service.builder.prepare(chat, messages, images)
     except ValueError as e:  # e.g. more images than the prompt has placeholders
         raise bad_request(str(e)) from None
     embeddings = await coordinator.encode(prepared)
@@ -161,8 +167,9 @@ async def stream(
                 yield reply.delta_chunk(delta)
         if usage:
             yield reply.usage_chunk(completion_tokens)
-    except APIError as error:  # headers are sent: report in-band, as OpenAI does
-        yield f"data: {json.dumps(error.body())}\n\n"
+    except (APIError, PrefillError) as error:  # headers are sent: report in-band, as OpenAI does
+        api_error = error if isinstance(error, APIError) else from_prefill(error)
+        yield f"data: {json.dumps(api_error.body())}\n\n"
     except Exception as error:  # never end a stream without saying why
         log.exception("streaming %s failed", reply.request_id)
         yield f"data: {json.dumps(internal(f'{type(error).__name__}: {error}').body())}\n\n"

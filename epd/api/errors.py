@@ -1,8 +1,10 @@
-"""Errors a client sees, as OpenAI-style JSON bodies."""
+"""Errors a client sees, as OpenAI-style JSON bodies; the one place prefill's errors become HTTP."""
 
 from __future__ import annotations
 
 from typing import Any
+
+from epd.prefill.errors import BadImage, BadRequest, PrefillError, TimedOut, Unavailable
 
 
 class APIError(Exception):
@@ -48,3 +50,17 @@ def timed_out(message: str) -> APIError:
 
 def internal(message: str) -> APIError:
     return APIError(500, message, kind="server_error", code="internal_error")
+
+
+def from_prefill(error: PrefillError) -> APIError:
+    """The HTTP error for what went wrong in prefill or one of its peers."""
+    message = str(error)
+    if isinstance(error, BadImage):
+        return bad_request(message, code="invalid_image")
+    if isinstance(error, BadRequest):
+        return bad_request(message)
+    if isinstance(error, Unavailable):
+        return unavailable(message)
+    if isinstance(error, TimedOut):
+        return timed_out(message)
+    return internal(message)

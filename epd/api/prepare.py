@@ -13,20 +13,12 @@ from transformers import PreTrainedTokenizerBase
 from epd.api.errors import APIError, bad_request
 from epd.api.schema import ChatCompletionRequest
 from epd.checkpoint.config import load_model_config, load_processor_config
+from epd.generation.params import SamplingParams
+from epd.multimodal.grids import Grid
 from epd.multimodal.image_processor import ImageProcessor
 from epd.multimodal.images import ImageError, open_image
 from epd.multimodal.prompt import expand_placeholders, image_parts, render_prompt
-from epd.wire.messages import Grid, SamplingParams
-
-
-@dataclass(frozen=True)
-class PreparedRequest:
-    request_id: str
-    prompt_ids: list[int]  # placeholders already expanded to each image's token count
-    images: list[bytes]
-    grids: tuple[Grid, ...]  # expected from each image's size; encode must agree
-    image_tokens: tuple[int, ...]  # placeholder slots per image
-    sampling: SamplingParams
+from epd.prefill.request import PreparedRequest
 
 
 @dataclass(frozen=True)
@@ -78,8 +70,8 @@ class PromptBuilder:
                 if token in text:
                     raise bad_request(f"message text contains the reserved token {token}")
 
-    def image_urls(self, request: ChatCompletionRequest) -> list[str]:
-        return [part["image_url"]["url"] for part in image_parts(self.messages(request))]
+    def image_urls(self, messages: list[dict[str, Any]]) -> list[str]:
+        return [part["image_url"]["url"] for part in image_parts(messages)]
 
     def grids(self, images: list[bytes]) -> tuple[Grid, ...]:
         """Each image's (h, w) grid from its header alone; a 400 for a bad image."""
@@ -92,12 +84,14 @@ class PromptBuilder:
                 raise bad_request(str(e), code="invalid_image") from None
         return tuple(grids)
 
-    def prepare(self, request: ChatCompletionRequest, images: list[bytes]) -> PreparedRequest:
+    def prepare(
+        self, request: ChatCompletionRequest, messages: list[dict[str, Any]], images: list[bytes]
+    ) -> PreparedRequest:
+        """The request as prefill takes it; `messages` are `self.messages(request)`."""
         grids = self.grids(images)
-        mh, mw = self.processor.config.merge_kernel_size
-        counts = [h * w // (mh * mw) for h, w in grids]
+        counts = [self.processor.tokens(grid) for grid in grids]
         ids = expand_placeholders(
-            render_prompt(self.tokenizer, self.messages(request)), self.placeholder_id, counts
+            render_prompt(self.tokenizer, messages), self.placeholder_id, counts
         )
         return PreparedRequest(
             request_id=f"chatcmpl-{uuid.uuid4().hex}",

@@ -7,7 +7,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from epd.wire.messages import TokenDelta, TokenLogprob
+from epd.generation.params import TokenLogprob
+from epd.wire.messages import TokenDelta
 
 
 def logprob_json(entry: TokenLogprob) -> dict[str, Any]:

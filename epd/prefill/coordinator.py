@@ -18,12 +18,12 @@ from typing import TypeVar
 import torch
 import zmq
 
-from epd.api.errors import APIError, bad_request, internal, timed_out, unavailable
-from epd.api.prepare import PreparedRequest
 from epd.config.roles import PrefillConfig
 from epd.multimodal.grids import kimi_vl_grids
 from epd.prefill.engine import PrefillEngine
-from epd.process import Watchdog
+from epd.prefill.errors import Internal, PrefillError, TimedOut, Unavailable, from_failure
+from epd.prefill.request import PreparedRequest
+from epd.runtime.watchdog import Watchdog
 from epd.wire.messages import (
     Abort,
     EncodeRequest,
@@ -52,20 +52,10 @@ class EncodeWait:
 class Stream:
     request_id: str
     decoder: str
-    queue: asyncio.Queue[TokenDelta | APIError] = field(default_factory=asyncio.Queue)
+    queue: asyncio.Queue[TokenDelta | PrefillError] = field(default_factory=asyncio.Queue)
 
 
-def failure_error(failure: Failure) -> APIError:
-    if failure.code == "bad_image":
-        return bad_request(failure.message, code="invalid_image")
-    if failure.code == "bad_request":
-        return bad_request(failure.message)
-    if failure.code == "unavailable":
-        return unavailable(failure.message)
-    return internal(failure.message)
-
-
-async def within(awaitable: Awaitable[T], seconds: float, error: APIError) -> T:
+async def within(awaitable: Awaitable[T], seconds: float, error: Exception) -> T:
     """Await with a time limit, raising `error` when it runs out.
 
     Unlike `asyncio.wait_for` before Python 3.12, this never swallows a cancellation that lands
@@ -88,10 +78,9 @@ class Coordinator:
         config: PrefillConfig,
         engine: PrefillEngine,
         max_image_tokens: int,
-        watchdog: Watchdog | None = None,
+        watchdog: Watchdog,
     ) -> None:
-        self.config, self.engine = config, engine
-        self.watchdog = watchdog or Watchdog(config.watchdog_s, exits=False)
+        self.config, self.engine, self.watchdog = config, engine, watchdog
         self.outbox = Outbox(pinned=(*config.encoders, *config.decoders))
         rows = config.max_images * max_image_tokens
         largest = rows * engine.lm.config.hidden_size * 4  # float32 embeddings of every image
@@ -136,11 +125,11 @@ class Coordinator:
             if (stream := self.streams.get(message.request_id)) is not None:
                 stream.queue.put_nowait(message)
         elif isinstance(message, Failure):
-            self.fail(message.request_id, failure_error(message))
+            self.fail(message.request_id, from_failure(message))
         else:
             log.error("ignored a %s: prefill does not take it", type(message).__name__)
 
-    def fail(self, request_id: str, error: APIError) -> None:
+    def fail(self, request_id: str, error: PrefillError) -> None:
         for (rid, _), wait in self.waits.items():
             if rid == request_id and not wait.future.done():
                 wait.future.set_exception(error)
@@ -157,11 +146,11 @@ class Coordinator:
                 log.warning("lost the connection to %s", address)
                 self.fail_held_by(address)
             for address, request_id in losses.requests:
-                self.fail(request_id, unavailable(f"{address} did not take this request in time"))
+                self.fail(request_id, Unavailable(f"{address} did not take this request in time"))
             await asyncio.sleep(PEER_POLL_S)
 
     def fail_held_by(self, address: str) -> None:
-        error = unavailable(f"lost the connection to {address} while it held this request")
+        error = Unavailable(f"lost the connection to {address} while it held this request")
         for wait in self.waits.values():
             if wait.encoder == address and not wait.future.done():
                 wait.future.set_exception(error)
@@ -175,7 +164,7 @@ class Coordinator:
         deadline = asyncio.get_running_loop().time() + PEER_GRACE_S
         while not (live := [a for a in addresses if self.outbox.is_up(a)]):
             if asyncio.get_running_loop().time() > deadline:
-                raise unavailable(f"no {role} server is reachable (tried {', '.join(addresses)})")
+                raise Unavailable(f"no {role} server is reachable (tried {', '.join(addresses)})")
             await asyncio.sleep(PEER_POLL_S)
         start = next(self.turn) % len(live)
         return live[start:] + live[:start]
@@ -194,17 +183,16 @@ class Coordinator:
             message = EncodeRequest(
                 request.request_id,
                 index,
-                len(parts),
                 tuple(request.images[start:stop]),
                 start,
                 self.config.reply_address,
             )
             if not self.outbox.send(encoder, message):
-                future.set_exception(unavailable(f"encode server {encoder} is not reachable"))
+                future.set_exception(Unavailable(f"encode server {encoder} is not reachable"))
         limit = self.config.encode_timeout_s
         try:
             payloads = await within(
-                asyncio.gather(*waits), limit, timed_out(f"no image embeddings within {limit}s")
+                asyncio.gather(*waits), limit, TimedOut(f"no image embeddings within {limit}s")
             )
         finally:
             for index in range(len(parts)):
@@ -229,7 +217,7 @@ class Coordinator:
         stream = self.streams[handoff.request_id] = Stream(handoff.request_id, decoder)
         if not self.outbox.send(decoder, handoff):
             del self.streams[handoff.request_id]
-            raise unavailable(f"decode server {decoder} is not reachable")
+            raise Unavailable(f"decode server {decoder} is not reachable")
         return stream
 
     async def deltas(self, stream: Stream) -> AsyncIterator[TokenDelta]:
@@ -239,9 +227,9 @@ class Coordinator:
             while not finished:
                 limit = self.config.token_timeout_s
                 item = await within(
-                    stream.queue.get(), limit, timed_out(f"decode sent nothing for {limit}s")
+                    stream.queue.get(), limit, TimedOut(f"decode sent nothing for {limit}s")
                 )
-                if isinstance(item, APIError):
+                if isinstance(item, PrefillError):
                     raise item
                 finished = item.finish_reason is not None
                 yield item
@@ -262,13 +250,13 @@ def check_payloads(request: PreparedRequest, payloads: list[ImageEmbeddings]) ->
     """Refuse payloads whose grids or rows disagree with the placeholders we expanded."""
     grids = tuple(grid for p in payloads for grid in kimi_vl_grids(p.grids))
     if grids != request.grids:
-        raise internal(
+        raise Internal(
             f"encode returned grids {list(grids)} for images of grids {list(request.grids)}"
         )
     embeddings = torch.cat([p.embeddings for p in payloads])
     slots = sum(request.image_tokens)
     if embeddings.shape[0] != slots:
-        raise internal(
+        raise Internal(
             f"encode returned {embeddings.shape[0]} embedding rows for {slots} image slots"
         )
     return embeddings

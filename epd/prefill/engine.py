@@ -5,10 +5,11 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from epd.generation.params import SamplingParams
 from epd.generation.sampling import make_generator, sample, token_logprob
 from epd.model.deepseek import DeepseekV3ForCausalLM
 from epd.multimodal.prompt import scatter_image_embeddings
-from epd.wire.messages import KVHandoff, SamplingParams
+from epd.wire.messages import KVHandoff
 
 
 class PrefillEngine:

@@ -10,9 +10,9 @@ from fastapi.testclient import TestClient
 from PIL import Image
 
 from epd.api.app import create_app
+from epd.api.server import build_service
 from epd.config.roles import PrefillConfig
 from epd.prefill.coordinator import split, within
-from epd.prefill.server import build_service
 
 
 def test_split_images_over_encoders():

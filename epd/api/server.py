@@ -13,14 +13,14 @@ from epd.checkpoint.weights import load_model
 from epd.config.roles import PrefillConfig
 from epd.dtypes import model_dtype
 from epd.prefill.engine import PrefillEngine
-from epd.process import (
+from epd.runtime.process import (
     STOP_GRACE_S,
-    Watchdog,
     announce_ready,
     follow_supervisor,
     setup_logging,
     stop_event,
 )
+from epd.runtime.watchdog import Watchdog
 
 
 def build_service(config: PrefillConfig) -> Service:
@@ -32,14 +32,14 @@ def build_service(config: PrefillConfig) -> Service:
         config.model, "language", config.device, model_dtype(config.dtype)
     ).language_model
     engine = PrefillEngine(lm, tokenizer, builder.placeholder_id)
-    return Service(config, config.model_name, builder, engine)
+    return Service(config, config.model_name, builder, engine, Watchdog(config.watchdog_s))
 
 
 def run(config: PrefillConfig) -> None:
     setup_logging("prefill")
     follow_supervisor()
     service = build_service(config)
-    service.watchdog = Watchdog(config.watchdog_s)  # once the model is loaded: that takes time
+    service.watchdog.start()  # once the model is loaded: that takes time
     server: uvicorn.Server
 
     async def announce() -> None:

@@ -1,0 +1,43 @@
+"""What can go wrong with a request in prefill, in prefill's own words.
+
+The API turns each kind into an HTTP status and an OpenAI error body (`epd.api.errors`); prefill
+does not know it serves HTTP.
+"""
+
+from __future__ import annotations
+
+from epd.wire.messages import Failure
+
+
+class PrefillError(Exception):
+    """A request that prefill, or a peer working on it, could not serve."""
+
+
+class BadRequest(PrefillError):
+    """The request asks for something this deployment does not do (too many images, ...)."""
+
+
+class BadImage(BadRequest):
+    """An image cannot be used: corrupt, too large, an unknown format."""
+
+
+class Unavailable(PrefillError):
+    """A peer the request needs is down, or did not take the request in time."""
+
+
+class TimedOut(PrefillError):
+    """A peer took the request and did not answer in time."""
+
+
+class Internal(PrefillError):
+    """A peer failed on the request, or answered something that cannot be right."""
+
+
+def from_failure(failure: Failure) -> PrefillError:
+    """The error a peer's Failure message stands for."""
+    kinds: dict[str, type[PrefillError]] = {
+        "bad_image": BadImage,
+        "bad_request": BadRequest,
+        "unavailable": Unavailable,
+    }
+    return kinds.get(failure.code, Internal)(failure.message)
