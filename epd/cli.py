@@ -26,7 +26,7 @@ def runner(role: str) -> Callable[[Any], None]:
 
         return encode.run
     if role == "prefill":
-        from epd.prefill import server as prefill
+        from epd.api import server as prefill
 
         return prefill.run
     from epd.decode import server as decode

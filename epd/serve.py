@@ -20,7 +20,7 @@ from typing import Any
 
 from epd.config.roles import ROLES, ServeConfig
 from epd.config.sources import SHARED, build, flag_values, read_config_file, role_values, to_flags
-from epd.process import SUPERVISOR_ENV, stop_event
+from epd.runtime.process import SUPERVISOR_ENV, stop_event
 
 CHILDREN = ("encode", "decode", "prefill")
 HEALTHY_AFTER_S = 60.0  # a child that lived this long restarts without accumulated backoff

@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from epd.model.kimi_vl import KimiVL
-from epd.multimodal.grids import kimi_vl_grids, split_embeddings
+from epd.multimodal.grids import Grid, kimi_vl_grids
 from epd.multimodal.image_processor import ImageProcessor
 from epd.multimodal.images import decode_image
 
@@ -24,7 +24,7 @@ class Encoder:
         images: Sequence[bytes],
         first_index: int = 0,
         progress: Callable[[], None] = lambda: None,
-    ) -> tuple[tuple[tuple[int, int], ...], torch.Tensor]:
+    ) -> tuple[tuple[Grid, ...], torch.Tensor]:
         """All images in one batch → grids ((h, w) ints) and embeddings (Σ h·w/4, hidden).
 
         Raises ImageError naming the image (by its index in the request) that cannot be used.
@@ -41,6 +41,5 @@ class Encoder:
         grids = kimi_vl_grids(sizes)  # plain (h, w) ints: safe for a message header
         pixels = torch.cat(patches).to(self.device, self.dtype)
         embeddings = self.model.encode_images(pixels, list(grids))
-        # Rows must slice into exactly one piece per grid; they travel as one contiguous frame.
-        split_embeddings(embeddings, grids, "kimi_vl", self.processor.config.merge_kernel_size)
+        assert embeddings.shape[0] == sum(map(self.processor.tokens, grids))  # a row per token
         return grids, embeddings

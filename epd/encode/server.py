@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 
@@ -14,20 +15,14 @@ from epd.dtypes import model_dtype
 from epd.encode.encoder import Encoder
 from epd.multimodal.image_processor import ImageProcessor
 from epd.multimodal.images import ImageError
-from epd.process import (
-    HealthServer,
-    Watchdog,
-    announce_ready,
-    follow_supervisor,
-    setup_logging,
-    stop_event,
-)
+from epd.runtime.role import run_role
+from epd.runtime.watchdog import Watchdog
 from epd.wire.addresses import Prefills
 from epd.wire.codec import HEADER_BYTES
 from epd.wire.limits import cut
 from epd.wire.messages import EncodeRequest, Failure, ImageEmbeddings
 from epd.wire.outbox import Outbox
-from epd.wire.transport import Inbox, WireProbe
+from epd.wire.transport import Inbox
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +66,13 @@ class EncodeServer:
                 return Failure(request.request_id, "bad_image", message)
         return None
 
+    def status(self) -> dict[str, object]:
+        return {"refused_messages": self.inbox.refusals.total}
+
+    def close(self) -> None:
+        self.inbox.close()
+        self.outbox.close(linger_ms=500)  # replies already handed over get out
+
     def step(self) -> None:
         """Answer one request, if one comes within a moment."""
         self.outbox.poll()
@@ -94,37 +96,15 @@ class EncodeServer:
 
 
 def run(config: EncodeConfig) -> None:
-    setup_logging("encode")
-    stop = stop_event()
-    follow_supervisor()
-    Prefills.parse(config.prefills)  # a bad pattern fails now, before the model loads
-    model = load_model(config.model, "encode", config.device, model_dtype(config.dtype))
-    processor = ImageProcessor(load_processor_config(config.model))
-    encoder = Encoder(model, processor, config.max_image_pixels)
-    context: zmq.Context = zmq.Context.instance()
-    largest = config.max_images * config.max_image_bytes + HEADER_BYTES  # image files in a header
-    inbox = Inbox(context, config.bind, largest, max_header_bytes=largest)
-    watchdog = Watchdog(config.watchdog_s)
-    server = EncodeServer(encoder, inbox, Outbox(context), config, lambda: watchdog.beat("loop"))
-    probe = WireProbe(context, lambda: watchdog.beat("wire"))
-    health = HealthServer(
-        "encode",
-        config.health_host,
-        config.health_port,
-        watchdog,
-        lambda: {"refused_messages": inbox.refusals.total},
-    )
-    announce_ready("encode", zmq=config.bind, health=health.url)
-    try:
-        while not stop.is_set():
-            watchdog.beat("loop")
-            try:
-                server.step()
-            except Exception:  # a bug in one step must not end the server
-                log.exception("an encode step failed")
-    finally:
-        watchdog.close()
-        health.close()
-        probe.close()
-        server.inbox.close()
-        server.outbox.close(linger_ms=500)
+    def build(watchdog: Watchdog) -> EncodeServer:
+        Prefills.parse(config.prefills)  # a bad pattern fails now, before the model loads
+        model = load_model(config.model, "encode", config.device, model_dtype(config.dtype))
+        processor = ImageProcessor(load_processor_config(config.model))
+        encoder = Encoder(model, processor, config.max_image_pixels)
+        context: zmq.Context = zmq.Context.instance()
+        largest = config.max_images * config.max_image_bytes + HEADER_BYTES  # files in a header
+        inbox = Inbox(context, config.bind, largest, max_header_bytes=largest)
+        beat = functools.partial(watchdog.beat, "loop")  # once per image: large ones take a while
+        return EncodeServer(encoder, inbox, Outbox(context), config, beat)
+
+    run_role("encode", config, build)

@@ -55,8 +55,8 @@ def test_bad_image_is_named_by_its_index_in_the_request(encoder):
 
 def test_server_turns_failures_into_messages(encoder):
     good = encoded(Image.new("RGB", (28, 28)), "PNG")
-    reply = handle(encoder, EncodeRequest("r", 0, 1, (good,), 0, "tcp://x:1"))
+    reply = handle(encoder, EncodeRequest("r", 0, (good,), 0, "tcp://x:1"))
     assert isinstance(reply, ImageEmbeddings) and reply.grids == ((2, 2),)
     truncated = encoded(Image.new("RGB", (200, 200), "red"), "PNG")[:-60]
-    reply = handle(encoder, EncodeRequest("r", 0, 1, (good, truncated), 0, "tcp://x:1"))
+    reply = handle(encoder, EncodeRequest("r", 0, (good, truncated), 0, "tcp://x:1"))
     assert isinstance(reply, Failure) and reply.code == "bad_image" and "image 1" in reply.message

@@ -1,0 +1,60 @@
+"""GET /health, the same route for every role: 200 while it makes progress, 503 once it stalls.
+
+Prefill serves it on its API port; encode and decode, which have no HTTP API, serve it from a
+small server in a background thread.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable
+
+import uvicorn
+from fastapi import APIRouter, FastAPI
+from fastapi.responses import JSONResponse
+
+from epd.runtime.watchdog import Watchdog
+
+Status = Callable[[], dict[str, object]]
+START_TIMEOUT_S = 10.0
+
+
+def health_router(role: str, watchdog: Watchdog, status: Status = dict) -> APIRouter:
+    """GET /health: the role, its pid and `status()`; with what stalled, and 503, on a stall."""
+    router = APIRouter()
+
+    @router.get("/health")
+    async def health() -> JSONResponse:
+        stalled = watchdog.stalled()
+        body: dict[str, object] = {"status": "stalled" if stalled else "ok", "role": role}
+        body |= {"pid": os.getpid(), **status()}
+        if stalled:
+            body["stalled_s"] = stalled
+        return JSONResponse(body, status_code=503 if stalled else 200)
+
+    return router
+
+
+class HealthServer:
+    """A router served over HTTP from a daemon thread (port 0 picks a free one)."""
+
+    def __init__(self, router: APIRouter, host: str, port: int) -> None:
+        app = FastAPI(openapi_url=None)
+        app.include_router(router)
+        config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, name="health", daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise OSError(f"cannot serve GET /health on {host}:{port}")
+            time.sleep(0.01)
+        bound = self.server.servers[0].sockets[0].getsockname()[1]
+        self.url = f"http://{host}:{bound}/health"
+
+    def close(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(5)

@@ -1,0 +1,78 @@
+"""What every epd process does first and last: logging, stop signals, its supervisor, the ready
+line."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+
+log = logging.getLogger(__name__)
+SUPERVISOR_ENV = "EPD_SUPERVISOR_PID"  # set by `epd serve`: its children end when it does
+STOP_GRACE_S = 15.0  # a process asked to stop that has not finished by then exits at once
+PR_SET_PDEATHSIG = 1
+
+
+def setup_logging(role: str) -> None:
+    logging.basicConfig(
+        level=os.environ.get("EPD_LOG_LEVEL", "INFO"),
+        format=f"%(asctime)s {role} %(levelname)s %(name)s: %(message)s",
+    )
+
+
+def stop_event() -> threading.Event:
+    """An event set by SIGINT or SIGTERM, so loops can finish their step and exit cleanly.
+
+    A loop that is stuck never sees the event; the process then exits on its own after
+    STOP_GRACE_S, so a stop request always ends it (PID 1 in a container cannot be SIGKILLed
+    from inside).
+    """
+    event = threading.Event()
+
+    def requested(*_: object) -> None:
+        if not event.is_set():
+            event.set()
+            threading.Thread(target=_exit_after, args=(STOP_GRACE_S,), daemon=True).start()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, requested)
+    return event
+
+
+def _exit_after(seconds: float) -> None:
+    time.sleep(seconds)
+    print(f"epd: still running {seconds:.0f}s after a stop request; exiting", flush=True)
+    os._exit(1)
+
+
+def follow_supervisor() -> None:
+    """End this process (SIGTERM) when the `epd serve` that started it is gone, even by kill -9.
+
+    Linux delivers the signal itself (parent-death signal); elsewhere, and for the moment before
+    the signal was armed, a thread watches the parent's pid.
+    """
+    supervisor = os.environ.get(SUPERVISOR_ENV)
+    if not supervisor:
+        return
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM) != 0:
+            errno = ctypes.get_errno()
+            log.warning("no parent-death signal (errno %d): watching the parent only", errno)
+
+    def watch() -> None:
+        while os.getppid() == int(supervisor):
+            time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="supervisor-watch", daemon=True).start()
+
+
+def announce_ready(role: str, **endpoints: str) -> None:
+    """The one line `epd serve` and operators wait for."""
+    where = ", ".join(f"{k} {v}" for k, v in endpoints.items())
+    print(f"epd {role} ready (pid {os.getpid()}): {where}", flush=True)

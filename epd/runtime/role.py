@@ -1,0 +1,70 @@
+"""The life of an encode or decode process: one loop, watched, behind GET /health.
+
+The role builds its server (loading the model takes minutes for a real checkpoint, so the
+watchdog starts after it); the runtime then serves /health, prints the ready line and steps the
+server until asked to stop. A step that raises is logged and the loop goes on.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Protocol
+
+import zmq
+
+from epd.runtime.health import HealthServer, health_router
+from epd.runtime.process import announce_ready, follow_supervisor, setup_logging, stop_event
+from epd.runtime.watchdog import Watchdog
+from epd.wire.transport import WireProbe
+
+log = logging.getLogger(__name__)
+
+
+class RoleConfig(Protocol):
+    @property
+    def bind(self) -> str: ...
+    @property
+    def health_host(self) -> str: ...
+    @property
+    def health_port(self) -> int: ...
+    @property
+    def watchdog_s(self) -> float: ...
+
+
+class RoleServer(Protocol):
+    def step(self) -> None:
+        """Do one round of work; return within a moment when there is none."""
+
+    def status(self) -> dict[str, object]:
+        """What GET /health adds to its body."""
+
+    def close(self) -> None:
+        """Stop: end the requests still held, close sockets."""
+
+
+def run_role(name: str, config: RoleConfig, build: Callable[[Watchdog], RoleServer]) -> None:
+    """Run role `name`: `build(watchdog)` makes its server (and may beat the watchdog)."""
+    setup_logging(name)
+    stop = stop_event()
+    follow_supervisor()
+    watchdog = Watchdog(config.watchdog_s)
+    server = build(watchdog)
+    watchdog.start()
+    probe = WireProbe(zmq.Context.instance(), lambda: watchdog.beat("wire"))
+    health = HealthServer(
+        health_router(name, watchdog, server.status), config.health_host, config.health_port
+    )
+    announce_ready(name, zmq=config.bind, health=health.url)
+    try:
+        while not stop.is_set():
+            watchdog.beat("loop")
+            try:
+                server.step()
+            except Exception:  # a bug in one step must not end the server
+                log.exception("a %s step failed", name)
+    finally:
+        server.close()
+        watchdog.close()
+        health.close()
+        probe.close()
