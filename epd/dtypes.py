@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-DTYPES = {
+TENSOR_DTYPES = {  # what a tensor may hold on the wire
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
@@ -12,13 +12,14 @@ DTYPES = {
     "int32": torch.int32,
     "uint8": torch.uint8,
 }
-NAMES = {dtype: name for name, dtype in DTYPES.items()}
+NAMES = {dtype: name for name, dtype in TENSOR_DTYPES.items()}
+MODEL_DTYPES = ("float32", "bfloat16", "float16")  # what a model may run in
 
 
 def model_dtype(name: str) -> torch.dtype | None:
     """A config's dtype; None for 'auto', which the loader resolves per device."""
     if name == "auto":
         return None
-    if name not in ("float32", "bfloat16", "float16"):
-        raise ValueError(f"dtype {name!r} is not one of auto, float32, bfloat16, float16")
-    return DTYPES[name]
+    if name not in MODEL_DTYPES:
+        raise ValueError(f"dtype {name!r} is not one of auto, {', '.join(MODEL_DTYPES)}")
+    return TENSOR_DTYPES[name]

@@ -8,8 +8,7 @@ from __future__ import annotations
 import dataclasses
 
 from epd.config.roles import ROLES, ModelOptions
-
-SHARED = {f.name for f in dataclasses.fields(ModelOptions)}
+from epd.config.sources import SHARED
 
 
 def _default(field: dataclasses.Field[object]) -> str:

@@ -11,7 +11,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-DTYPES = ("auto", "float32", "bfloat16", "float16")
+from epd.dtypes import MODEL_DTYPES
+
+DTYPE_CHOICES = ("auto", *MODEL_DTYPES)
 ADDRESS_SCHEMES = ("tcp://", "ipc://", "inproc://")
 
 
@@ -25,8 +27,8 @@ def required(help: str) -> Any:
 
 def _check_value(name: str, value: Any) -> str | None:
     """Why `value` is not acceptable for a setting called `name`, or None."""
-    if name == "dtype" and value not in DTYPES:
-        return f"must be one of {', '.join(DTYPES)}"
+    if name == "dtype" and value not in DTYPE_CHOICES:
+        return f"must be one of {', '.join(DTYPE_CHOICES)}"
     if name.endswith("port") and not 0 < value < 65536:
         return "must be a port number, 1 to 65535"
     if name.endswith("_s") and not value > 0:

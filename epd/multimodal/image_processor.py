@@ -15,13 +15,13 @@ import torch
 from PIL import Image
 
 from epd.checkpoint.config import ProcessorConfig
-from epd.multimodal.grids import MAX_SIDE
+from epd.multimodal.grids import MAX_SIDE, Grid
 
 
 @dataclass(frozen=True)
 class ProcessedImages:
     pixel_values: torch.Tensor  # (Σ h·w, 3, p, p) float32
-    grids: tuple[tuple[int, int], ...]  # (h, w) in patches, per image
+    grids: tuple[Grid, ...]  # per image
 
 
 class ImageProcessor:
@@ -39,7 +39,7 @@ class ImageProcessor:
         s = math.sqrt(self.config.in_token_limit / patches)
         return int(width * s), int(height * s)
 
-    def grid_for_size(self, width: int, height: int) -> tuple[int, int]:
+    def grid_for_size(self, width: int, height: int) -> Grid:
         """The (h, w) patch grid an image of this pixel size becomes; raises if out of range."""
         if width <= 0 or height <= 0:
             raise ValueError(f"image size {width}x{height} is empty")
@@ -55,9 +55,9 @@ class ImageProcessor:
             )
         return grid
 
-    def tokens_for_size(self, width: int, height: int) -> int:
-        h, w = self.grid_for_size(width, height)
-        mh, mw = self.config.merge_kernel_size
+    def tokens(self, grid: Grid) -> int:
+        """Tokens an image of this grid becomes: one per merge window."""
+        (h, w), (mh, mw) = grid, self.config.merge_kernel_size
         return (h // mh) * (w // mw)
 
     def max_tokens(self) -> int:
@@ -68,7 +68,7 @@ class ImageProcessor:
         patches = self.config.in_token_limit + (mh + mw + 2) * side + (mh + 1) * (mw + 1)
         return patches // (mh * mw)
 
-    def preprocess(self, image: Image.Image) -> tuple[torch.Tensor, tuple[int, int]]:
+    def preprocess(self, image: Image.Image) -> tuple[torch.Tensor, Grid]:
         """One image → patches (h·w, 3, p, p) and its (h, w) grid."""
         image = image.convert("RGB")
         grid = self.grid_for_size(*image.size)

@@ -13,8 +13,6 @@ from typing import Any
 import torch
 from transformers import PreTrainedTokenizerBase
 
-IMAGE_PART_TYPES = ("image_url", "image")
-
 
 def image_parts(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """Every image part of the conversation, in prompt order."""
@@ -23,7 +21,7 @@ def image_parts(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         for message in messages
         if isinstance(message.get("content"), list)
         for part in message["content"]
-        if isinstance(part, dict) and part.get("type") in IMAGE_PART_TYPES
+        if isinstance(part, dict) and part.get("type") == "image_url"
     ]
 
 

@@ -61,7 +61,7 @@ def test_real_photo_matches_reference(processor, name, grid):
     assert patches.shape == (grid[0] * grid[1], 3, 14, 14)
     np.testing.assert_allclose(patches.numpy(), want, atol=1e-5)
     assert processor.grid_for_size(*image.size) == grid
-    assert processor.tokens_for_size(*image.size) == grid[0] * grid[1] // 4
+    assert processor.tokens(processor.grid_for_size(*image.size)) == grid[0] * grid[1] // 4
 
 
 def test_several_images_concatenate(processor):
