@@ -55,14 +55,13 @@ class LocalPipeline:
 
     def chat(self, body: dict[str, Any]) -> Completion:
         request = parse_request(body)
-        messages = self.builder.messages(request)
-        urls = self.builder.image_urls(messages)
+        conversation = self.builder.read(request)
         limits = self.limits
         images = [
             load_image_bytes(url, i, limits.max_image_bytes, limits.image_fetch_timeout_s)
-            for i, url in enumerate(urls)
+            for i, url in enumerate(conversation.image_urls)
         ]
-        prepared = self.builder.prepare(request, messages, images)
+        prepared = self.builder.prepare(conversation, images)
         embeddings = self.encoder.encode(images)[1] if images else None
         handoff = self.engine.run(
             prepared.request_id, prepared.prompt_ids, embeddings, prepared.sampling

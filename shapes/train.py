@@ -104,7 +104,7 @@ class Trainer:
         lm, pad = self.model.language_model, self.config.media_placeholder_token_id
         processed = self.processor([image for s in samples for image in s.images])
         image_embeds = self.model.encode_images(processed.pixel_values, list(processed.grids))
-        counts = iter(h * w // 4 for h, w in processed.grids)
+        counts = iter(self.processor.tokens(grid) for grid in processed.grids)
         ids: list[int] = []
         targets: list[int] = []
         lengths: list[int] = []

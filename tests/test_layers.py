@@ -39,12 +39,15 @@ def modules() -> dict[str, Path]:
 
 
 def imports(path: Path) -> set[str]:
+    """Every module name imported; `from epd import x` counts as `epd.x`."""
     names = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             names |= {alias.name for alias in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names |= {f"{node.module}.{alias.name}" for alias in node.names} | {node.module}
+        elif isinstance(node, ast.ImportFrom):
+            assert node.level == 0, f"{path}: a relative import hides its layer"
+            assert node.module is not None
+            names |= {f"{node.module}.{alias.name}" for alias in node.names}
     return names
 
 
@@ -61,4 +64,5 @@ def test_imports_point_down(module):
         assert not name.startswith("shapes"), f"{module} imports the demo task ({name})"
         if not name.startswith("epd.") or package(name) == own:
             continue
+        assert package(name) in LAYER, f"{module} imports {name}, which is in no layer"
         assert LAYER[package(name)] > LAYER[own], f"{module} imports {name}: not a lower layer"

@@ -1,1 +1,1 @@
-"""The OpenAI-compatible HTTP API, hosted by the prefill process."""
+"""The OpenAI-compatible HTTP API, and the `epd prefill` process that serves it."""

@@ -13,7 +13,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from epd.api.errors import APIError, bad_request, from_prefill, internal
+from epd.api.errors import APIError, as_api_error, bad_request
 from epd.api.images import load_image_bytes
 from epd.api.prepare import PromptBuilder
 from epd.api.responses import Reply
@@ -23,6 +23,7 @@ from epd.prefill.coordinator import Coordinator
 from epd.prefill.engine import PrefillEngine
 from epd.prefill.errors import PrefillError
 from epd.runtime.health import health_router
+from epd.runtime.role import probe_wire
 from epd.runtime.watchdog import Watchdog
 from epd.wire.messages import TokenDelta
 
@@ -61,35 +62,39 @@ class Service:
         )
 
 
+def handle_errors(app: FastAPI) -> None:
+    """Every error a route raises becomes an OpenAI-style body with its status."""
+
+    async def as_json(_: Request, error: Exception) -> JSONResponse:
+        api_error = as_api_error(error)
+        if api_error.status >= 500 and not isinstance(error, (APIError, PrefillError)):
+            log.exception("unhandled error", exc_info=error)
+        return JSONResponse(api_error.body(), status_code=api_error.status)
+
+    for kind in (APIError, PrefillError, Exception):
+        app.add_exception_handler(kind, as_json)
+
+
 def create_app(service: Service, on_started: Callable[[], Any] | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        processor = service.builder.processor
         service.coordinator = Coordinator(
-            service.config, service.engine, service.builder.processor.max_tokens(), service.watchdog
+            service.config, service.engine, processor.max_tokens(), service.watchdog
         )
         service.coordinator.start()
+        probe = probe_wire(service.watchdog)
         if on_started is not None:
             started = asyncio.create_task(on_started())
         yield
         if on_started is not None:
             started.cancel()
+        service.watchdog.close()  # stopping is not stalling
+        probe.close()
         await service.coordinator.stop()
 
     app = FastAPI(title="epd", lifespan=lifespan)
-
-    @app.exception_handler(APIError)
-    async def api_error(_: Request, error: APIError) -> JSONResponse:
-        return JSONResponse(error.body(), status_code=error.status)
-
-    @app.exception_handler(PrefillError)
-    async def prefill_error(_: Request, error: PrefillError) -> JSONResponse:
-        return await api_error(_, from_prefill(error))
-
-    @app.exception_handler(Exception)
-    async def unexpected(_: Request, error: Exception) -> JSONResponse:
-        log.exception("unhandled error")
-        return await api_error(_, internal(f"{type(error).__name__}: {error}"))
-
+    handle_errors(app)
     app.include_router(health_router("prefill", service.watchdog, service.status))
 
     @app.get("/v1/models")
@@ -119,10 +124,10 @@ def create_app(service: Service, on_started: Callable[[], Any] | None = None) ->
 async def complete(service: Service, chat: ChatCompletionRequest, request: Request) -> Response:
     coordinator = service.coordinator
     assert coordinator is not None
-    messages = service.builder.messages(chat)
-    images = await service.load_images(service.builder.image_urls(messages))
+    conversation = service.builder.read(chat)
+    images = await service.load_images(conversation.image_urls)
     try:
-        prepared = service.builder.prepare(chat, messages, images)
+        prepared = service.builder.prepare(conversation, images)
     except ValueError as e:  # e.g. more images than the prompt has placeholders
         raise bad_request(str(e)) from None
     embeddings = await coordinator.encode(prepared)
@@ -167,10 +172,8 @@ async def stream(
                 yield reply.delta_chunk(delta)
         if usage:
             yield reply.usage_chunk(completion_tokens)
-    except (APIError, PrefillError) as error:  # headers are sent: report in-band, as OpenAI does
-        api_error = error if isinstance(error, APIError) else from_prefill(error)
-        yield f"data: {json.dumps(api_error.body())}\n\n"
-    except Exception as error:  # never end a stream without saying why
-        log.exception("streaming %s failed", reply.request_id)
-        yield f"data: {json.dumps(internal(f'{type(error).__name__}: {error}').body())}\n\n"
+    except Exception as error:  # headers are sent: report in-band, as OpenAI does
+        if not isinstance(error, (APIError, PrefillError)):
+            log.exception("streaming %s failed", reply.request_id)
+        yield f"data: {json.dumps(as_api_error(error).body())}\n\n"
     yield "data: [DONE]\n\n"

@@ -64,3 +64,12 @@ def from_prefill(error: PrefillError) -> APIError:
     if isinstance(error, TimedOut):
         return timed_out(message)
     return internal(message)
+
+
+def as_api_error(error: Exception) -> APIError:
+    """Any exception as the error a client sees; one not foreseen is a 500 naming it."""
+    if isinstance(error, APIError):
+        return error
+    if isinstance(error, PrefillError):
+        return from_prefill(error)
+    return internal(f"{type(error).__name__}: {error}")

@@ -22,6 +22,15 @@ from epd.prefill.request import PreparedRequest
 
 
 @dataclass(frozen=True)
+class Conversation:
+    """A chat request read once: its messages for the chat template and its image URLs."""
+
+    request: ChatCompletionRequest
+    messages: list[dict[str, Any]]
+    image_urls: list[str]
+
+
+@dataclass(frozen=True)
 class PromptBuilder:
     tokenizer: PreTrainedTokenizerBase
     processor: ImageProcessor
@@ -52,6 +61,12 @@ class PromptBuilder:
             max_image_pixels=max_image_pixels,
         )
 
+    def read(self, request: ChatCompletionRequest) -> Conversation:
+        """The request's chat messages, built once, and the image URLs they hold."""
+        messages = self.messages(request)
+        urls = [part["image_url"]["url"] for part in image_parts(messages)]
+        return Conversation(request, messages, urls)
+
     def messages(self, request: ChatCompletionRequest) -> list[dict[str, Any]]:
         """Messages for the chat template; a `developer` message is Kimi's `system` turn."""
         messages = [m.model_dump(exclude_none=True) for m in request.messages]
@@ -70,9 +85,6 @@ class PromptBuilder:
                 if token in text:
                     raise bad_request(f"message text contains the reserved token {token}")
 
-    def image_urls(self, messages: list[dict[str, Any]]) -> list[str]:
-        return [part["image_url"]["url"] for part in image_parts(messages)]
-
     def grids(self, images: list[bytes]) -> tuple[Grid, ...]:
         """Each image's (h, w) grid from its header alone; a 400 for a bad image."""
         grids = []
@@ -84,15 +96,13 @@ class PromptBuilder:
                 raise bad_request(str(e), code="invalid_image") from None
         return tuple(grids)
 
-    def prepare(
-        self, request: ChatCompletionRequest, messages: list[dict[str, Any]], images: list[bytes]
-    ) -> PreparedRequest:
-        """The request as prefill takes it; `messages` are `self.messages(request)`."""
+    def prepare(self, conversation: Conversation, images: list[bytes]) -> PreparedRequest:
+        """The request as prefill takes it, once its images are fetched."""
         grids = self.grids(images)
         counts = [self.processor.tokens(grid) for grid in grids]
-        ids = expand_placeholders(
-            render_prompt(self.tokenizer, messages), self.placeholder_id, counts
-        )
+        prompt = render_prompt(self.tokenizer, conversation.messages)
+        ids = expand_placeholders(prompt, self.placeholder_id, counts)
+        request = conversation.request
         return PreparedRequest(
             request_id=f"chatcmpl-{uuid.uuid4().hex}",
             prompt_ids=ids,

@@ -13,13 +13,7 @@ from epd.checkpoint.weights import load_model
 from epd.config.roles import PrefillConfig
 from epd.dtypes import model_dtype
 from epd.prefill.engine import PrefillEngine
-from epd.runtime.process import (
-    STOP_GRACE_S,
-    announce_ready,
-    follow_supervisor,
-    setup_logging,
-    stop_event,
-)
+from epd.runtime.process import STOP_GRACE_S, announce_ready, start_process
 from epd.runtime.watchdog import Watchdog
 
 
@@ -36,9 +30,10 @@ def build_service(config: PrefillConfig) -> Service:
 
 
 def run(config: PrefillConfig) -> None:
-    setup_logging("prefill")
-    follow_supervisor()
+    stop = start_process("prefill")
     service = build_service(config)
+    if stop.is_set():  # asked to stop while the model loaded
+        return
     service.watchdog.start()  # once the model is loaded: that takes time
     server: uvicorn.Server
 
@@ -51,8 +46,7 @@ def run(config: PrefillConfig) -> None:
         )
 
     # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal to the handler
-    # found before it started: ours, so a requested stop exits with status 0.
-    stop_event()
+    # found before it started (ours, from start_process), so a requested stop exits with 0.
     app = create_app(service, on_started=announce)
     server = uvicorn.Server(
         uvicorn.Config(

@@ -19,7 +19,7 @@ from epd.checkpoint.weights import load_model
 from epd.config.roles import DecodeConfig
 from epd.decode.scheduler import Busy, Scheduler
 from epd.dtypes import model_dtype
-from epd.generation.sequence import Output, Sequence
+from epd.generation.sequence import Output
 from epd.runtime.role import run_role
 from epd.runtime.watchdog import Watchdog
 from epd.wire.addresses import Prefills
@@ -80,14 +80,26 @@ class DecodeServer:
         self.reply_to[request_id] = reply_to
         self.send(request_id, output)
 
-    def send(self, request_id: str, output: Output | Failure) -> None:
-        """Send a request's output (or its Failure) to its prefill; the last one ends it here.
+    def send(self, request_id: str, output: Output) -> None:
+        """Send a request's output to its prefill; if that fails, the request fails alone."""
+        last = output.finish_reason is not None
+        try:
+            self.deliver(request_id, token_delta(request_id, output), last)
+        except Exception as e:
+            log.exception("could not send the output of %s", request_id)
+            self.fail_request(request_id, "internal", f"decode failed: {type(e).__name__}: {e}")
 
-        A prefill that cannot take it takes its request with it.
-        """
-        address = self.reply_to[request_id]
-        last = isinstance(output, Failure) or output.finish_reason is not None
-        message = output if isinstance(output, Failure) else delta(request_id, output)
+    def fail_request(self, request_id: str, code: str, message: str) -> None:
+        """End a request with a Failure (queued if its prefill is reconnecting)."""
+        self.scheduler.abort(request_id)
+        self.deliver(request_id, Failure(request_id, code, cut(message)), last=True)
+
+    def deliver(self, request_id: str, message: TokenDelta | Failure, last: bool) -> None:
+        """Hand a message to the outbox; the last one of a request ends it here. A prefill that
+        cannot take it takes its request with it."""
+        address = self.reply_to.get(request_id)
+        if address is None:  # it has ended already
+            return
         if last:
             del self.reply_to[request_id]
         if not self.outbox.send(address, message):
@@ -99,23 +111,25 @@ class DecodeServer:
         self.reply_to.pop(request_id, None)
         return self.scheduler.abort(request_id)
 
-    def fail(self, sequences: list[Sequence], code: str, message: str) -> None:
-        """End these requests with a Failure (queued if their prefill is reconnecting)."""
-        for sequence in sequences:
-            self.scheduler.abort(sequence.request_id)
-            self.send(sequence.request_id, Failure(sequence.request_id, code, cut(message)))
+    def fail_all(self, code: str, message: str) -> None:
+        """End every request decode still owes an answer (the map of reply addresses)."""
+        self.scheduler.drain()
+        for request_id in list(self.reply_to):
+            self.fail_request(request_id, code, message)
 
     def check_peers(self) -> None:
         """Requests whose prefill disconnected, or whose tokens it did not take, end here."""
         losses = self.outbox.poll()
         for prefill in losses.peers:
-            held = [s for s in self.scheduler.sequences() if self.reply_to[s.request_id] == prefill]
+            held = [r for r, address in self.reply_to.items() if address == prefill]
             if held:
                 log.warning("lost %s: failing its %d requests", prefill, len(held))
-            self.fail(held, "unavailable", f"decode lost its connection to {prefill}")
-        undelivered = {request_id for _, request_id in losses.requests}
-        stuck = [s for s in self.scheduler.sequences() if s.request_id in undelivered]
-        self.fail(stuck, "unavailable", "tokens of this request could not be delivered in time")
+            for request_id in held:
+                self.fail_request(request_id, "unavailable", f"decode lost {prefill}")
+        for _, request_id in losses.requests:
+            if request_id in self.reply_to:
+                why = "tokens of this request could not be delivered in time"
+                self.fail_request(request_id, "unavailable", why)
 
     def status(self) -> dict[str, object]:
         return {
@@ -126,7 +140,7 @@ class DecodeServer:
 
     def close(self) -> None:
         """Fail what is still held (its prefill hears why), then close the sockets."""
-        self.fail(self.scheduler.drain(), "unavailable", "decode stopped before this finished")
+        self.fail_all("unavailable", "decode stopped before this request finished")
         self.inbox.close()
         self.outbox.close(linger_ms=500)
 
@@ -137,15 +151,15 @@ class DecodeServer:
             step = self.scheduler.step()
         except Exception as e:  # not any one request's fault: fail them all, keep the process
             log.exception("a decode step failed")
-            self.fail(self.scheduler.drain(), "internal", f"decode failed: {type(e).__name__}: {e}")
+            self.fail_all("internal", f"decode failed: {type(e).__name__}: {e}")
             return
         for sequence, output in step.produced:
             self.send(sequence.request_id, output)
         for sequence, problem in step.failed:
-            self.send(sequence.request_id, Failure(sequence.request_id, "internal", cut(problem)))
+            self.fail_request(sequence.request_id, "internal", problem)
 
 
-def delta(request_id: str, output: Output) -> TokenDelta:
+def token_delta(request_id: str, output: Output) -> TokenDelta:
     return TokenDelta(
         request_id,
         output.token_ids,

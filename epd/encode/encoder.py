@@ -41,5 +41,6 @@ class Encoder:
         grids = kimi_vl_grids(sizes)  # plain (h, w) ints: safe for a message header
         pixels = torch.cat(patches).to(self.device, self.dtype)
         embeddings = self.model.encode_images(pixels, list(grids))
-        assert embeddings.shape[0] == sum(map(self.processor.tokens, grids))  # a row per token
+        tokens = sum(map(self.processor.tokens, grids))
+        assert embeddings.shape[0] == tokens, f"{embeddings.shape[0]} rows for {tokens} tokens"
         return grids, embeddings

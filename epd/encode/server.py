@@ -49,10 +49,11 @@ class EncodeServer:
         inbox: Inbox,
         outbox: Outbox,
         config: EncodeConfig,
+        prefills: Prefills,
         progress: Callable[[], None] = lambda: None,
     ) -> None:
         self.encoder, self.inbox, self.outbox, self.config = encoder, inbox, outbox, config
-        self.prefills, self.progress = Prefills.parse(config.prefills), progress
+        self.prefills, self.progress = prefills, progress
 
     def over_limits(self, request: EncodeRequest) -> Failure | None:
         """A Failure for a request with more or larger images than this encoder takes."""
@@ -97,7 +98,7 @@ class EncodeServer:
 
 def run(config: EncodeConfig) -> None:
     def build(watchdog: Watchdog) -> EncodeServer:
-        Prefills.parse(config.prefills)  # a bad pattern fails now, before the model loads
+        prefills = Prefills.parse(config.prefills)  # a bad pattern fails before the model loads
         model = load_model(config.model, "encode", config.device, model_dtype(config.dtype))
         processor = ImageProcessor(load_processor_config(config.model))
         encoder = Encoder(model, processor, config.max_image_pixels)
@@ -105,6 +106,6 @@ def run(config: EncodeConfig) -> None:
         largest = config.max_images * config.max_image_bytes + HEADER_BYTES  # files in a header
         inbox = Inbox(context, config.bind, largest, max_header_bytes=largest)
         beat = functools.partial(watchdog.beat, "loop")  # once per image: large ones take a while
-        return EncodeServer(encoder, inbox, Outbox(context), config, beat)
+        return EncodeServer(encoder, inbox, Outbox(context), config, prefills, beat)
 
     run_role("encode", config, build)

@@ -1,1 +1,2 @@
-"""Turning logits into replies: sampling, incremental detokenisation and stop rules."""
+"""Turning logits into replies: the values that steer it, sampling, sequences and stop rules,
+incremental detokenisation."""

@@ -9,12 +9,13 @@ setting that holds one must be refused before it meets the requests it would be 
 from __future__ import annotations
 
 import math
+import typing
 from typing import Annotated, Literal
 
 import msgspec
 from msgspec import Meta
 
-MAX_TEXT_CHARS = 1 << 14  # a token's spelling, a delta's text, an error's explanation
+MAX_TEXT_CHARS = 1 << 14  # a token's spelling, and any text sent with a reply
 MAX_TOKEN_BYTES = 1024
 MAX_STOP_STRINGS = 4
 MAX_STOP_CHARS = 256  # longer stop strings would make every step's stop check slow
@@ -22,6 +23,7 @@ MAX_TOP_LOGPROBS = 20
 MIN_LOGPROB = -9999.0  # what OpenAI reports for a token the model all but ruled out
 
 FinishReason = Literal["stop", "length"]
+FINISH_REASONS = (None, *typing.get_args(FinishReason))
 Text = Annotated[str, Meta(max_length=MAX_TEXT_CHARS)]
 TokenBytes = Annotated[tuple[int, ...], Meta(max_length=MAX_TOKEN_BYTES)]
 StopStrings = Annotated[

@@ -1,1 +1,1 @@
-"""The prefill process: hosts the API, gathers image embeddings, prefills, hands KV to decode."""
+"""Prefill's engine and wire side: gathers image embeddings, prefills, hands KV to decode."""

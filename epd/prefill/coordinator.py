@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 import torch
-import zmq
 
 from epd.config.roles import PrefillConfig
 from epd.multimodal.grids import kimi_vl_grids
@@ -34,7 +33,7 @@ from epd.wire.messages import (
     TokenDelta,
 )
 from epd.wire.outbox import Outbox
-from epd.wire.transport import Inbox, WireProbe, async_context
+from epd.wire.transport import Inbox, async_context
 
 log = logging.getLogger(__name__)
 PEER_POLL_S = 0.02
@@ -85,7 +84,6 @@ class Coordinator:
         rows = config.max_images * max_image_tokens
         largest = rows * engine.lm.config.hidden_size * 4  # float32 embeddings of every image
         self.inbox = Inbox(async_context(), config.bind, largest)
-        self.probe = WireProbe(zmq.Context.instance(), lambda: self.watchdog.beat("wire"))
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="prefill")  # one model, one queue
         self.waits: dict[tuple[str, int], EncodeWait] = {}
         self.streams: dict[str, Stream] = {}
@@ -100,8 +98,6 @@ class Coordinator:
             task.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
         self.executor.shutdown(wait=True)
-        self.watchdog.close()  # stopping is not stalling
-        self.probe.close()
         self.inbox.close()
         self.outbox.close()
 

@@ -76,3 +76,14 @@ def announce_ready(role: str, **endpoints: str) -> None:
     """The one line `epd serve` and operators wait for."""
     where = ", ".join(f"{k} {v}" for k, v in endpoints.items())
     print(f"epd {role} ready (pid {os.getpid()}): {where}", flush=True)
+
+
+def start_process(role: str) -> threading.Event:
+    """What every role does first: log as `role`, take stop signals, follow `epd serve`.
+
+    Returns the event a stop signal sets.
+    """
+    setup_logging(role)
+    stop = stop_event()
+    follow_supervisor()
+    return stop

@@ -14,7 +14,7 @@ from typing import Protocol
 import zmq
 
 from epd.runtime.health import HealthServer, health_router
-from epd.runtime.process import announce_ready, follow_supervisor, setup_logging, stop_event
+from epd.runtime.process import announce_ready, start_process
 from epd.runtime.watchdog import Watchdog
 from epd.wire.transport import WireProbe
 
@@ -43,15 +43,18 @@ class RoleServer(Protocol):
         """Stop: end the requests still held, close sockets."""
 
 
+def probe_wire(watchdog: Watchdog) -> WireProbe:
+    """Beat the watchdog's "wire" on each round trip through this process's ZeroMQ I/O."""
+    return WireProbe(zmq.Context.instance(), lambda: watchdog.beat("wire"))
+
+
 def run_role(name: str, config: RoleConfig, build: Callable[[Watchdog], RoleServer]) -> None:
     """Run role `name`: `build(watchdog)` makes its server (and may beat the watchdog)."""
-    setup_logging(name)
-    stop = stop_event()
-    follow_supervisor()
+    stop = start_process(name)
     watchdog = Watchdog(config.watchdog_s)
     server = build(watchdog)
     watchdog.start()
-    probe = WireProbe(zmq.Context.instance(), lambda: watchdog.beat("wire"))
+    probe = probe_wire(watchdog)
     health = HealthServer(
         health_router(name, watchdog, server.status), config.health_host, config.health_port
     )
@@ -64,7 +67,9 @@ def run_role(name: str, config: RoleConfig, build: Callable[[Watchdog], RoleServ
             except Exception:  # a bug in one step must not end the server
                 log.exception("a %s step failed", name)
     finally:
-        server.close()
-        watchdog.close()
-        health.close()
-        probe.close()
+        watchdog.close()  # stopping is not stalling
+        try:
+            server.close()
+        finally:
+            health.close()
+            probe.close()

@@ -23,13 +23,16 @@ class Watchdog:
         self.limit_s, self.names = limit_s, names
         self.beats = dict.fromkeys(names, time.monotonic())
         self.closing = threading.Event()
+        self.started = False
 
     def start(self) -> None:
         """Count from now, and exit the process once a stall lasts twice the limit.
 
         Not started (in tests, or while a model loads), the watchdog only reports stalls.
         """
-        self.beats = dict.fromkeys(self.names, time.monotonic())
+        if self.started:
+            return
+        self.started, self.beats = True, dict.fromkeys(self.names, time.monotonic())
         threading.Thread(target=self._watch, name="watchdog", daemon=True).start()
 
     def beat(self, name: str) -> None:

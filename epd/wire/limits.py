@@ -14,12 +14,12 @@ from typing import Annotated
 import torch
 from msgspec import Meta
 
+from epd.config.roles import ADDRESS_SCHEMES
 from epd.generation.params import MAX_TEXT_CHARS, require
 
 MAX_ID_CHARS = 256  # request ids, error codes
 MAX_ADDRESS_CHARS = 512  # ZeroMQ addresses
 MAX_ITEMS = 256  # images per request, grids per payload, tokens per delta
-ADDRESS_SCHEMES = ("tcp://", "ipc://", "inproc://")
 
 Id = Annotated[str, Meta(max_length=MAX_ID_CHARS)]
 Address = Annotated[str, Meta(max_length=MAX_ADDRESS_CHARS)]

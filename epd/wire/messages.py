@@ -16,6 +16,7 @@ import torch
 from msgspec import Meta
 
 from epd.generation.params import (
+    FINISH_REASONS,
     FinishReason,
     Record,
     SamplingParams,
@@ -128,6 +129,7 @@ class TokenDelta(WireMessage, frozen=True):
         require(all(t >= 0 for t in self.token_ids), "token ids must be ≥ 0")
         require(self.completion_tokens >= len(self.token_ids), "completion_tokens is too small")
         require(len(self.logprobs) <= len(self.token_ids), "more logprobs than tokens")
+        require(self.finish_reason in FINISH_REASONS, f"finish_reason {self.finish_reason!r}")
 
 
 class Abort(WireMessage, frozen=True):

@@ -161,7 +161,7 @@ def test_developer_messages_are_system_turns(client, tiny_checkpoint):
     request = parse_request(
         {"model": "tiny", "messages": [{"role": "developer", "content": "Be brief."}, *USER]}
     )
-    text = tokenizer.decode(builder.prepare(request, builder.messages(request), []).prompt_ids)
+    text = tokenizer.decode(builder.prepare(builder.read(request), []).prompt_ids)
     assert text.startswith("<|im_system|>system<|im_middle|>Be brief.<|im_end|><|im_user|>")
 
 

@@ -163,7 +163,7 @@ def test_stopping_fails_what_is_still_held(wired):
     send(handoff("held", max_tokens=50))
     step_until(server, lambda: len(server.scheduler) == 1)
     assert isinstance(received(), TokenDelta)
-    server.fail(server.scheduler.drain(), "unavailable", "decode stopped")
+    server.fail_all("unavailable", "decode stopped")
     while isinstance(message := received(timeout_ms=500), TokenDelta):
         pass
     assert isinstance(message, Failure) and message.code == "unavailable"
