@@ -87,17 +87,21 @@ class MLAttention(nn.Module):
         return self.o_proj(out.flatten(1)), latent
 
     def decode(self, x: torch.Tensor, angles: torch.Tensor, batch: DecodeBatch) -> torch.Tensor:
-        """One new token per request, x (B, D) → (B, D), attending through the latent cache."""
+        """One new token per request, x (B, D) → (B, D), attending through the latent cache.
+
+        Every head scores the same latent rows, so attention is two batched matrix multiplies
+        over the cache as it is (multi-query attention), never a per-head copy of it.
+        """
         q_nope, q_pe = self.queries(x, angles)
         cache = batch.append_and_gather(self.layer, self.latent(x, angles))  # (B, T, rank + rope)
         w_kv = self.kv_b_proj.weight.unflatten(0, (self.heads, -1))  # (H, nope + v, rank)
         w_uk, w_uv = w_kv.split([self.nope, self.v_dim], dim=1)
         # Absorb the key up-projection: q_nope·(W_uk c) = (q_nope W_uk)·c.
         q_latent = torch.einsum("bhn,hnr->bhr", q_nope, w_uk)
-        q = torch.cat((q_latent, q_pe), dim=-1).unsqueeze(2)  # (B, H, 1, rank + rope)
-        k = cache.unsqueeze(1).expand(-1, self.heads, -1, -1)  # (B, H, T, rank + rope), a view
-        v = k[..., : self.rank]  # attend to c_kv; W_uv is applied after the weighted sum
-        mask = batch.mask[:, None, None, :]  # (B, 1, 1, T)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
-        out = torch.einsum("bhr,hvr->bhv", out.squeeze(2), w_uv)  # (B, H, v)
+        q = torch.cat((q_latent, q_pe), dim=-1)  # (B, H, rank + rope)
+        scores = torch.bmm(q, cache.transpose(1, 2)) * self.scale  # (B, H, T)
+        scores = scores.masked_fill(~batch.mask[:, None, :], float("-inf"))
+        weights = scores.float().softmax(-1).to(cache.dtype)
+        out = torch.bmm(weights, cache[..., : self.rank])  # (B, H, rank): W_uv applied after
+        out = torch.einsum("bhr,hvr->bhv", out, w_uv)  # (B, H, v)
         return self.o_proj(out.flatten(1))
