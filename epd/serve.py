@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import os
 import subprocess
 import sys
@@ -20,10 +21,11 @@ from typing import Any
 
 from epd.config.roles import ROLES, ServeConfig
 from epd.config.sources import SHARED, build, flag_values, read_config_file, role_values, to_flags
-from epd.runtime.process import SUPERVISOR_ENV, stop_event
+from epd.runtime.process import SUPERVISOR_ENV, stop_event, torch_threads
 
 CHILDREN = ("encode", "decode", "prefill")
 HEALTHY_AFTER_S = 60.0  # a child that lived this long restarts without accumulated backoff
+CORES = os.cpu_count() or 1
 STOP_TIMEOUT_S = 10.0  # children still running this long after SIGTERM are killed (< STOP_GRACE_S)
 
 
@@ -129,16 +131,21 @@ def plan(args: argparse.Namespace) -> tuple[ServeConfig, dict[str, Any]]:
     """`serve`'s own config and each child's, from one config file and serve's flags.
 
     A child gets its role's settings from the file, then the shared settings (model, device,
-    dtype, trust_remote_code) given to `serve` itself, then the loopback addresses `serve` owns.
+    dtype, ...) given to `serve` itself, then the loopback addresses `serve` owns, and, unless
+    its threads are set, a third of this machine's cores.
     """
     raw = read_config_file(args.config) if args.config else {}
-    serve_values = role_values(raw, "serve") | flag_values(args, ServeConfig)
-    config = build(ServeConfig, serve_values)
-    shared = {k: v for k, v in serve_values.items() if k in SHARED}
-    children = {
-        role: build(ROLES[role], role_values(raw, role) | shared | config.addresses(role))
-        for role in CHILDREN
-    }
+    flags = flag_values(args, ServeConfig)
+    config = build(ServeConfig, role_values(raw, "serve") | flags)
+    # The file's top-level keys reach each child through role_values, under its own section;
+    # what serve's section or flags say wins over both.
+    shared = {k: v for k, v in (raw.get("serve", {}) | flags).items() if k in SHARED}
+    children = {}
+    for role in CHILDREN:
+        values = role_values(raw, role) | shared | config.addresses(role)
+        child = build(ROLES[role], values)
+        share = torch_threads(child.threads, child.device, max(1, CORES // len(CHILDREN)))
+        children[role] = dataclasses.replace(child, threads=share)
     return config, children
 
 

@@ -7,6 +7,7 @@
 #   EPD_GPU      GPU index for this role: sets CUDA_VISIBLE_DEVICES, so the device is cuda:0
 #   EPD_DEVICE   torch device (cpu, cuda:0, ...)
 #   EPD_DTYPE    auto, float32, bfloat16 or float16
+#   EPD_THREADS  torch threads for this role (default: the node's cores; 4 on a GPU)
 #   EPD_PYTHON   Python with epd installed (default: this checkout's .venv, else python3)
 
 epd_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -44,6 +45,7 @@ flag --config EPD_CONFIG
 flag --model EPD_MODEL
 flag --device EPD_DEVICE
 flag --dtype EPD_DTYPE
+flag --threads EPD_THREADS
 
 # run ROLE ARGS...: replace this shell with the role's process.
 run() {

@@ -30,7 +30,7 @@ def build_service(config: PrefillConfig) -> Service:
 
 
 def run(config: PrefillConfig) -> None:
-    stop = start_process("prefill")
+    stop = start_process("prefill", config.threads, config.device)
     service = build_service(config)
     if stop.is_set():  # asked to stop while the model loaded
         return

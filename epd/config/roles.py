@@ -61,6 +61,9 @@ class ModelOptions(Settings):
         "auto", "auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16"
     )
     trust_remote_code: bool = option(False, "allow the checkpoint's tokenizer code (real Kimi-VL)")
+    threads: int = option(
+        0, "torch threads (0: the machine's cores, 4 on a GPU; epd serve gives each role a share)"
+    )
 
 
 def prefills_option() -> Any:

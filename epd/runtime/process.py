@@ -11,6 +11,8 @@ import sys
 import threading
 import time
 
+import torch
+
 log = logging.getLogger(__name__)
 SUPERVISOR_ENV = "EPD_SUPERVISOR_PID"  # set by `epd serve`: its children end when it does
 STOP_GRACE_S = 15.0  # a process asked to stop that has not finished by then exits at once
@@ -45,7 +47,10 @@ def stop_event() -> threading.Event:
 
 def _exit_after(seconds: float) -> None:
     time.sleep(seconds)
-    print(f"epd: still running {seconds:.0f}s after a stop request; exiting", flush=True)
+    # Say why from a thread of its own: if stderr is blocked, the exit must not wait for it.
+    message = f"epd: still running {seconds:.0f}s after a stop request; exiting\n".encode()
+    threading.Thread(target=os.write, args=(2, message), daemon=True).start()
+    time.sleep(0.1)
     os._exit(1)
 
 
@@ -78,12 +83,23 @@ def announce_ready(role: str, **endpoints: str) -> None:
     print(f"epd {role} ready (pid {os.getpid()}): {where}", flush=True)
 
 
-def start_process(role: str) -> threading.Event:
-    """What every role does first: log as `role`, take stop signals, follow `epd serve`.
+def torch_threads(threads: int, device: str, cores: int | None = None) -> int:
+    """Threads a role gives torch: `threads`, or for 0 its `cores` (default: all), on a GPU
+    at most 4, since there the CPU only feeds the device."""
+    if threads:
+        return threads
+    cores = cores or os.cpu_count() or 1
+    return min(4, cores) if device.startswith("cuda") else cores
+
+
+def start_process(role: str, threads: int, device: str) -> threading.Event:
+    """What every role does first: log as `role`, take stop signals, follow `epd serve`, and
+    size torch's thread pool (three roles on one machine must not fight over its cores).
 
     Returns the event a stop signal sets.
     """
     setup_logging(role)
     stop = stop_event()
     follow_supervisor()
+    torch.set_num_threads(torch_threads(threads, device))
     return stop

@@ -30,6 +30,10 @@ class RoleConfig(Protocol):
     def health_port(self) -> int: ...
     @property
     def watchdog_s(self) -> float: ...
+    @property
+    def threads(self) -> int: ...
+    @property
+    def device(self) -> str: ...
 
 
 class RoleServer(Protocol):
@@ -50,7 +54,7 @@ def probe_wire(watchdog: Watchdog) -> WireProbe:
 
 def run_role(name: str, config: RoleConfig, build: Callable[[Watchdog], RoleServer]) -> None:
     """Run role `name`: `build(watchdog)` makes its server (and may beat the watchdog)."""
-    stop = start_process(name)
+    stop = start_process(name, config.threads, config.device)
     watchdog = Watchdog(config.watchdog_s)
     server = build(watchdog)
     watchdog.start()

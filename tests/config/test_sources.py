@@ -2,6 +2,7 @@
 
 import argparse
 import dataclasses
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -143,6 +144,22 @@ def test_serve_gives_children_the_file_settings_and_its_own_addresses(tmp_path):
     )
     assert children["prefill"].encoders == ("tcp://127.0.0.1:9100",)
     assert {c.dtype for c in children.values()} == {"float32"} and config.port == 8123
+
+
+def test_serve_gives_each_child_a_share_of_the_cores_unless_set(tmp_path):
+    path = write(tmp_path, "model: /m\ndecode:\n  threads: 5\n")
+    _, children = plan(args("serve", "--config", path))
+    share = max(1, (os.cpu_count() or 1) // 3)
+    assert children["decode"].threads == 5
+    assert children["encode"].threads == children["prefill"].threads == share
+
+
+def test_a_role_section_wins_over_the_top_level_for_serve_children(tmp_path):
+    path = write(tmp_path, "model: /m\ndevice: cpu\nencode:\n  device: cuda:1\n")
+    _, children = plan(args("serve", "--config", path))
+    assert children["encode"].device == "cuda:1" and children["decode"].device == "cpu"
+    _, flagged = plan(args("serve", "--config", path, "--device", "cuda:0"))
+    assert {c.device for c in flagged.values()} == {"cuda:0"}  # serve's own flags win
 
 
 def test_wildcard_bind_needs_an_advertised_address():

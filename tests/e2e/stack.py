@@ -111,7 +111,10 @@ def role(
             *("--served-model-name", "tiny"),
         ],
     }[name]
-    return Process(name, "--model", str(checkpoint), *flags, ready=f"epd {name} ready", env=env)
+    share = ["--threads", "1"]  # three roles on this machine's cores, as epd serve shares them
+    return Process(
+        name, "--model", str(checkpoint), *flags, *share, ready=f"epd {name} ready", env=env
+    )
 
 
 @contextlib.contextmanager
