@@ -9,7 +9,7 @@ from typing import Any
 
 from epd.checkpoint.config import CheckpointError
 from epd.config.roles import ROLES
-from epd.config.sources import add_flags, resolve
+from epd.config.sources import add_flags, build, flag_values, resolve
 
 HELP = {
     "encode": "run the vision tower: images in, embeddings out",
@@ -43,6 +43,22 @@ def role_command(args: argparse.Namespace) -> None:
         runner(args.command)(resolve(ROLES[args.command], args.command, args))
 
 
+def bench_command(args: argparse.Namespace) -> None:
+    from epd.bench.config import BenchConfig
+    from epd.bench.runner import main as bench
+
+    summary = bench(build(BenchConfig, flag_values(args, BenchConfig)))
+    if not summary.completed:
+        sys.exit("epd bench: no request completed")
+
+
+def bench_plot_command(args: argparse.Namespace) -> None:
+    from epd.bench.plot import plot
+
+    plot(args.runs, args.out)
+    print(f"wrote {args.out}")
+
+
 def make_checkpoint_command(args: argparse.Namespace) -> None:
     from epd.checkpoint.synthetic import make_checkpoint
 
@@ -59,6 +75,15 @@ def parser() -> argparse.ArgumentParser:
         sub = commands.add_parser(role, help=HELP[role])
         add_flags(sub, config_class)
         sub.set_defaults(run=role_command)
+    from epd.bench.config import BenchConfig
+
+    bench = commands.add_parser("bench", help="load an OpenAI-compatible server and time it")
+    add_flags(bench, BenchConfig, config_file=False)
+    bench.set_defaults(run=bench_command)
+    plot = commands.add_parser("bench-plot", help="plot latency against load from bench JSONs")
+    plot.add_argument("runs", nargs="+", help="JSON files written by epd bench --json")
+    plot.add_argument("-o", "--out", default="bench.png", help="image to write")
+    plot.set_defaults(run=bench_plot_command)
     make = commands.add_parser(
         "make-checkpoint", help="write a random Kimi-VL checkpoint in the real Hugging Face layout"
     )

@@ -132,4 +132,5 @@ class PromptBuilder:
             stop=request.stop_list,
             logprobs=request.logprobs,
             top_logprobs=request.top_logprobs or 0,
+            ignore_eos=request.ignore_eos,
         )

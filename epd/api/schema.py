@@ -62,6 +62,7 @@ class ChatCompletionRequest(Strict):
     stream_options: StreamOptions | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    ignore_eos: bool = False  # vLLM's extra: exactly max_tokens, as benchmark clients ask
     n: Literal[1] = 1
     user: str | None = None
     frequency_penalty: Literal[0] = 0

@@ -97,9 +97,10 @@ def build(cls: type[T], values: dict[str, Any]) -> T:
     return cls(**values)
 
 
-def add_flags(parser: argparse.ArgumentParser, cls: type) -> None:
+def add_flags(parser: argparse.ArgumentParser, cls: type, config_file: bool = True) -> None:
     """One flag per field; unset flags stay out of the namespace so the file can fill them."""
-    parser.add_argument("--config", help="YAML config file; flags given here win over it")
+    if config_file:
+        parser.add_argument("--config", help="YAML config file; flags given here win over it")
     hints = _hints(cls)
     for name, f in _fields(cls).items():
         hint, kwargs = hints[name], dict[str, Any](default=argparse.SUPPRESS)

@@ -57,6 +57,7 @@ class SamplingParams(Record, frozen=True):
     stop: StopStrings = ()
     logprobs: bool = False
     top_logprobs: int = 0
+    ignore_eos: bool = False  # generate max_tokens whatever the model says (benchmarks)
 
     def __post_init__(self) -> None:
         require(self.max_tokens >= 1, f"max_tokens must be at least 1, not {self.max_tokens}")

@@ -1,9 +1,10 @@
 """One request being generated: its cache, sampler and stop rules, shared by decode and tests.
 
-A sequence ends on an eos id (the token is counted but adds no text), on a stop string (the
-reply is cut before it, and text that might be the start of a stop string is held back until it
-cannot be), or at `max_tokens`. Each accepted token gives an `Output`: what the client gets for
-it. Where the output goes is the decode server's business, not the sequence's.
+A sequence ends on an eos id (the token is counted but adds no text; with `ignore_eos` it goes
+on, as benchmarks ask), on a stop string (the reply is cut before it, and text that might be the
+start of a stop string is held back until it cannot be), or at `max_tokens`. Each accepted token
+gives an `Output`: what the client gets for it. Where the output goes is the decode server's
+business, not the sequence's.
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ class Sequence:
         """Record a generated token and say what the client gets for it."""
         assert self.finish_reason is None
         self.tokens.append(token)
-        if token in self.eos_ids:
+        if token in self.eos_ids and not self.sampling.ignore_eos:
             self.finish_reason = "stop"
         else:
             self.text += self.detokenizer.add(token)

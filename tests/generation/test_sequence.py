@@ -38,6 +38,14 @@ def test_eos_finishes_with_stop_and_no_text(tokenizer):
     assert delta.finish_reason == "stop" and delta.text == "" and delta.completion_tokens == 3
 
 
+def test_ignore_eos_goes_on_to_max_tokens(tokenizer):
+    seq = sequence(tokenizer, max_tokens=4, ignore_eos=True)
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    outputs = [seq.accept(end) for _ in range(4)]
+    assert [o.finish_reason for o in outputs] == [None, None, None, "length"]
+    assert "".join(o.text for o in outputs) == ""  # the eos token adds no text
+
+
 def test_max_tokens_finishes_with_length(tokenizer):
     seq = sequence(tokenizer, max_tokens=2)
     deltas = feed(seq, tokenizer, "one two three four")

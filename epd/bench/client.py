@@ -1,0 +1,67 @@
+"""One streamed chat request, timed: when it started, when each token arrived, what it cost."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+
+@dataclass
+class Timing:
+    """One request, times in seconds from the run's start."""
+
+    start: float
+    first_token: float | None = None
+    end: float | None = None
+    chunks: list[float] = field(default_factory=list)  # arrival of each chunk with content
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    error: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return not self.error and self.first_token is not None and self.end is not None
+
+
+async def stream(
+    client: httpx.AsyncClient, url: str, body: dict[str, Any], origin: float
+) -> Timing:
+    """POST a streaming chat request and time its chunks; errors are recorded, not raised."""
+    timing = Timing(time.perf_counter() - origin)
+    try:
+        async with client.stream("POST", url, json=body) as response:
+            if response.status_code != 200:
+                text = (await response.aread()).decode(errors="replace")
+                timing.error = f"HTTP {response.status_code}: {text[:200]}"
+                return timing
+            async for line in response.aiter_lines():
+                read(line, timing, time.perf_counter() - origin)
+    except httpx.HTTPError as e:
+        timing.error = f"{type(e).__name__}: {e}"
+        return timing
+    timing.end = time.perf_counter() - origin
+    if not timing.output_tokens:  # no usage chunk: count the chunks
+        timing.output_tokens = len(timing.chunks)
+    return timing
+
+
+def read(line: str, timing: Timing, now: float) -> None:
+    """Apply one SSE line to the timing."""
+    if not line.startswith("data: ") or line == "data: [DONE]":
+        return
+    chunk = json.loads(line[6:])
+    if "error" in chunk:
+        timing.error = str(chunk["error"].get("message", chunk["error"]))[:200]
+    if chunk.get("usage"):
+        timing.prompt_tokens = chunk["usage"].get("prompt_tokens", 0)
+        timing.output_tokens = chunk["usage"].get("completion_tokens", 0)
+    for choice in chunk.get("choices") or []:
+        delta = choice.get("delta") or {}
+        if delta.get("content"):
+            timing.chunks.append(now)
+            if timing.first_token is None:
+                timing.first_token = now

@@ -1,0 +1,105 @@
+"""A run's summary: throughput, and TTFT, TPOT, ITL and end-to-end latency percentiles.
+
+TTFT is the time to the first chunk with text; TPOT a request's time per output token after
+the first, (end - first token) / (tokens - 1); ITL every gap between chunks, pooled over
+requests. Goodput counts the requests per second that met the TTFT and TPOT targets.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from epd.bench.client import Timing
+
+PERCENTILES = (50, 90, 99)
+
+
+@dataclass(frozen=True)
+class Summary:
+    completed: int
+    failed: int
+    duration_s: float
+    request_throughput: float  # completed requests per second
+    output_throughput: float  # output tokens per second
+    input_throughput: float  # prompt tokens per second
+    goodput: float | None  # requests per second that met the targets, if any were given
+    ttft_ms: dict[str, float]
+    tpot_ms: dict[str, float]
+    itl_ms: dict[str, float]
+    e2e_ms: dict[str, float]
+
+
+def spread(values: Sequence[float]) -> dict[str, float]:
+    """Mean and percentiles of values in seconds, in milliseconds (empty: no keys)."""
+    if not values:
+        return {}
+    ms = np.asarray(values) * 1000
+    stats = {"mean": float(ms.mean())}
+    stats |= {f"p{p}": float(np.percentile(ms, p)) for p in PERCENTILES}
+    return stats
+
+
+def tpot(timing: Timing) -> float | None:
+    if timing.output_tokens < 2 or timing.first_token is None or timing.end is None:
+        return None
+    return (timing.end - timing.first_token) / (timing.output_tokens - 1)
+
+
+def summarise(timings: Sequence[Timing], ttft_target_ms: float, tpot_target_ms: float) -> Summary:
+    done = [t for t in timings if t.ok]
+    duration = max(t.end or 0.0 for t in done) - min(t.start for t in timings) if done else 0.0
+    per_second = (lambda n: n / duration) if duration > 0 else (lambda n: 0.0)
+    ttfts = [(t.first_token or 0.0) - t.start for t in done]
+    tpots = [v for t in done if (v := tpot(t)) is not None]
+    gaps = [b - a for t in done for a, b in zip(t.chunks, t.chunks[1:], strict=False)]
+    goodput = None
+    if ttft_target_ms or tpot_target_ms:
+        good = [t for t in done if meets(t, ttft_target_ms, tpot_target_ms)]
+        goodput = per_second(len(good))
+    return Summary(
+        completed=len(done),
+        failed=len(timings) - len(done),
+        duration_s=duration,
+        request_throughput=per_second(len(done)),
+        output_throughput=per_second(sum(t.output_tokens for t in done)),
+        input_throughput=per_second(sum(t.prompt_tokens for t in done)),
+        goodput=goodput,
+        ttft_ms=spread(ttfts),
+        tpot_ms=spread(tpots),
+        itl_ms=spread(gaps),
+        e2e_ms=spread([(t.end or 0.0) - t.start for t in done]),
+    )
+
+
+def meets(timing: Timing, ttft_target_ms: float, tpot_target_ms: float) -> bool:
+    ttft_ms = ((timing.first_token or 0.0) - timing.start) * 1000
+    per_token = tpot(timing)
+    tpot_ms = 0.0 if per_token is None else per_token * 1000
+    ttft_ok = not ttft_target_ms or ttft_ms <= ttft_target_ms
+    tpot_ok = not tpot_target_ms or tpot_ms <= tpot_target_ms
+    return ttft_ok and tpot_ok
+
+
+def table(summary: Summary) -> str:
+    """The summary as aligned text lines, for the terminal."""
+    lines = [
+        f"{'completed / failed':<28}{summary.completed} / {summary.failed}",
+        f"{'duration (s)':<28}{summary.duration_s:.2f}",
+        f"{'requests/s':<28}{summary.request_throughput:.3f}",
+        f"{'output tokens/s':<28}{summary.output_throughput:.1f}",
+        f"{'prompt tokens/s':<28}{summary.input_throughput:.1f}",
+    ]
+    if summary.goodput is not None:
+        lines.append(f"{'goodput (requests/s)':<28}{summary.goodput:.3f}")
+    for name, stats in (
+        ("TTFT", summary.ttft_ms),
+        ("TPOT", summary.tpot_ms),
+        ("ITL", summary.itl_ms),
+        ("end to end", summary.e2e_ms),
+    ):
+        values = "  ".join(f"{k} {v:.1f}" for k, v in stats.items())
+        lines.append(f"{name + ' (ms)':<28}{values}")
+    return "\n".join(lines)

@@ -1,0 +1,109 @@
+"""Run a benchmark: warm up, send the requests closed-loop or as Poisson arrivals, summarise."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+from tqdm import tqdm
+
+from epd.bench.client import Timing, stream
+from epd.bench.config import BenchConfig
+from epd.bench.metrics import Summary, summarise, table
+from epd.bench.workload import bodies
+
+
+async def served_model(client: httpx.AsyncClient, base_url: str) -> str:
+    response = await client.get(f"{base_url}/models")
+    response.raise_for_status()
+    return str(response.json()["data"][0]["id"])
+
+
+async def closed_loop(
+    client: httpx.AsyncClient, url: str, requests: list[dict[str, Any]], workers: int, bar: tqdm
+) -> list[Timing]:
+    """`workers` clients, each sending its next request as soon as its last one ends."""
+    origin, queue, timings = time.perf_counter(), list(reversed(requests)), []
+
+    async def worker() -> None:
+        while queue:
+            timings.append(await stream(client, url, queue.pop(), origin))
+            bar.update()
+
+    await asyncio.gather(*(worker() for _ in range(workers)))
+    return timings
+
+
+async def poisson(
+    client: httpx.AsyncClient,
+    url: str,
+    requests: list[dict[str, Any]],
+    config: BenchConfig,
+    bar: tqdm,
+) -> list[Timing]:
+    """Requests arriving at `config.rate` a second on average, at most `concurrency` at once."""
+    origin, gaps = time.perf_counter(), random.Random(config.seed)
+    limit = asyncio.Semaphore(config.concurrency)
+
+    async def one(body: dict[str, Any]) -> Timing:
+        async with limit:
+            timing = await stream(client, url, body, origin)
+        bar.update()
+        return timing
+
+    tasks = []
+    for body in requests:
+        tasks.append(asyncio.create_task(one(body)))
+        await asyncio.sleep(gaps.expovariate(config.rate))
+    return list(await asyncio.gather(*tasks))
+
+
+async def run(config: BenchConfig) -> tuple[Summary, list[Timing], str]:
+    timeout = httpx.Timeout(config.timeout_s, connect=30.0)
+    limits = httpx.Limits(max_connections=config.concurrency + 1)
+    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+        model = config.model or await served_model(client, config.base_url)
+        url = f"{config.base_url}/chat/completions"
+        if config.warmup:
+            warm = bodies(config, model, config.warmup, offset=config.requests)
+            await asyncio.gather(*(stream(client, url, b, time.perf_counter()) for b in warm))
+        requests = bodies(config, model, config.requests)
+        with tqdm(total=len(requests), desc="requests", unit="req") as bar:
+            if config.rate:
+                timings = await poisson(client, url, requests, config, bar)
+            else:
+                timings = await closed_loop(client, url, requests, config.concurrency, bar)
+    summary = summarise(timings, config.goodput_ttft_ms, config.goodput_tpot_ms)
+    return summary, timings, model
+
+
+def save(
+    path: str, config: BenchConfig, model: str, summary: Summary, timings: list[Timing]
+) -> None:
+    record = {
+        "config": dataclasses.asdict(config),
+        "model": model,
+        "label": config.label or model,
+        "summary": dataclasses.asdict(summary),
+        "requests": [dataclasses.asdict(t) for t in timings],
+    }
+    Path(path).write_text(json.dumps(record, indent=1))
+
+
+def main(config: BenchConfig) -> Summary:
+    summary, timings, model = asyncio.run(run(config))
+    load = f"rate {config.rate}/s" if config.rate else f"concurrency {config.concurrency}"
+    print(f"epd bench: {config.base_url} ({model}), {load}")
+    print(table(summary))
+    errors = sorted({t.error for t in timings if t.error})
+    for error in errors[:5]:
+        print(f"  failed: {error}")
+    if config.json:
+        save(config.json, config, model, summary, timings)
+    return summary
