@@ -83,6 +83,7 @@ class Outbox:
         self.queued_bytes = 0
         self.peers: dict[str, Peer] = {}
         self.disconnected: list[str] = []  # since the last `poll`
+        self.dropped: list[tuple[str, str]] = []  # (peer, request id) evicted since then
         for address in self.pinned:
             self.connect(address)
 
@@ -133,12 +134,22 @@ class Outbox:
         return peer
 
     def _evict(self) -> bool:
-        """Close the least recently used idle peer that is not pinned; False if there is none."""
-        idle = [a for a, p in self.peers.items() if a not in self.pinned and not p.queue]
-        if not idle:
-            return False
-        self._close_peer(min(idle, key=lambda a: self.peers[a].last_used))
-        return True
+        """Make room for one more peer; False if every peer is pinned or connected and busy.
+
+        The least recently used idle peer goes first; failing that, one that is not connected,
+        with what waited for it (its requests are reported lost): a flood of reply addresses
+        nobody serves must not keep a live prefill from getting its answers.
+        """
+        unpinned = [a for a in self.peers if a not in self.pinned]
+        idle = [a for a in unpinned if not self.peers[a].queue]
+        away = [a for a in unpinned if not self.peers[a].up]
+        for candidates in (idle, away):
+            if candidates:
+                address = min(candidates, key=lambda a: self.peers[a].last_used)
+                self.dropped += [(address, q.request_id) for q in self.peers[address].queue]
+                self._close_peer(address)
+                return True
+        return False
 
     def _close_peer(self, address: str) -> None:
         peer = self.peers.pop(address)
@@ -199,6 +210,7 @@ class Outbox:
             if address not in self.pinned and not peer.queue and (idle or gone):
                 self._close_peer(address)
         losses.peers, self.disconnected = list(dict.fromkeys(self.disconnected)), []
+        losses.requests, self.dropped = self.dropped + losses.requests, []
         return losses
 
     def _expire(self, address: str, peer: Peer, now: float) -> list[Queued]:

@@ -134,7 +134,7 @@ def test_children_end_when_serve_is_killed(tiny_checkpoint):
         time.sleep(0.2)
     assert not any(alive(pid) for pid in children)
     again = serve(tiny_checkpoint, base)
-    assert again.stop() == 0
+    assert again.stop() == 0, again.output
 
 
 def alive(pid: int) -> bool:

@@ -10,8 +10,10 @@ fill a hundred times faster.
 
 import base64
 import json
-import multiprocessing
+import pickle
 import signal
+import subprocess
+import sys
 import threading
 import time
 import urllib.error
@@ -32,9 +34,7 @@ from tests.wire.test_hostile_headers import MESSAGE_PACKS, PICKLES
 
 from .stack import cluster, data_url, image_part, role, text_part, usage
 
-# Every lost peer redialled each millisecond; one torch thread per role, so three roles on two
-# cores do not spin against each other (see docs/benchmarks.md).
-ENV = {"EPD_ZMQ_RECONNECT_MS": "1", "OMP_NUM_THREADS": "1"}
+ENV = {"EPD_ZMQ_RECONNECT_MS": "1"}  # every lost peer redialled each millisecond
 PREFILLS = ("tcp://127.0.0.1:*", "tcp://192.0.2.0/24:*")
 CASES = {
     "text": [{"role": "user", "content": "Tell me about shapes"}],
@@ -195,8 +195,8 @@ def poisoned_handoffs(checkpoint) -> list[list[bytes]]:
     return frames
 
 
-def attack(base: int, checkpoint: str) -> None:
-    """Everything a hostile peer sends, from its own process (as from another host)."""
+def attack(base: int, checkpoint: str) -> list[tuple[int, list[list[bytes]]]]:
+    """Everything a hostile peer sends, as (port, messages), built before it is sent."""
     files = (PNG,)
     leaks = [EncodeRequest("far", 0, files, 0, "tcp://10.9.9.9:7102")] + [
         EncodeRequest(f"leak-{i}", 0, files, 0, f"tcp://127.0.0.1:{2000 + i}") for i in range(300)
@@ -204,13 +204,29 @@ def attack(base: int, checkpoint: str) -> None:
     dead = [handoff(checkpoint, f"dead-{i}", f"tcp://127.0.0.1:{i + 1}") for i in range(15)]
     dead += [handoff(checkpoint, f"void-{i}", f"tcp://192.0.2.{i + 1}:7102") for i in range(15)]
     unclaimed = ImageEmbeddings("unknown", 0, ((40, 60),), torch.randn(600, 64))
-    for port in (base, base + 1, base + 2):
-        push(port, CORPUS)
-    push(base + 2, poisoned_handoffs(checkpoint))
-    push(base + 2, [frames(h) for h in dead])
-    push(base, [frames(r) for r in leaks])
-    push(base + 1, [[bytes(500 << 20)]], linger_ms=500)
-    push(base + 1, [frames(unclaimed)] * 20)
+    return [
+        *((port, CORPUS) for port in (base, base + 1, base + 2)),
+        (base + 2, poisoned_handoffs(checkpoint)),
+        (base + 2, [frames(h) for h in dead]),
+        (base, [frames(r) for r in leaks]),
+        (base + 1, [[bytes(500 << 20)]]),
+        (base + 1, [frames(unclaimed)] * 20),
+    ]
+
+
+# The attacker: a process of its own (as on another host) that only sends what it is given.
+SENDER = """
+import pickle, sys, zmq
+context = zmq.Context()
+for port, messages in pickle.load(sys.stdin.buffer):
+    sender = context.socket(zmq.PUSH)
+    sender.setsockopt(zmq.SNDHWM, 0)
+    sender.connect(f"tcp://127.0.0.1:{port}")
+    for message in messages:
+        sender.send_multipart(message)
+    sender.close(linger=2000)
+context.term()
+"""
 
 
 def test_hostile_and_dead_peers_hurt_no_honest_request(three, expected, tiny_checkpoint):
@@ -229,12 +245,11 @@ def test_hostile_and_dead_peers_hurt_no_honest_request(three, expected, tiny_che
     before = {name: usage(pid) for name, pid in pids.items()}
     refused = refusals(base)
 
+    messages = pickle.dumps(attack(base, str(tiny_checkpoint)))
     with Honest(client) as honest:
-        attacker = multiprocessing.get_context("spawn").Process(
-            target=attack, args=(base, str(tiny_checkpoint))
+        attacker = subprocess.run(
+            [sys.executable, "-c", SENDER], input=messages, capture_output=True, timeout=120
         )
-        attacker.start()
-        attacker.join(60)
         time.sleep(3)  # the dead peers time out while the honest streams go on
         assert all(status == 200 for status, _ in health(base).values())
 
@@ -242,7 +257,7 @@ def test_hostile_and_dead_peers_hurt_no_honest_request(three, expected, tiny_che
     assert {case for case, _ in honest.texts} == set(CASES)
     assert all(text == expected[case] for case, text in honest.texts)
     assert max(honest.gaps) < 1.0, f"a stream stalled for {max(honest.gaps):.2f}s"
-    assert attacker.exitcode == 0
+    assert attacker.returncode == 0, attacker.stderr
     expected_refusals = {"encode": len(CORPUS), "prefill": len(CORPUS), "decode": len(CORPUS) + 7}
     assert eventually(lambda: delta(refusals(base), refused) == expected_refusals)
     assert "'tcp://10.9.9.9:7102' is not a prefill of this encoder" in processes["encode"].output

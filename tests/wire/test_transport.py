@@ -106,6 +106,23 @@ def test_distinct_reply_addresses_cannot_exhaust_descriptors(context, tmp_path):
     assert wait_until(lambda: open_fds() <= before)
 
 
+def test_a_flood_of_dead_reply_addresses_cannot_lock_out_a_live_peer(context, address, tmp_path):
+    inbox = Inbox(context, address)
+    outbox = Outbox(context, max_peers=8, connect_timeout_s=0.3)
+    for i in range(8):  # every slot holds a message for a peer that will never answer
+        assert outbox.send(f"ipc://{tmp_path}/dead-{i}", Abort(f"dead-{i}"))
+    assert outbox.send(address, Abort("live"))  # the least recently used dead peer made room
+    losses = []
+
+    def settled():
+        losses.extend(outbox.poll().requests)
+        return len(losses) == 8
+
+    assert wait_until(settled)  # the evicted one at once, the others when they time out
+    assert (f"ipc://{tmp_path}/dead-0", "dead-0") in losses
+    assert inbox.recv(timeout_ms=2000) == Abort("live")
+
+
 def test_pinned_peers_stay_open(context, address):
     outbox = Outbox(context, [address], idle_close_s=0.05)
     time.sleep(0.1)
