@@ -13,7 +13,7 @@ from epd.model.latent_cache import DecodeBatch, LatentCache
 from epd.model.mla import MLAttention
 from epd.model.moe import MLP, MoE
 from epd.model.norm import RMSNorm
-from epd.model.rope import text_angles
+from epd.model.rope import rotor, text_angles
 
 
 class DecoderLayer(nn.Module):
@@ -68,7 +68,8 @@ class DeepseekV3ForCausalLM(nn.Module):
         return self.lm_head(hidden).float()
 
     def angles(self, positions: torch.Tensor) -> torch.Tensor:
-        return text_angles(positions, self.config.qk_rope_head_dim, self.config.rope_theta)
+        """The rotor of 1-D positions (T,) → (T, rope/2), shared by every layer."""
+        return rotor(text_angles(positions, self.config.qk_rope_head_dim, self.config.rope_theta))
 
     def prefill(
         self, embeds: torch.Tensor, lengths: list[int] | None = None

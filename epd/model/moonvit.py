@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from epd.model.config import VisionConfig
-from epd.model.rope import rotate, vision_angles
+from epd.model.rope import rotate, rotor, vision_angles
 
 Grid = tuple[int, int]  # an image's (h, w) in patches
 
@@ -100,7 +100,8 @@ class Encoder(nn.Module):
         self.final_layernorm = nn.LayerNorm(config.hidden_size, eps=1e-5)
 
     def forward(self, x: torch.Tensor, grids: Sequence[Grid]) -> torch.Tensor:
-        angles = torch.cat([vision_angles(h, w, self.head_dim, x.device) for h, w in grids])
+        # One rotor per forward, for every block's q and k (cos/sin are not cheap at L patches).
+        angles = rotor(torch.cat([vision_angles(h, w, self.head_dim, x.device) for h, w in grids]))
         lengths = [h * w for h, w in grids]
         for block in self.blocks:
             x = block(x, angles, lengths)

@@ -35,13 +35,18 @@ def vision_angles(height: int, width: int, head_dim: int, device: torch.device) 
     return torch.stack((col_angles, row_angles), dim=-1).flatten(1)  # (h·w, head_dim/2)
 
 
+def rotor(angles: torch.Tensor) -> torch.Tensor:
+    """cos + i·sin of angles (T, dim/2), complex64: computed once per forward, used by every
+    layer for q and k alike."""
+    return torch.polar(torch.ones_like(angles), angles)
+
+
 def rotate(x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
-    """Rotate interleaved pairs of x (T, ..., dim) by angles (T, dim/2); math in float32."""
-    shape = x.shape
-    pairs = x.float().reshape(*shape[:-1], -1, 2)  # (T, ..., dim/2, 2)
-    while angles.dim() < pairs.dim() - 1:
-        angles = angles.unsqueeze(-2)  # broadcast over head dims
-    cos, sin = angles.cos(), angles.sin()
-    even, odd = pairs[..., 0], pairs[..., 1]
-    rotated = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1)
-    return rotated.reshape(shape).to(x.dtype)
+    """Rotate interleaved pairs of x (T, ..., dim) by angles (T, dim/2), given as angles or as
+    their `rotor`; math in float32. Pair (a, b) becomes (a cos - b sin, a sin + b cos): the
+    complex product (a + ib)(cos + i sin)."""
+    turn = angles if angles.is_complex() else rotor(angles)
+    pairs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2).contiguous())
+    while turn.dim() < pairs.dim():
+        turn = turn.unsqueeze(-2)  # broadcast over head dims
+    return torch.view_as_real(pairs * turn).reshape(x.shape).to(x.dtype)
