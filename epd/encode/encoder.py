@@ -22,18 +22,20 @@ class Encoder:
     def encode(
         self,
         images: Sequence[bytes],
-        first_index: int = 0,
+        indices: Sequence[int] = (),
         progress: Callable[[], None] = lambda: None,
     ) -> tuple[tuple[Grid, ...], torch.Tensor]:
         """All images in one batch → grids ((h, w) ints) and embeddings (Σ h·w/4, hidden).
 
-        Raises ImageError naming the image (by its index in the request) that cannot be used.
+        Raises ImageError naming the image that cannot be used by its index in the request
+        (`indices`, default 0, 1, ...).
         `progress` is called as each image is decoded and preprocessed, which for a large one
         takes a while.
         """
         patches, sizes = [], []
         for i, data in enumerate(images):
-            image = decode_image(data, first_index + i, self.max_image_pixels)
+            index = indices[i] if indices else i
+            image = decode_image(data, index, self.max_image_pixels)
             pixels, grid = self.processor.preprocess(image)  # (h·w, 3, p, p)
             patches.append(pixels)
             sizes.append(grid)

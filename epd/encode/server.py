@@ -32,7 +32,7 @@ def handle(
 ) -> ImageEmbeddings | Failure:
     """Embeddings for the request's images, or a Failure saying why there are none."""
     try:
-        grids, embeddings = encoder.encode(request.images, request.first_image, progress)
+        grids, embeddings = encoder.encode(request.images, request.image_indices, progress)
         return ImageEmbeddings(request.request_id, request.part_index, grids, embeddings)
     except ImageError as e:
         return Failure(request.request_id, "bad_image", cut(str(e)))
@@ -61,7 +61,7 @@ class EncodeServer:
         if len(request.images) > most:
             message = f"{len(request.images)} images is over this encoder's limit of {most}"
             return Failure(request.request_id, "bad_request", message)
-        for index, image in enumerate(request.images, request.first_image):
+        for index, image in zip(request.image_indices, request.images, strict=True):
             if len(image) > largest:
                 message = f"image {index}: larger than this encoder's limit of {largest} bytes"
                 return Failure(request.request_id, "bad_image", message)

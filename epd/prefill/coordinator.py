@@ -11,7 +11,6 @@ import asyncio
 import itertools
 import logging
 from collections.abc import AsyncIterator, Awaitable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -19,8 +18,10 @@ import torch
 
 from epd.config.roles import PrefillConfig
 from epd.multimodal.grids import kimi_vl_grids
-from epd.prefill.engine import PrefillEngine
+from epd.prefill.batcher import PrefillBatcher
+from epd.prefill.engine import PrefillEngine, Prompt
 from epd.prefill.errors import Internal, PrefillError, TimedOut, Unavailable, from_failure
+from epd.prefill.image_cache import ImageCache, digests
 from epd.prefill.request import PreparedRequest
 from epd.runtime.watchdog import Watchdog
 from epd.wire.messages import (
@@ -84,20 +85,25 @@ class Coordinator:
         rows = config.max_images * max_image_tokens
         largest = rows * engine.lm.config.hidden_size * 4  # float32 embeddings of every image
         self.inbox = Inbox(async_context(), config.bind, largest)
-        self.executor = ThreadPoolExecutor(1, thread_name_prefix="prefill")  # one model, one queue
+        self.batcher = PrefillBatcher(engine, config.max_prefill_tokens, config.reply_address)
+        self.images = ImageCache(config.image_cache_bytes)
         self.waits: dict[tuple[str, int], EncodeWait] = {}
         self.streams: dict[str, Stream] = {}
         self.turn = itertools.count()
         self.tasks: list[asyncio.Task[None]] = []
 
     def start(self) -> None:
-        self.tasks = [asyncio.create_task(self.read()), asyncio.create_task(self.watch_peers())]
+        self.tasks = [
+            asyncio.create_task(self.read()),
+            asyncio.create_task(self.watch_peers()),
+            asyncio.create_task(self.batcher.run()),
+        ]
 
     async def stop(self) -> None:
         for task in self.tasks:
             task.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
-        self.executor.shutdown(wait=True)
+        self.batcher.close()
         self.inbox.close()
         self.outbox.close()
 
@@ -166,46 +172,51 @@ class Coordinator:
         return live[start:] + live[:start]
 
     async def encode(self, request: PreparedRequest) -> torch.Tensor | None:
-        """Every image's embeddings, in prompt order, from one or more encoders."""
+        """Every image's embeddings, in prompt order: from the cache, or from the encoders."""
         if not request.images:
             return None
+        keys = await asyncio.to_thread(digests, request.images)  # hashing large files takes time
+        rows = {
+            i: found for i, key in enumerate(keys) if (found := self.images.get(key)) is not None
+        }
+        missing = [i for i in range(len(request.images)) if i not in rows]
+        if missing:
+            encoded = check_payloads(request, missing, await self.encode_images(request, missing))
+            for index, image_rows in zip(missing, encoded, strict=True):
+                self.images.put(keys[index], image_rows)
+                rows[index] = image_rows
+        return torch.cat([rows[i] for i in range(len(request.images))])
+
+    async def encode_images(
+        self, request: PreparedRequest, indices: list[int]
+    ) -> list[ImageEmbeddings]:
+        """The embeddings of the images at `indices`, split over the live encoders."""
         encoders = await self.pick(self.config.encoders, "encode")
-        parts = split(len(request.images), len(encoders))
+        parts = [indices[start:stop] for start, stop in split(len(indices), len(encoders))]
         waits = []
-        for index, ((start, stop), encoder) in enumerate(zip(parts, encoders, strict=False)):
+        for part, (images, encoder) in enumerate(zip(parts, encoders, strict=False)):
             future: asyncio.Future[ImageEmbeddings] = asyncio.get_running_loop().create_future()
-            self.waits[(request.request_id, index)] = EncodeWait(encoder, future)
+            self.waits[(request.request_id, part)] = EncodeWait(encoder, future)
             waits.append(future)
+            files = tuple(request.images[i] for i in images)
             message = EncodeRequest(
-                request.request_id,
-                index,
-                tuple(request.images[start:stop]),
-                start,
-                self.config.reply_address,
+                request.request_id, part, files, tuple(images), self.config.reply_address
             )
             if not self.outbox.send(encoder, message):
                 future.set_exception(Unavailable(f"encode server {encoder} is not reachable"))
         limit = self.config.encode_timeout_s
         try:
-            payloads = await within(
+            return await within(
                 asyncio.gather(*waits), limit, TimedOut(f"no image embeddings within {limit}s")
             )
         finally:
-            for index in range(len(parts)):
-                self.waits.pop((request.request_id, index), None)
-        return check_payloads(request, payloads)
+            for part in range(len(parts)):
+                self.waits.pop((request.request_id, part), None)
 
     async def prefill(self, request: PreparedRequest, embeddings: torch.Tensor | None) -> KVHandoff:
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(
-            self.executor,
-            self.engine.run,
-            request.request_id,
-            request.prompt_ids,
-            embeddings,
-            request.sampling,
-            self.config.reply_address,
-        )
+        """Prefill the request, packed with whatever else waits for prefill."""
+        prompt = Prompt(request.request_id, request.prompt_ids, embeddings, request.sampling)
+        return await self.batcher.prefill(prompt)
 
     async def hand_off(self, handoff: KVHandoff) -> Stream:
         """Hand the request to a decoder; raises (before any reply is sent) if none can take it."""
@@ -242,17 +253,19 @@ def split(count: int, workers: int) -> list[tuple[int, int]]:
     return list(itertools.pairwise(bounds))
 
 
-def check_payloads(request: PreparedRequest, payloads: list[ImageEmbeddings]) -> torch.Tensor:
-    """Refuse payloads whose grids or rows disagree with the placeholders we expanded."""
+def check_payloads(
+    request: PreparedRequest, indices: list[int], payloads: list[ImageEmbeddings]
+) -> list[torch.Tensor]:
+    """Each image's rows (tokens, hidden), refusing payloads whose grids or rows disagree with
+    the placeholders expanded for the images at `indices`."""
     grids = tuple(grid for p in payloads for grid in kimi_vl_grids(p.grids))
-    if grids != request.grids:
-        raise Internal(
-            f"encode returned grids {list(grids)} for images of grids {list(request.grids)}"
-        )
+    expected = tuple(request.grids[i] for i in indices)
+    if grids != expected:
+        raise Internal(f"encode returned grids {list(grids)} for images of grids {list(expected)}")
     embeddings = torch.cat([p.embeddings for p in payloads])
-    slots = sum(request.image_tokens)
-    if embeddings.shape[0] != slots:
+    slots = [request.image_tokens[i] for i in indices]
+    if embeddings.shape[0] != sum(slots):
         raise Internal(
-            f"encode returned {embeddings.shape[0]} embedding rows for {slots} image slots"
+            f"encode returned {embeddings.shape[0]} embedding rows for {sum(slots)} image slots"
         )
-    return embeddings
+    return list(embeddings.split(slots))

@@ -49,14 +49,17 @@ class EncodeRequest(WireMessage, frozen=True):
 
     part_index: int
     images: Annotated[tuple[bytes, ...], Meta(max_length=MAX_ITEMS)]  # PNG, JPEG, WebP, GIF files
-    first_image: int  # index of images[0] among all the request's images
+    image_indices: Annotated[tuple[int, ...], Meta(max_length=MAX_ITEMS)]  # each in the request
     reply_to: Address
 
     def __post_init__(self) -> None:
         super().__post_init__()
         require(self.part_index >= 0, "part_index must be ≥ 0")
         require(len(self.images) > 0 and all(self.images), "an encode request needs images")
-        require(self.first_image >= 0, "first_image must be ≥ 0")
+        require(
+            len(self.image_indices) == len(self.images) and min(self.image_indices) >= 0,
+            "image_indices must give each image's index in the request",
+        )
         check_address(self.reply_to, "reply_to")
 
 

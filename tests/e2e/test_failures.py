@@ -20,6 +20,12 @@ IMAGE = [
         "content": [image_part(data_url(Image.new("RGB", (56, 56), "red"))), text_part("?")],
     }
 ]
+NEW_IMAGE = [
+    {
+        "role": "user",
+        "content": [image_part(data_url(Image.new("RGB", (56, 56), "blue"))), text_part("?")],
+    }
+]
 TEXT = [{"role": "user", "content": "Hi"}]
 
 
@@ -54,11 +60,12 @@ def test_dead_encode_fails_image_requests_fast_and_text_goes_on(three, tiny_chec
     time.sleep(0.3)  # the disconnect reaches prefill's monitor
     start = time.monotonic()
     with pytest.raises(openai.InternalServerError, match="no encode server is reachable") as error:
-        ask(client, IMAGE)
+        ask(client, NEW_IMAGE)
     assert error.value.status_code == 503 and time.monotonic() - start < 2
     assert ask(client, TEXT).usage.completion_tokens == 3  # text skips encode
+    assert ask(client, IMAGE).usage.completion_tokens == 3  # an image seen before, too
     processes["encode"] = role("encode", tiny_checkpoint, base).wait_ready()
-    assert eventually(lambda: ask(client, IMAGE)).usage.completion_tokens == 3
+    assert eventually(lambda: ask(client, NEW_IMAGE)).usage.completion_tokens == 3
 
 
 def test_dead_decode_fails_fast_then_recovers(three, tiny_checkpoint):

@@ -198,8 +198,9 @@ def poisoned_handoffs(checkpoint) -> list[list[bytes]]:
 def attack(base: int, checkpoint: str) -> list[tuple[int, list[list[bytes]]]]:
     """Everything a hostile peer sends, as (port, messages), built before it is sent."""
     files = (PNG,)
-    leaks = [EncodeRequest("far", 0, files, 0, "tcp://10.9.9.9:7102")] + [
-        EncodeRequest(f"leak-{i}", 0, files, 0, f"tcp://127.0.0.1:{2000 + i}") for i in range(300)
+    leaks = [EncodeRequest("far", 0, files, (0,), "tcp://10.9.9.9:7102")] + [
+        EncodeRequest(f"leak-{i}", 0, files, (0,), f"tcp://127.0.0.1:{2000 + i}")
+        for i in range(300)
     ]
     dead = [handoff(checkpoint, f"dead-{i}", f"tcp://127.0.0.1:{i + 1}") for i in range(15)]
     dead += [handoff(checkpoint, f"void-{i}", f"tcp://192.0.2.{i + 1}:7102") for i in range(15)]

@@ -2,7 +2,9 @@
 
 import http.server
 import io
+import json
 import threading
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import openai
@@ -176,3 +178,24 @@ def test_corrupt_image_is_400_naming_it(client, model_name):
         ask(client, model_name, messages, max_tokens=4)
     # The stack is unharmed.
     assert ask(client, model_name, CASES["one image"], max_tokens=2).usage.completion_tokens == 2
+
+
+def test_a_repeated_image_skips_encode_and_answers_the_same(stack, client, model_name, local):
+    _, base = stack
+    messages = [
+        {
+            "role": "user",
+            "content": [image_part(data_url(Image.new("RGB", (140, 84), "teal"))), text_part("?")],
+        }
+    ]
+    before = prefill_health(base)["image_cache"]
+    replies = [ask(client, model_name, messages, max_tokens=8, temperature=0) for _ in range(2)]
+    after = prefill_health(base)["image_cache"]
+    assert (after["misses"] - before["misses"], after["hits"] - before["hits"]) == (1, 1)
+    expected = local.chat(body(model_name, messages, max_tokens=8, temperature=0)).text
+    assert [r.choices[0].message.content for r in replies] == [expected, expected]
+
+
+def prefill_health(base):
+    with urllib.request.urlopen(f"http://127.0.0.1:{base + 20}/health", timeout=5) as response:
+        return json.loads(response.read())

@@ -50,13 +50,13 @@ def test_grids_and_rows_follow_the_images(encoder):
 def test_bad_image_is_named_by_its_index_in_the_request(encoder):
     good = encoded(Image.new("RGB", (28, 28)), "PNG")
     with pytest.raises(ImageError, match="image 3"):
-        encoder.encode([good, b"junk"], first_index=2)
+        encoder.encode([good, b"junk"], indices=[2, 3])
 
 
 def test_server_turns_failures_into_messages(encoder):
     good = encoded(Image.new("RGB", (28, 28)), "PNG")
-    reply = handle(encoder, EncodeRequest("r", 0, (good,), 0, "tcp://x:1"))
+    reply = handle(encoder, EncodeRequest("r", 0, (good,), (0,), "tcp://x:1"))
     assert isinstance(reply, ImageEmbeddings) and reply.grids == ((2, 2),)
     truncated = encoded(Image.new("RGB", (200, 200), "red"), "PNG")[:-60]
-    reply = handle(encoder, EncodeRequest("r", 0, (good, truncated), 0, "tcp://x:1"))
+    reply = handle(encoder, EncodeRequest("r", 0, (good, truncated), (0, 1), "tcp://x:1"))
     assert isinstance(reply, Failure) and reply.code == "bad_image" and "image 1" in reply.message

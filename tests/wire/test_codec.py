@@ -19,7 +19,7 @@ from epd.wire.messages import (
 LOGPROB = TokenLogprob("hi", -0.5, (104, 105), (TopLogprob("hi", -0.5, (104, 105)),))
 RNG = torch.Generator().manual_seed(3).get_state()
 MESSAGES = [
-    EncodeRequest("r1", 0, (b"\x89PNG...", b"GIF89a"), 0, "tcp://127.0.0.1:1"),
+    EncodeRequest("r1", 0, (b"\x89PNG...", b"GIF89a"), (0, 2), "tcp://127.0.0.1:1"),
     ImageEmbeddings("r1", 1, ((40, 60), (20, 40)), torch.randn(800, 16)),
     Failure("r1", "bad_image", "image 1: corrupt"),
     KVHandoff(

@@ -112,9 +112,9 @@ def test_handoffs_check_their_shapes_and_ids(changes, fragment):
         (lambda: TokenDelta("r", (), "", 1), "at least one token"),
         (lambda: TokenDelta("r", (-3,), "", 1), "token ids"),
         (lambda: TokenDelta("r", (3,), "", 1, "exploded"), "finish_reason"),  # type: ignore[arg-type]
-        (lambda: EncodeRequest("r", -1, (b"x",), 0, "tcp://a:1"), "part_index"),
-        (lambda: EncodeRequest("r", 0, (), 0, "tcp://a:1"), "needs images"),
-        (lambda: EncodeRequest("r", 0, (b"x",), -1, "tcp://a:1"), "first_image"),
+        (lambda: EncodeRequest("r", -1, (b"x",), (0,), "tcp://a:1"), "part_index"),
+        (lambda: EncodeRequest("r", 0, (), (), "tcp://a:1"), "needs images"),
+        (lambda: EncodeRequest("r", 0, (b"x",), (-1,), "tcp://a:1"), "image_indices"),
         (lambda: ImageEmbeddings("r", 0, ((0, 2),), torch.zeros(1, 4)), "grids"),
     ],
 )

@@ -1,0 +1,47 @@
+"""Projected image embeddings kept by content, so an image asked about again skips encode.
+
+Keyed by the SHA-256 of the image file (the processor's rules are fixed for a deployment), least
+recently used out first under a byte budget; hits and misses are counted for GET /health.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import torch
+
+
+def digests(images: Sequence[bytes]) -> list[str]:
+    return [hashlib.sha256(data).hexdigest() for data in images]
+
+
+class ImageCache:
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes, self.bytes = max_bytes, 0
+        self.entries: OrderedDict[str, torch.Tensor] = OrderedDict()  # digest → (tokens, hidden)
+        self.hits = self.misses = 0
+
+    def get(self, digest: str) -> torch.Tensor | None:
+        rows = self.entries.get(digest)
+        if rows is None:
+            self.misses += 1
+            return None
+        self.hits += 1
+        self.entries.move_to_end(digest)
+        return rows
+
+    def put(self, digest: str, rows: torch.Tensor) -> None:
+        """Keep an image's rows (copied: a received frame may hold other images too)."""
+        size = rows.nbytes
+        if size > self.max_bytes or digest in self.entries:
+            return
+        while self.bytes + size > self.max_bytes:
+            _, dropped = self.entries.popitem(last=False)
+            self.bytes -= dropped.nbytes
+        self.entries[digest] = rows.clone()
+        self.bytes += size
+
+    def status(self) -> dict[str, object]:
+        return {"image_cache": {"hits": self.hits, "misses": self.misses, "bytes": self.bytes}}

@@ -1,0 +1,31 @@
+"""Image embeddings by content: least recently used out first, under a byte budget."""
+
+import torch
+
+from epd.prefill.image_cache import ImageCache, digests
+
+
+def rows(n):
+    return torch.zeros(n, 4)  # n rows of 16 bytes
+
+
+def test_hits_and_misses_are_counted_and_the_least_recent_goes_first():
+    cache = ImageCache(max_bytes=3 * 16)
+    a, b, c, d = digests([b"a", b"b", b"c", b"d"])
+    for key in (a, b, c):
+        cache.put(key, rows(1))
+    assert cache.get(a) is not None  # a is now the most recent
+    cache.put(d, rows(1))  # over budget: b, the least recent, goes
+    assert cache.get(b) is None and cache.get(c) is not None and cache.get(d) is not None
+    assert cache.status() == {"image_cache": {"hits": 3, "misses": 1, "bytes": 48}}
+
+
+def test_too_large_for_the_budget_is_not_kept_and_a_kept_copy_is_its_own():
+    cache = ImageCache(max_bytes=16)
+    (key,) = digests([b"x"])
+    cache.put(key, rows(2))
+    assert cache.get(key) is None and cache.bytes == 0
+    frame = rows(1)
+    cache.put(key, frame)
+    frame += 1  # the received frame's memory is not the cache's
+    assert torch.equal(cache.get(key), rows(1))
