@@ -44,7 +44,9 @@ class Service:
         """What GET /health adds to its body."""
         if self.coordinator is None:
             return {}
-        return {"refused_messages": self.coordinator.inbox.refusals.total}
+        coordinator = self.coordinator
+        refused = {"refused_messages": coordinator.inbox.refusals.total}
+        return refused | coordinator.images.status() | coordinator.batcher.status()
 
     async def load_images(self, urls: list[str]) -> list[bytes]:
         if len(urls) > self.config.max_images:

@@ -118,6 +118,12 @@ class PrefillConfig(ModelOptions):
     max_image_pixels: int = option(50_000_000, "refuse images larger than this (from their header)")
     max_images: int = option(16, "most images in one request")
     default_max_tokens: int = option(1024, "max_tokens when a request gives none")
+    max_prefill_tokens: int = option(
+        4096, "prompt tokens prefilled in one forward: waiting prompts are packed up to it"
+    )
+    image_cache_bytes: int = option(
+        512 * 1024 * 1024, "memory for embeddings of images seen before (0: no cache)"
+    )
     watchdog_s: float = watchdog_option()
 
     def __post_init__(self) -> None:

@@ -1,6 +1,14 @@
-"""The prefill step, free of I/O: prompt + image embeddings → first token + latent KV."""
+"""The prefill step, free of I/O: prompts + image embeddings → first tokens + latent KV.
+
+Several prompts run packed into one forward (each attends only to itself); a prompt that cannot
+be prefilled fails alone: its slot holds the exception, the others their hand-offs.
+"""
 
 from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import dataclass
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -8,8 +16,19 @@ from transformers import PreTrainedTokenizerBase
 from epd.generation.params import SamplingParams
 from epd.generation.sampling import make_generator, sample, token_logprob
 from epd.model.deepseek import DeepseekV3ForCausalLM
+from epd.model.latent_cache import LatentCache
 from epd.multimodal.prompt import scatter_image_embeddings
 from epd.wire.messages import KVHandoff
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Prompt:
+    request_id: str
+    prompt_ids: list[int]
+    image_embeddings: torch.Tensor | None  # (N, hidden) for the N placeholder slots
+    sampling: SamplingParams
 
 
 class PrefillEngine:
@@ -19,7 +38,6 @@ class PrefillEngine:
         self.lm, self.tokenizer, self.placeholder_id = lm, tokenizer, placeholder_id
         self.device = lm.lm_head.weight.device
 
-    @torch.inference_mode()
     def run(
         self,
         request_id: str,
@@ -28,27 +46,77 @@ class PrefillEngine:
         sampling: SamplingParams,
         reply_to: str = "",
     ) -> KVHandoff:
-        """Prefill one prompt; image_embeddings (N, hidden) fill its N placeholder slots."""
-        ids = torch.tensor(prompt_ids, device=self.device)
+        """Prefill one prompt; raises what kept it from a hand-off."""
+        prompt = Prompt(request_id, prompt_ids, image_embeddings, sampling)
+        (result,) = self.run_batch([prompt], reply_to)
+        if isinstance(result, Exception):
+            raise result
+        return result
+
+    @torch.inference_mode()
+    def run_batch(self, prompts: list[Prompt], reply_to: str = "") -> list[KVHandoff | Exception]:
+        """Prefill prompts packed into one forward; each gets its hand-off or its error."""
+        results: dict[int, KVHandoff | Exception] = {}
+        embeds: dict[int, torch.Tensor] = {}
+        for i, prompt in enumerate(prompts):
+            try:
+                embeds[i] = self.embed(prompt)
+            except Exception as e:  # e.g. image rows that do not fit the placeholders
+                results[i] = e
+        for i, outcome in zip(embeds, self.forward(list(embeds.values())), strict=True):
+            if isinstance(outcome, Exception):
+                results[i] = outcome
+            else:
+                results[i] = self.hand_off(prompts[i], *outcome, reply_to)
+        return [results[i] for i in range(len(prompts))]
+
+    def embed(self, prompt: Prompt) -> torch.Tensor:
+        """Input embeddings (T, hidden) with the image rows in their placeholder slots."""
+        ids = torch.tensor(prompt.prompt_ids, device=self.device)
         embeds = self.lm.embed(ids)
-        if image_embeddings is not None:
-            embeds = scatter_image_embeddings(
-                embeds, ids, image_embeddings.to(self.device), self.placeholder_id
+        if prompt.image_embeddings is None:
+            return embeds
+        rows = prompt.image_embeddings.to(self.device)
+        return scatter_image_embeddings(embeds, ids, rows, self.placeholder_id)
+
+    def forward(
+        self, embeds: list[torch.Tensor]
+    ) -> list[tuple[torch.Tensor, LatentCache] | Exception]:
+        """Last-token logits (vocab,) and cache of each prompt; alone if the packed run fails."""
+        if not embeds:
+            return []
+        lengths = [e.shape[0] for e in embeds]
+        try:
+            hidden, cache = self.lm.prefill(torch.cat(embeds), lengths)
+            last = [end - 1 for end in itertools.accumulate(lengths)]
+            logits = self.lm.logits(hidden[last])  # (prompts, vocab)
+            return list(zip(logits, cache.split(lengths), strict=True))
+        except Exception as e:
+            if len(embeds) == 1:
+                return [e]
+            log.exception("a packed prefill of %d prompts failed: running them alone", len(embeds))
+            return [outcome for e in embeds for outcome in self.forward([e])]
+
+    def hand_off(
+        self, prompt: Prompt, logits: torch.Tensor, cache: LatentCache, reply_to: str
+    ) -> KVHandoff | Exception:
+        """Sample the first token and pack everything decode needs."""
+        try:
+            generator = make_generator(prompt.sampling.seed)
+            token = sample(logits, prompt.sampling, generator)
+            logprob = None
+            if prompt.sampling.logprobs:
+                top = prompt.sampling.top_logprobs
+                logprob = token_logprob(logits, token, top, self.tokenizer)
+            return KVHandoff(
+                request_id=prompt.request_id,
+                reply_to=reply_to,
+                prompt_tokens=len(prompt.prompt_ids),
+                first_token=token,
+                first_logprob=logprob,
+                sampling=prompt.sampling,
+                rng_state=generator.get_state(),
+                cache=cache.tensor().cpu(),  # here, off the event loop that sends it
             )
-        hidden, cache = self.lm.prefill(embeds)
-        logits = self.lm.logits(hidden[-1])
-        generator = make_generator(sampling.seed)
-        token = sample(logits, sampling, generator)
-        logprob = None
-        if sampling.logprobs:
-            logprob = token_logprob(logits, token, sampling.top_logprobs, self.tokenizer)
-        return KVHandoff(
-            request_id=request_id,
-            reply_to=reply_to,
-            prompt_tokens=len(prompt_ids),
-            first_token=token,
-            first_logprob=logprob,
-            sampling=sampling,
-            rng_state=generator.get_state(),
-            cache=cache.tensor().cpu(),  # here, off the event loop that sends it
-        )
+        except Exception as e:  # e.g. a cache with NaN from an overflow: this request only
+            return e

@@ -1,0 +1,84 @@
+"""Prompts that wait for prefill together run together, packed into one forward.
+
+One model, one queue: the batcher takes the prompts waiting in arrival order up to a token
+budget (a longer prompt runs alone) and prefills them in one call on the engine's thread, so a
+burst of requests costs one large forward instead of many small ones. A request whose caller has
+gone (its client disconnected) is skipped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from epd.prefill.engine import PrefillEngine, Prompt
+from epd.wire.messages import KVHandoff
+
+
+@dataclass
+class Job:
+    prompt: Prompt
+    future: asyncio.Future[KVHandoff]
+
+
+class PrefillBatcher:
+    def __init__(self, engine: PrefillEngine, max_tokens: int, reply_to: str) -> None:
+        self.engine, self.max_tokens, self.reply_to = engine, max_tokens, reply_to
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix="prefill")  # one model
+        self.waiting: deque[Job] = deque()
+        self.arrived = asyncio.Event()
+        self.sizes: deque[int] = deque(maxlen=1000)  # prompts per forward, for /health
+
+    async def prefill(self, prompt: Prompt) -> KVHandoff:
+        future: asyncio.Future[KVHandoff] = asyncio.get_running_loop().create_future()
+        self.waiting.append(Job(prompt, future))
+        self.arrived.set()
+        return await future
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await self.arrived.wait()
+            self.arrived.clear()
+            while batch := self.take():
+                prompts = [job.prompt for job in batch]
+                self.sizes.append(len(batch))
+                try:
+                    results = await loop.run_in_executor(
+                        self.executor, self.engine.run_batch, prompts, self.reply_to
+                    )
+                except Exception as e:  # not one prompt's fault: all of them fail
+                    results = [e] * len(batch)
+                for job, result in zip(batch, results, strict=True):
+                    if job.future.done():  # its caller left meanwhile
+                        continue
+                    if isinstance(result, Exception):
+                        job.future.set_exception(result)
+                    else:
+                        job.future.set_result(result)
+
+    def take(self) -> list[Job]:
+        """The waiting jobs, oldest first, up to the token budget (at least one)."""
+        batch: list[Job] = []
+        tokens = 0
+        while self.waiting:
+            job = self.waiting[0]
+            if job.future.done():
+                self.waiting.popleft()
+                continue
+            size = len(job.prompt.prompt_ids)
+            if batch and tokens + size > self.max_tokens:
+                break
+            batch.append(self.waiting.popleft())
+            tokens += size
+        return batch
+
+    def status(self) -> dict[str, object]:
+        sizes = list(self.sizes)
+        mean = sum(sizes) / len(sizes) if sizes else 0.0
+        return {"prefill": {"waiting": len(self.waiting), "mean_batch": round(mean, 2)}}
+
+    def close(self) -> None:
+        self.executor.shutdown(wait=True)

@@ -1,0 +1,58 @@
+"""Prompts waiting together are prefilled together, each as if alone; a bad one fails alone."""
+
+import asyncio
+
+import pytest
+import torch
+
+from epd.checkpoint.config import load_model_config
+from epd.checkpoint.tokenizer import load_tokenizer
+from epd.checkpoint.weights import load_model
+from epd.generation.params import SamplingParams
+from epd.prefill.batcher import PrefillBatcher
+from epd.prefill.engine import PrefillEngine, Prompt
+
+PROMPTS = [[5, 17, 42, 99], [7, 300, 12, 64, 128, 3, 250], [31, 77], [9] * 40]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_checkpoint):
+    lm = load_model(tiny_checkpoint, role="language").language_model
+    placeholder = load_model_config(tiny_checkpoint).media_placeholder_token_id
+    return PrefillEngine(lm, load_tokenizer(tiny_checkpoint), placeholder)
+
+
+def prompt(i, ids=None, images=None):
+    sampling = SamplingParams(4, temperature=0, logprobs=True, top_logprobs=2)
+    return Prompt(f"r{i}", ids or PROMPTS[i], images, sampling)
+
+
+def test_a_packed_batch_gives_each_prompt_what_it_gets_alone(engine):
+    together = engine.run_batch([prompt(i) for i in range(4)])
+    for i, handoff in enumerate(together):
+        alone = engine.run(f"r{i}", PROMPTS[i], None, prompt(i).sampling)
+        assert handoff.first_token == alone.first_token
+        assert handoff.first_logprob.logprob == pytest.approx(alone.first_logprob.logprob, abs=1e-5)
+        torch.testing.assert_close(handoff.cache, alone.cache, atol=1e-5, rtol=1e-5)
+
+
+def test_a_prompt_that_cannot_be_prefilled_fails_alone(engine):
+    placeholder = engine.placeholder_id
+    bad = prompt(1, ids=[5, placeholder, 6], images=torch.zeros(3, 64))  # 3 rows for 1 slot
+    results = engine.run_batch([prompt(0), bad, prompt(2)])
+    assert isinstance(results[1], ValueError) and "1 image token slots" in str(results[1])
+    assert [r.request_id for r in (results[0], results[2])] == ["r0", "r2"]
+
+
+def test_waiting_prompts_are_packed_under_the_token_budget(engine):
+    async def main():
+        batcher = PrefillBatcher(engine, max_tokens=16, reply_to="")
+        runner = asyncio.create_task(batcher.run())
+        handoffs = await asyncio.gather(*(batcher.prefill(prompt(i)) for i in range(4)))
+        runner.cancel()
+        batcher.close()
+        return handoffs, list(batcher.sizes)
+
+    handoffs, sizes = asyncio.run(main())
+    assert [h.request_id for h in handoffs] == ["r0", "r1", "r2", "r3"]
+    assert sizes == [3, 1]  # 4 + 7 + 2 tokens fit in 16; the 40-token prompt runs alone
