@@ -10,6 +10,7 @@ from typing import Any
 from epd.checkpoint.config import CheckpointError
 from epd.config.roles import ROLES
 from epd.config.sources import add_flags, build, flag_values, resolve
+from epd.dtypes import MODEL_DTYPES, TENSOR_DTYPES
 
 HELP = {
     "encode": "run the vision tower: images in, embeddings out",
@@ -62,7 +63,14 @@ def bench_plot_command(args: argparse.Namespace) -> None:
 def make_checkpoint_command(args: argparse.Namespace) -> None:
     from epd.checkpoint.synthetic import make_checkpoint
 
-    out = make_checkpoint(args.out, args.preset, seed=args.seed, q_lora_rank=args.q_lora_rank)
+    out = make_checkpoint(
+        args.out,
+        args.preset,
+        seed=args.seed,
+        q_lora_rank=args.q_lora_rank,
+        dtype=TENSOR_DTYPES[args.dtype],
+        device=args.device,
+    )
     print(f"wrote a random {args.preset} Kimi-VL checkpoint to {out}")
 
 
@@ -88,7 +96,9 @@ def parser() -> argparse.ArgumentParser:
         "make-checkpoint", help="write a random Kimi-VL checkpoint in the real Hugging Face layout"
     )
     make.add_argument("out", help="directory to write")
-    make.add_argument("--preset", choices=["tiny", "small"], default="tiny")
+    make.add_argument("--preset", choices=["tiny", "small", "a3b"], default="tiny")
+    make.add_argument("--dtype", choices=MODEL_DTYPES, default="float32")
+    make.add_argument("--device", default="cpu", help="where to draw the weights (e.g. cuda)")
     make.add_argument("--seed", type=int, default=0)
     make.add_argument("--q-lora-rank", type=int, default=None, help="use q_a/q_b projections")
     make.set_defaults(run=make_checkpoint_command)

@@ -7,6 +7,7 @@ token for token.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,8 @@ class Completion:
     finish_reason: str | None
     prompt_tokens: int
     deltas: list[Output]
+    first_token_s: float  # time to the first token (benchmarks compare the stack with it)
+    total_s: float
 
 
 class LocalPipeline:
@@ -54,6 +57,7 @@ class LocalPipeline:
         )
 
     def chat(self, body: dict[str, Any]) -> Completion:
+        start = time.perf_counter()
         request = parse_request(body)
         conversation = self.builder.read(request)
         limits = self.limits
@@ -67,6 +71,7 @@ class LocalPipeline:
             prepared.request_id, prepared.prompt_ids, embeddings, prepared.sampling
         )
         _, first = self.scheduler.add(handoff)
+        first_token_s = time.perf_counter() - start
         deltas = [first]
         while len(self.scheduler):
             step = self.scheduler.step()
@@ -79,4 +84,6 @@ class LocalPipeline:
             finish_reason=deltas[-1].finish_reason,
             prompt_tokens=handoff.prompt_tokens,
             deltas=deltas,
+            first_token_s=first_token_s,
+            total_s=time.perf_counter() - start,
         )

@@ -64,6 +64,24 @@ PRESETS: dict[str, Sizes] = {
             num_experts_per_tok=4,
         ),
     ),
+    # Kimi-VL-A3B's own sizes (all but the vocabulary): for GPU checks, written in bfloat16.
+    "a3b": (
+        VisionConfig(1152, 27, 16, 4304),
+        dict(
+            hidden_size=2048,
+            intermediate_size=11264,
+            num_hidden_layers=27,
+            num_attention_heads=16,
+            kv_lora_rank=512,
+            qk_nope_head_dim=128,
+            qk_rope_head_dim=64,
+            v_head_dim=128,
+            moe_intermediate_size=1408,
+            n_routed_experts=64,
+            n_shared_experts=2,
+            num_experts_per_tok=6,
+        ),
+    ),
 }
 TEXT_DEFAULTS = dict(
     routed_scaling_factor=2.446,
@@ -111,12 +129,11 @@ def make_config(
 def init_weights(model: KimiVL, generator: torch.Generator) -> None:
     """Random weights: N(0, 0.02) matrices, norms near 1, small biases and routing biases."""
     for name, tensor in model.state_dict().items():
+        noise = torch.randn(tensor.shape, generator=generator, device=tensor.device)
         if name.endswith(("norm.weight", "norm0.weight", "norm1.weight", "layernorm.weight")):
-            tensor.copy_(1 + 0.1 * torch.randn(tensor.shape, generator=generator))
-        elif name.endswith(("bias", "e_score_correction_bias")):
-            tensor.copy_(0.02 * torch.randn(tensor.shape, generator=generator))
+            tensor.copy_(1 + 0.1 * noise)
         else:
-            tensor.copy_(0.02 * torch.randn(tensor.shape, generator=generator))
+            tensor.copy_(0.02 * noise)
 
 
 def save_sharded(state: dict[str, torch.Tensor], out: Path, shards: int) -> None:
@@ -125,7 +142,7 @@ def save_sharded(state: dict[str, torch.Tensor], out: Path, shards: int) -> None
     weight_map, total = {}, 0
     for i in range(shards):
         file = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
-        part = {n: state[n].contiguous() for n in names[i * per_shard : (i + 1) * per_shard]}
+        part = {n: state[n].contiguous().cpu() for n in names[i * per_shard : (i + 1) * per_shard]}
         save_file(part, out / file, metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(part, file))
         total += sum(t.numel() * t.element_size() for t in part.values())
@@ -133,7 +150,9 @@ def save_sharded(state: dict[str, torch.Tensor], out: Path, shards: int) -> None
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
 
-def config_json(config: KimiVLConfig, tokenizer: Tokenizer) -> dict[str, Any]:
+def config_json(
+    config: KimiVLConfig, tokenizer: Tokenizer, dtype: torch.dtype = torch.float32
+) -> dict[str, Any]:
     text = asdict(config.text) | {
         "model_type": "deepseek_v3",
         "topk_method": "noaux_tc",
@@ -153,15 +172,17 @@ def config_json(config: KimiVLConfig, tokenizer: Tokenizer) -> dict[str, Any]:
         "text_config": text,
         "media_placeholder_token_id": config.media_placeholder_token_id,
         "tie_word_embeddings": False,
-        "torch_dtype": "float32",
+        "torch_dtype": str(dtype).removeprefix("torch."),
     }
 
 
-def write_side_files(out: Path, config: KimiVLConfig, tokenizer: Tokenizer) -> None:
+def write_side_files(
+    out: Path, config: KimiVLConfig, tokenizer: Tokenizer, dtype: torch.dtype = torch.float32
+) -> None:
     def dump(name: str, value: dict[str, Any]) -> None:
         (out / name).write_text(json.dumps(value, indent=2) + "\n")
 
-    dump("config.json", config_json(config, tokenizer))
+    dump("config.json", config_json(config, tokenizer, dtype))
     dump(
         "preprocessor_config.json",
         {
@@ -203,8 +224,14 @@ def make_checkpoint(
     q_lora_rank: int | None = None,
     vocab_size: int = 512,
     shards: int = 2,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
 ) -> Path:
-    """Write a random checkpoint of `preset` size into `out` and return its path."""
+    """Write a random checkpoint of `preset` size into `out` and return its path.
+
+    `device` is where the weights are drawn (a GPU draws billions in seconds); a shard holds
+    at most 4 GiB.
+    """
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(vocab_size)
@@ -213,10 +240,14 @@ def make_checkpoint(
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; expected one of {sorted(PRESETS)}")
     config = make_config(PRESETS[preset], tokenizer.get_vocab_size(), placeholder, q_lora_rank)
-    generator = torch.Generator().manual_seed(seed)
-    model = KimiVL(config)
+    generator = torch.Generator(device).manual_seed(seed)
+    with torch.device("meta"):
+        model = KimiVL(config)
+    model = model.to_empty(device=device)
     with torch.no_grad():
         init_weights(model, generator)
-    save_sharded(model.state_dict(), out, shards)
-    write_side_files(out, config, tokenizer)
+    state = {name: tensor.to(dtype) for name, tensor in model.state_dict().items()}
+    size = sum(t.numel() * t.element_size() for t in state.values())
+    save_sharded(state, out, max(shards, math.ceil(size / (4 << 30))))
+    write_side_files(out, config, tokenizer, dtype)
     return out

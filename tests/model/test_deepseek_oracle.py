@@ -1,46 +1,18 @@
 """The language model against transformers' DeepseekV3ForCausalLM on the same weights."""
 
-import json
-from pathlib import Path
-
 import pytest
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 from transformers import DeepseekV3ForCausalLM
 
+from epd.checkpoint.export import export_language_model
 from epd.checkpoint.weights import load_model
 from epd.model.latent_cache import LatentCache
-
-PREFIX = "language_model."
-
-
-def as_deepseek_checkpoint(kimi: Path, out: Path) -> Path:
-    """Write the language-model half of a Kimi-VL checkpoint as a plain DeepSeek-V3 one."""
-    text = json.loads((kimi / "config.json").read_text())["text_config"]
-    text["rope_parameters"] = {"rope_type": "default", "rope_theta": text.pop("rope_theta")}
-    for key in ("topk_method", "scoring_func", "rope_scaling", "moe_layer_freq"):
-        text.pop(key, None)
-    text["num_key_value_heads"] = text["num_attention_heads"]
-    text["num_nextn_predict_layers"] = 0
-    out.mkdir()
-    (out / "config.json").write_text(
-        json.dumps(text | {"architectures": ["DeepseekV3ForCausalLM"]})
-    )
-    state = {}
-    index = json.loads((kimi / "model.safetensors.index.json").read_text())["weight_map"]
-    for file in set(index.values()):
-        with safe_open(kimi / file, framework="pt") as f:
-            names = [k for k in f.keys() if k.startswith(PREFIX)]  # noqa: SIM118 (not a dict)
-            state |= {k.removeprefix(PREFIX): f.get_tensor(k) for k in names}
-    save_file(state, out / "model.safetensors", metadata={"format": "pt"})
-    return out
 
 
 @pytest.fixture(scope="module", params=["tiny_checkpoint", "tiny_q_lora_checkpoint"])
 def pair(request, tmp_path_factory):
     kimi = request.getfixturevalue(request.param)
-    oracle_dir = as_deepseek_checkpoint(kimi, tmp_path_factory.mktemp("ds") / "ckpt")
+    oracle_dir = export_language_model(kimi, tmp_path_factory.mktemp("ds") / "ckpt")
     oracle = DeepseekV3ForCausalLM.from_pretrained(oracle_dir, dtype=torch.float32)
     oracle.config._attn_implementation = "eager"
     ours = load_model(kimi, role="language").language_model

@@ -1,0 +1,229 @@
+"""Serving benchmark, side by side in one run: epd, transformers serve, and the one-process path.
+
+    .venv/bin/python scripts/bench_serving.py [--out bench-results] [--quick]
+
+Makes a random `small` checkpoint, starts `epd serve` on it and times it with `epd bench` (text
+at 1, 4, 16 and 32 concurrent streams; one 448×448 image at 1 and 8; a repeated 896×896 image),
+then `transformers serve` on the same language model (exported as a DeepSeek-V3 checkpoint;
+it has no Kimi-VL, so text only) at 1 and 16, then the one-process path (`LocalPipeline`) one
+request at a time. Every run's JSON lands in --out; the summary table is printed as Markdown
+for docs/benchmarks.md. Not a test: it takes about ten minutes on two cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import requests
+
+from epd.bench.config import BenchConfig
+from epd.bench.workload import bodies
+from epd.checkpoint.export import export_language_model
+from epd.checkpoint.synthetic import make_checkpoint
+from epd.local import LocalPipeline
+
+TEXT = {"prompt_tokens": 90, "output_tokens": 64}  # about 240 prompt tokens with this tokenizer
+IMAGE = {"prompt_tokens": 20, "output_tokens": 64, "images": 1}
+
+
+def start(command: list[str], url: str, log: Path) -> subprocess.Popen[bytes]:
+    process = subprocess.Popen(command, stdout=log.open("wb"), stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        try:
+            if requests.get(f"{url}/models", timeout=2).status_code == 200:
+                return process
+        except requests.RequestException:
+            pass
+        if process.poll() is not None:
+            break
+        time.sleep(1)
+    raise RuntimeError(f"{command[0]} did not come up; see {log}")
+
+
+def stop(process: subprocess.Popen[bytes]) -> None:
+    process.terminate()
+    try:
+        process.wait(30)
+    except subprocess.TimeoutExpired:
+        process.kill()
+
+
+def bench(url: str, out: Path, name: str, **settings: Any) -> dict[str, Any]:
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in settings.items() if not isinstance(v, bool)]
+    flags += [
+        f"--{'' if v else 'no-'}{k.replace('_', '-')}"
+        for k, v in settings.items()
+        if isinstance(v, bool)
+    ]
+    path = out / f"{name}.json"
+    subprocess.run(
+        [sys.executable, "-m", "epd.cli", "bench", "--base-url", url, "--json", str(path), *flags],
+        check=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    summary: dict[str, Any] = json.loads(path.read_text())["summary"]
+    return summary
+
+
+def requests_for(concurrency: int) -> int:
+    return max(8, 4 * concurrency)
+
+
+def epd_runs(checkpoint: Path, out: Path, quick: bool) -> dict[str, dict[str, Any]]:
+    url = "http://127.0.0.1:8300/v1"
+    command = [sys.executable, "-m", "epd.cli", "serve", "--model", str(checkpoint)]
+    server = start(
+        [*command, "--port", "8300", "--internal-base-port", "7400"], url, out / "epd.log"
+    )
+    runs = {}
+    try:
+        for c in (1, 4, 16) if quick else (1, 4, 16, 32):
+            runs[f"epd text c{c}"] = bench(
+                url,
+                out,
+                f"epd-text-c{c}",
+                label="epd",
+                concurrency=c,
+                requests=requests_for(c),
+                **TEXT,
+            )
+        for c in (1, 16):
+            runs[f"epd text c{c} eos"] = bench(
+                url,
+                out,
+                f"epd-text-eos-c{c}",
+                label="epd (eos)",
+                concurrency=c,
+                requests=requests_for(c),
+                ignore_eos=False,
+                **TEXT,
+            )
+        for c in (1, 8):
+            runs[f"epd image c{c}"] = bench(
+                url,
+                out,
+                f"epd-image-c{c}",
+                label="epd image",
+                concurrency=c,
+                requests=requests_for(c),
+                **IMAGE,
+            )
+        runs["epd repeated 896"] = bench(
+            url,
+            out,
+            "epd-repeat-896",
+            concurrency=1,
+            requests=4,
+            warmup=0,
+            seed=7,
+            prompt_tokens=20,
+            output_tokens=16,
+            images=1,
+            image_width=896,
+            image_height=896,
+            repeat_images=True,
+        )
+    finally:
+        stop(server)
+    return runs
+
+
+def transformers_runs(checkpoint: Path, out: Path) -> dict[str, dict[str, Any]]:
+    """transformers serve on the same language model: one request at a time (its continuous
+    batching fails on DeepSeek-V3's MLA), no ignore_eos, so both sides run without it."""
+    exported = out / "deepseek"
+    shutil.rmtree(exported, ignore_errors=True)
+    export_language_model(checkpoint, exported)
+    url = "http://127.0.0.1:8301/v1"
+    command = [
+        "transformers",
+        "serve",
+        str(exported),
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--port",
+        "8301",
+    ]
+    server = start(
+        [str(Path(sys.executable).parent / command[0]), *command[1:]], url, out / "transformers.log"
+    )
+    runs = {}
+    try:
+        for c in (1, 16):
+            runs[f"transformers text c{c} eos"] = bench(
+                url,
+                out,
+                f"transformers-text-c{c}",
+                label="transformers serve",
+                concurrency=c,
+                requests=requests_for(c),
+                ignore_eos=False,
+                **TEXT,
+            )
+    finally:
+        stop(server)
+    return runs
+
+
+def local_run(checkpoint: Path) -> dict[str, float]:
+    """The one-process path, one request at a time, on the whole machine."""
+    pipeline = LocalPipeline(checkpoint)
+    config = BenchConfig(**TEXT)
+    completions = [
+        pipeline.chat(body | {"stream": False, "stream_options": None})
+        for body in bodies(config, checkpoint.name, 8)
+    ]
+    return {
+        "ttft_p50_ms": statistics.median(c.first_token_s for c in completions) * 1000,
+        "tokens_per_s": sum(len(c.token_ids) for c in completions)
+        / sum(c.total_s for c in completions),
+    }
+
+
+def table(runs: dict[str, dict[str, Any]], local: dict[str, float]) -> str:
+    lines = [
+        "| run | requests/s | output tok/s | TTFT p50 ms | TPOT p50 ms | ITL p50 / p99 ms |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, s in runs.items():
+        itl = s["itl_ms"]
+        lines.append(
+            f"| {name} | {s['request_throughput']:.2f} | {s['output_throughput']:.1f} | "
+            f"{s['ttft_ms'].get('p50', 0):.0f} | {s['tpot_ms'].get('p50', 0):.1f} | "
+            f"{itl.get('p50', 0):.1f} / {itl.get('p99', 0):.1f} |"
+        )
+    lines.append(
+        f"| one-process path, text c1 | — | {local['tokens_per_s']:.1f} | "
+        f"{local['ttft_p50_ms']:.0f} | — | — |"
+    )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("bench-results"))
+    parser.add_argument("--quick", action="store_true", help="fewer text runs")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    checkpoint = make_checkpoint(args.out / "small", "small")
+    runs = epd_runs(checkpoint, args.out, args.quick)
+    runs |= transformers_runs(checkpoint, args.out)
+    local = local_run(checkpoint)
+    (args.out / "summary.json").write_text(json.dumps({"runs": runs, "local": local}, indent=1))
+    print(table(runs, local))
+
+
+if __name__ == "__main__":
+    main()
