@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from dataclasses import dataclass, field
@@ -28,34 +29,53 @@ class Timing:
 
 
 async def stream(
-    client: httpx.AsyncClient, url: str, body: dict[str, Any], origin: float
+    client: httpx.AsyncClient, url: str, body: dict[str, Any], origin: float, limit_s: float
 ) -> Timing:
-    """POST a streaming chat request and time its chunks; errors are recorded, not raised."""
+    """POST a streaming chat request and time its chunks; errors are recorded, not raised.
+
+    `limit_s` bounds the whole request, however slowly its chunks come.
+    """
     timing = Timing(time.perf_counter() - origin)
     try:
-        async with client.stream("POST", url, json=body) as response:
-            if response.status_code != 200:
-                text = (await response.aread()).decode(errors="replace")
-                timing.error = f"HTTP {response.status_code}: {text[:200]}"
-                return timing
-            async for line in response.aiter_lines():
-                read(line, timing, time.perf_counter() - origin)
-    except httpx.HTTPError as e:
+        async with asyncio.timeout(limit_s):
+            await receive(client, url, body, origin, timing)
+    except TimeoutError:
+        timing.error = f"no answer within {limit_s}s"
+    except (httpx.HTTPError, ValueError) as e:  # ValueError: a line that is not JSON
         timing.error = f"{type(e).__name__}: {e}"
+    if timing.error:
         return timing
     timing.end = time.perf_counter() - origin
+    if timing.first_token is None:
+        timing.error = "the stream held no content"
     if not timing.output_tokens:  # no usage chunk: count the chunks
         timing.output_tokens = len(timing.chunks)
     return timing
 
 
+async def receive(
+    client: httpx.AsyncClient, url: str, body: dict[str, Any], origin: float, timing: Timing
+) -> None:
+    async with client.stream("POST", url, json=body) as response:
+        if response.status_code != 200:
+            text = (await response.aread()).decode(errors="replace")
+            timing.error = f"HTTP {response.status_code}: {text[:200]}"
+            return
+        async for line in response.aiter_lines():
+            read(line, timing, time.perf_counter() - origin)
+
+
 def read(line: str, timing: Timing, now: float) -> None:
     """Apply one SSE line to the timing."""
-    if not line.startswith("data: ") or line == "data: [DONE]":
+    if not line.startswith("data:"):
         return
-    chunk = json.loads(line[6:])
+    data = line[5:].strip()
+    if data == "[DONE]":
+        return
+    chunk = json.loads(data)
     if "error" in chunk:
-        timing.error = str(chunk["error"].get("message", chunk["error"]))[:200]
+        error = chunk["error"]
+        timing.error = str(error.get("message", error) if isinstance(error, dict) else error)[:200]
     if chunk.get("usage"):
         timing.prompt_tokens = chunk["usage"].get("prompt_tokens", 0)
         timing.output_tokens = chunk["usage"].get("completion_tokens", 0)

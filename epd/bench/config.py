@@ -11,10 +11,11 @@ from epd.config.roles import Settings, option
 class BenchConfig(Settings):
     base_url: str = option("http://127.0.0.1:8000/v1", "OpenAI-compatible API to load")
     model: str = option("", "model name to ask for (default: the server's first)")
+    api_key: str = option("", "sent as a bearer token, if the server needs one")
     requests: int = option(64, "requests to send (after the warm-up)")
-    concurrency: int = option(1, "requests in flight at once (the most, with --rate)")
+    concurrency: int = option(1, "requests in flight at once (with --rate: the most, 1 = no limit)")
     rate: float = option(0.0, "Poisson arrivals per second; 0: a closed loop at --concurrency")
-    prompt_tokens: int = option(256, "words of text per prompt (about as many tokens)")
+    prompt_tokens: int = option(256, "words of text per prompt (a word is a token or more)")
     output_tokens: int = option(64, "max_tokens of each request")
     ignore_eos: bool = option(True, "ask for exactly --output-tokens (ignore_eos)")
     images: int = option(0, "images per request")
@@ -25,7 +26,7 @@ class BenchConfig(Settings):
     seed: int = option(0, "seed of the prompts and images")
     goodput_ttft_ms: float = option(0.0, "TTFT target for goodput (0: none)")
     goodput_tpot_ms: float = option(0.0, "TPOT target for goodput (0: none)")
-    timeout_s: float = option(600.0, "longest wait for one request")
+    timeout_s: float = option(600.0, "longest a request may take, start to end")
     label: str = option("", "name of this run in a plot (default: the model)")
     json: str = option("", "write the summary and every request's timings here")
 

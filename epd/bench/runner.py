@@ -20,20 +20,28 @@ from epd.bench.workload import bodies
 
 
 async def served_model(client: httpx.AsyncClient, base_url: str) -> str:
-    response = await client.get(f"{base_url}/models")
-    response.raise_for_status()
-    return str(response.json()["data"][0]["id"])
+    try:
+        response = await client.get(f"{base_url}/models")
+        response.raise_for_status()
+        return str(response.json()["data"][0]["id"])
+    except (httpx.HTTPError, ValueError, KeyError, IndexError) as e:
+        raise ValueError(f"cannot list {base_url}/models ({e}): name the model with --model") from e
 
 
 async def closed_loop(
-    client: httpx.AsyncClient, url: str, requests: list[dict[str, Any]], workers: int, bar: tqdm
+    client: httpx.AsyncClient,
+    url: str,
+    requests: list[dict[str, Any]],
+    workers: int,
+    limit_s: float,
+    bar: tqdm,
 ) -> list[Timing]:
     """`workers` clients, each sending its next request as soon as its last one ends."""
     origin, queue, timings = time.perf_counter(), list(reversed(requests)), []
 
     async def worker() -> None:
         while queue:
-            timings.append(await stream(client, url, queue.pop(), origin))
+            timings.append(await stream(client, url, queue.pop(), origin, limit_s))
             bar.update()
 
     await asyncio.gather(*(worker() for _ in range(workers)))
@@ -49,11 +57,11 @@ async def poisson(
 ) -> list[Timing]:
     """Requests arriving at `config.rate` a second on average, at most `concurrency` at once."""
     origin, gaps = time.perf_counter(), random.Random(config.seed)
-    limit = asyncio.Semaphore(config.concurrency)
+    limit = asyncio.Semaphore(config.concurrency if config.concurrency > 1 else len(requests))
 
     async def one(body: dict[str, Any]) -> Timing:
         async with limit:
-            timing = await stream(client, url, body, origin)
+            timing = await stream(client, url, body, origin, config.timeout_s)
         bar.update()
         return timing
 
@@ -66,19 +74,22 @@ async def poisson(
 
 async def run(config: BenchConfig) -> tuple[Summary, list[Timing], str]:
     timeout = httpx.Timeout(config.timeout_s, connect=30.0)
-    limits = httpx.Limits(max_connections=config.concurrency + 1)
-    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+    headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
+    async with httpx.AsyncClient(timeout=timeout, headers=headers, limits=httpx.Limits()) as client:
         model = config.model or await served_model(client, config.base_url)
         url = f"{config.base_url}/chat/completions"
         if config.warmup:
             warm = bodies(config, model, config.warmup, offset=config.requests)
-            await asyncio.gather(*(stream(client, url, b, time.perf_counter()) for b in warm))
+            await asyncio.gather(
+                *(stream(client, url, b, time.perf_counter(), config.timeout_s) for b in warm)
+            )
         requests = bodies(config, model, config.requests)
         with tqdm(total=len(requests), desc="requests", unit="req") as bar:
             if config.rate:
                 timings = await poisson(client, url, requests, config, bar)
             else:
-                timings = await closed_loop(client, url, requests, config.concurrency, bar)
+                workers = config.concurrency
+                timings = await closed_loop(client, url, requests, workers, config.timeout_s, bar)
     summary = summarise(timings, config.goodput_ttft_ms, config.goodput_tpot_ms)
     return summary, timings, model
 

@@ -44,3 +44,14 @@ def test_stream_lines_are_read_as_openai_sends_them():
     )
     read('data: {"error": {"message": "decode lost"}}', t, 0.5)
     assert t.error == "decode lost"
+
+
+def test_lines_from_other_servers():
+    t = Timing(0.0)
+    read('data:{"choices": [{"delta": {"content": "x"}}]}', t, 0.1)  # no space after "data:"
+    assert t.chunks == [0.1]
+    read(": a comment line", t, 0.2)
+    read('data: {"error": "overloaded"}', t, 0.3)  # an error that is a plain string
+    assert t.error == "overloaded"
+    with pytest.raises(ValueError):
+        read("data: not json", t, 0.4)  # stream() records it as the request's error
