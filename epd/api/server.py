@@ -16,6 +16,9 @@ from epd.prefill.engine import PrefillEngine
 from epd.runtime.process import STOP_GRACE_S, announce_ready, start_process
 from epd.runtime.watchdog import Watchdog
 
+# The main loop, the wire, and the prefill forward (its thread runs apart from the loop).
+PREFILL_ACTIVITIES = ("loop", "wire", "prefill")
+
 
 def build_service(config: PrefillConfig) -> Service:
     tokenizer = load_tokenizer(config.model, config.trust_remote_code)
@@ -26,7 +29,9 @@ def build_service(config: PrefillConfig) -> Service:
         config.model, "language", config.device, model_dtype(config.dtype)
     ).language_model
     engine = PrefillEngine(lm, tokenizer, builder.placeholder_id)
-    return Service(config, config.model_name, builder, engine, Watchdog(config.watchdog_s))
+    return Service(
+        config, config.model_name, builder, engine, Watchdog(config.watchdog_s, PREFILL_ACTIVITIES)
+    )
 
 
 def run(config: PrefillConfig) -> None:

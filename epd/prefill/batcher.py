@@ -3,7 +3,9 @@
 One model, one queue: the batcher takes the prompts waiting in arrival order up to a token
 budget (a longer prompt runs alone) and prefills them in one call on the engine's thread, so a
 burst of requests costs one large forward instead of many small ones. A request whose caller has
-gone (its client disconnected) is skipped.
+gone is skipped; at most WAITING_BUDGETS budgets of prompt tokens may wait, and a request beyond
+that is refused at once (503) rather than queued without end. When the batcher stops, for any
+reason, every request still waiting fails.
 """
 
 from __future__ import annotations
@@ -14,7 +16,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from epd.prefill.engine import PrefillEngine, Prompt
+from epd.prefill.errors import Unavailable
 from epd.wire.messages import KVHandoff
+
+WAITING_BUDGETS = 8
 
 
 @dataclass
@@ -29,35 +34,52 @@ class PrefillBatcher:
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="prefill")  # one model
         self.waiting: deque[Job] = deque()
         self.arrived = asyncio.Event()
+        self.busy = False  # a forward is running
         self.sizes: deque[int] = deque(maxlen=1000)  # prompts per forward, for /health
 
     async def prefill(self, prompt: Prompt) -> KVHandoff:
+        """The prompt's hand-off, once a forward has taken it; Unavailable if too many wait."""
+        waiting = sum(len(job.prompt.prompt_ids) for job in self.waiting)
+        if waiting >= WAITING_BUDGETS * self.max_tokens:
+            raise Unavailable(f"prefill is full: {waiting} prompt tokens are waiting")
         future: asyncio.Future[KVHandoff] = asyncio.get_running_loop().create_future()
         self.waiting.append(Job(prompt, future))
         self.arrived.set()
         return await future
 
     async def run(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            await self.arrived.wait()
-            self.arrived.clear()
-            while batch := self.take():
-                prompts = [job.prompt for job in batch]
-                self.sizes.append(len(batch))
-                try:
-                    results = await loop.run_in_executor(
-                        self.executor, self.engine.run_batch, prompts, self.reply_to
-                    )
-                except Exception as e:  # not one prompt's fault: all of them fail
-                    results = [e] * len(batch)
-                for job, result in zip(batch, results, strict=True):
-                    if job.future.done():  # its caller left meanwhile
-                        continue
-                    if isinstance(result, Exception):
-                        job.future.set_exception(result)
-                    else:
-                        job.future.set_result(result)
+        """Prefill whatever waits, batch after batch, until cancelled."""
+        try:
+            while True:
+                await self.arrived.wait()
+                self.arrived.clear()
+                while batch := self.take():
+                    await self.prefill_batch(batch)
+        finally:
+            for job in self.waiting:
+                if not job.future.done():
+                    job.future.set_exception(Unavailable("prefill stopped before this request"))
+            self.waiting.clear()
+
+    async def prefill_batch(self, batch: list[Job]) -> None:
+        prompts = [job.prompt for job in batch]
+        self.sizes.append(len(batch))
+        self.busy = True
+        try:
+            results = await asyncio.get_running_loop().run_in_executor(
+                self.executor, self.engine.run_batch, prompts, self.reply_to
+            )
+        except Exception as e:  # not one prompt's fault: all of them fail
+            results = [e] * len(batch)
+        finally:
+            self.busy = False
+        for job, result in zip(batch, results, strict=True):
+            if job.future.done():  # its caller left meanwhile
+                continue
+            if isinstance(result, Exception):
+                job.future.set_exception(result)
+            else:
+                job.future.set_result(result)
 
     def take(self) -> list[Job]:
         """The waiting jobs, oldest first, up to the token budget (at least one)."""
@@ -78,7 +100,8 @@ class PrefillBatcher:
     def status(self) -> dict[str, object]:
         sizes = list(self.sizes)
         mean = sum(sizes) / len(sizes) if sizes else 0.0
-        return {"prefill": {"waiting": len(self.waiting), "mean_batch": round(mean, 2)}}
+        waiting = sum(not job.future.done() for job in self.waiting)
+        return {"prefill": {"waiting": waiting, "mean_batch": round(mean, 2)}}
 
     def close(self) -> None:
         self.executor.shutdown(wait=True)

@@ -93,10 +93,11 @@ class Coordinator:
         self.tasks: list[asyncio.Task[None]] = []
 
     def start(self) -> None:
+        self.batching = asyncio.create_task(self.batcher.run())
         self.tasks = [
             asyncio.create_task(self.read()),
             asyncio.create_task(self.watch_peers()),
-            asyncio.create_task(self.batcher.run()),
+            self.batching,
         ]
 
     async def stop(self) -> None:
@@ -143,6 +144,8 @@ class Coordinator:
         not take in time."""
         while True:
             self.watchdog.beat("loop")
+            if not self.batcher.busy and not self.batching.done():  # idle and alive
+                self.watchdog.beat("prefill")
             losses = self.outbox.poll()
             for address in losses.peers:
                 log.warning("lost the connection to %s", address)

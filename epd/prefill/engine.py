@@ -116,7 +116,7 @@ class PrefillEngine:
                 first_logprob=logprob,
                 sampling=prompt.sampling,
                 rng_state=generator.get_state(),
-                cache=cache.tensor().cpu(),  # here, off the event loop that sends it
+                cache=cache.tensor().contiguous().cpu(),  # its own memory, copied off the loop
             )
         except Exception as e:  # e.g. a cache with NaN from an overflow: this request only
             return e

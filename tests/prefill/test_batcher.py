@@ -9,8 +9,9 @@ from epd.checkpoint.config import load_model_config
 from epd.checkpoint.tokenizer import load_tokenizer
 from epd.checkpoint.weights import load_model
 from epd.generation.params import SamplingParams
-from epd.prefill.batcher import PrefillBatcher
+from epd.prefill.batcher import Job, PrefillBatcher
 from epd.prefill.engine import PrefillEngine, Prompt
+from epd.prefill.errors import Unavailable
 
 PROMPTS = [[5, 17, 42, 99], [7, 300, 12, 64, 128, 3, 250], [31, 77], [9] * 40]
 
@@ -56,3 +57,48 @@ def test_waiting_prompts_are_packed_under_the_token_budget(engine):
     handoffs, sizes = asyncio.run(main())
     assert [h.request_id for h in handoffs] == ["r0", "r1", "r2", "r3"]
     assert sizes == [3, 1]  # 4 + 7 + 2 tokens fit in 16; the 40-token prompt runs alone
+
+
+def test_a_request_whose_caller_left_is_skipped_and_a_stop_fails_the_rest(engine):
+    async def main():
+        batcher = PrefillBatcher(engine, max_tokens=16, reply_to="")
+        left = asyncio.ensure_future(batcher.prefill(prompt(0)))
+        waiting = asyncio.ensure_future(batcher.prefill(prompt(1)))
+        await asyncio.sleep(0)
+        left.cancel()  # its client went away before the batcher ran
+        runner = asyncio.create_task(batcher.run())
+        first = await waiting
+        stuck = asyncio.ensure_future(batcher.prefill(prompt(2)))
+        runner.cancel()  # the coordinator stops with a request still waiting
+        await asyncio.gather(runner, return_exceptions=True)
+        batcher.close()
+        return first, stuck, list(batcher.sizes)
+
+    first, stuck, sizes = asyncio.run(main())
+    assert first.request_id == "r1" and sizes[0] == 1  # r0 was not prefilled
+    assert isinstance(stuck.exception(), Unavailable)
+
+
+def test_a_forward_that_raises_fails_its_whole_batch_and_a_full_queue_refuses(engine):
+    async def main():
+        batcher = PrefillBatcher(engine, max_tokens=4, reply_to="")
+
+        def broken(prompts, reply_to):
+            raise RuntimeError("device lost")
+
+        batcher.engine = type("Broken", (), {"run_batch": staticmethod(broken)})()
+        runner = asyncio.create_task(batcher.run())
+        results = await asyncio.gather(
+            *(batcher.prefill(prompt(i)) for i in range(2)), return_exceptions=True
+        )
+        runner.cancel()
+        await asyncio.gather(runner, return_exceptions=True)
+        full = PrefillBatcher(engine, max_tokens=4, reply_to="")  # 8 budgets: 32 tokens wait
+        full.waiting.append(Job(prompt(3), asyncio.get_running_loop().create_future()))
+        refused = await asyncio.gather(full.prefill(prompt(0)), return_exceptions=True)
+        batcher.close(), full.close()
+        return results, refused
+
+    results, refused = asyncio.run(main())
+    assert all(isinstance(r, RuntimeError) and "device lost" in str(r) for r in results)
+    assert isinstance(refused[0], Unavailable) and "prefill is full" in str(refused[0])
