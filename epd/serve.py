@@ -21,11 +21,11 @@ from typing import Any
 
 from epd.config.roles import ROLES, ServeConfig
 from epd.config.sources import SHARED, build, flag_values, read_config_file, role_values, to_flags
-from epd.runtime.process import SUPERVISOR_ENV, stop_event, torch_threads
+from epd.runtime.process import SUPERVISOR_ENV, available_cores, stop_event, torch_threads
 
 CHILDREN = ("encode", "decode", "prefill")
 HEALTHY_AFTER_S = 60.0  # a child that lived this long restarts without accumulated backoff
-CORES = os.cpu_count() or 1
+CORES = available_cores()
 STOP_TIMEOUT_S = 10.0  # children still running this long after SIGTERM are killed (< STOP_GRACE_S)
 
 

@@ -229,8 +229,8 @@ def make_checkpoint(
 ) -> Path:
     """Write a random checkpoint of `preset` size into `out` and return its path.
 
-    `device` is where the weights are drawn (a GPU draws billions in seconds); a shard holds
-    at most 4 GiB.
+    `device` is where the weights are drawn (a GPU draws billions in seconds); there are as
+    many shards as 4 GiB pieces of the whole (each takes an equal number of tensors).
     """
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -242,11 +242,11 @@ def make_checkpoint(
     config = make_config(PRESETS[preset], tokenizer.get_vocab_size(), placeholder, q_lora_rank)
     generator = torch.Generator(device).manual_seed(seed)
     with torch.device("meta"):
-        model = KimiVL(config)
-    model = model.to_empty(device=device)
+        model = KimiVL(config).to(dtype)
+    model = model.to_empty(device=device)  # only now is memory taken, in the target dtype
     with torch.no_grad():
         init_weights(model, generator)
-    state = {name: tensor.to(dtype) for name, tensor in model.state_dict().items()}
+    state = model.state_dict()
     size = sum(t.numel() * t.element_size() for t in state.values())
     save_sharded(state, out, max(shards, math.ceil(size / (4 << 30))))
     write_side_files(out, config, tokenizer, dtype)

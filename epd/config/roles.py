@@ -35,6 +35,8 @@ def _check_value(name: str, value: Any) -> str | None:
         return "must be a positive number of seconds"
     if name.startswith("max_") and not value >= 1:
         return "must be at least 1"
+    if name == "threads" and value < 0:
+        return "must be 0 (automatic) or a number of threads"
     addresses = value if isinstance(value, tuple) else (value,)
     is_address = name in ("bind", "encoders", "decoders", "prefills") or (
         name == "advertise" and value

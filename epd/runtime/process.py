@@ -83,12 +83,20 @@ def announce_ready(role: str, **endpoints: str) -> None:
     print(f"epd {role} ready (pid {os.getpid()}): {where}", flush=True)
 
 
+def available_cores() -> int:
+    """The cores this process may run on (its affinity: a container's limit), or all of them."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
 def torch_threads(threads: int, device: str, cores: int | None = None) -> int:
     """Threads a role gives torch: `threads`, or for 0 its `cores` (default: all), on a GPU
     at most 4, since there the CPU only feeds the device."""
     if threads:
         return threads
-    cores = cores or os.cpu_count() or 1
+    cores = cores or available_cores()
     return min(4, cores) if device.startswith("cuda") else cores
 
 

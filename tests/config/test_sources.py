@@ -2,7 +2,6 @@
 
 import argparse
 import dataclasses
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +11,7 @@ import pytest
 from epd.cli import parser
 from epd.config.roles import ROLES, DecodeConfig, EncodeConfig, PrefillConfig
 from epd.config.sources import read_config_file, resolve, role_values, to_flags
+from epd.runtime.process import available_cores
 from epd.serve import plan
 
 CONFIGS = Path(__file__).parents[2] / "configs"
@@ -149,7 +149,7 @@ def test_serve_gives_children_the_file_settings_and_its_own_addresses(tmp_path):
 def test_serve_gives_each_child_a_share_of_the_cores_unless_set(tmp_path):
     path = write(tmp_path, "model: /m\ndecode:\n  threads: 5\n")
     _, children = plan(args("serve", "--config", path))
-    share = max(1, (os.cpu_count() or 1) // 3)
+    share = max(1, available_cores() // 3)
     assert children["decode"].threads == 5
     assert children["encode"].threads == children["prefill"].threads == share
 

@@ -196,6 +196,21 @@ def test_a_repeated_image_skips_encode_and_answers_the_same(stack, client, model
     assert [r.choices[0].message.content for r in replies] == [expected, expected]
 
 
+def test_cached_and_new_images_keep_their_places(stack, client, model_name, local):
+    """[seen, new, seen again]: cached rows and freshly encoded ones land in prompt order."""
+    seen = data_url(Image.new("RGB", (112, 56), "olive"))
+    ask(client, model_name, [{"role": "user", "content": [image_part(seen)]}], max_tokens=1)
+    new = data_url(Image.new("RGB", (56, 84), "navy"))
+    content = [image_part(seen), image_part(new), image_part(seen), text_part("Which?")]
+    messages = [{"role": "user", "content": content}]
+    reply = ask(client, model_name, messages, max_tokens=12, temperature=0, logprobs=True)
+    expected = local.chat(body(model_name, messages, max_tokens=12, temperature=0, logprobs=True))
+    assert [t.logprob for t in reply.choices[0].logprobs.content] == pytest.approx(
+        [e.logprob for d in expected.deltas for e in d.logprobs], abs=1e-4
+    )
+    assert reply.choices[0].message.content == expected.text
+
+
 def prefill_health(base):
     with urllib.request.urlopen(f"http://127.0.0.1:{base + 20}/health", timeout=5) as response:
         return json.loads(response.read())
