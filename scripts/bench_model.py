@@ -1,4 +1,4 @@
-"""Model-core throughput on this machine: vision images/s and prefill tokens/s.
+"""Model-core throughput on this machine: vision images/s, prefill and decode tokens/s.
 
 Builds a random `small` checkpoint (or uses --checkpoint), then reports achieved FLOP/s as a
 fraction of the machine's own measured float32 matmul FLOP/s, so numbers from different machines
@@ -19,6 +19,8 @@ import torch
 from epd.checkpoint.synthetic import make_checkpoint
 from epd.checkpoint.weights import load_model
 from epd.model.config import KimiVLConfig, TextConfig
+from epd.model.deepseek import DeepseekV3ForCausalLM
+from epd.model.latent_cache import LatentCache
 
 
 def best_seconds(fn: Callable[[], object], repeats: int) -> float:
@@ -69,6 +71,24 @@ def prefill_flops(t: TextConfig, tokens: int) -> float:
     return total + 2 * d * t.vocab_size  # logits of the last token
 
 
+def decode_step_seconds(lm: DeepseekV3ForCausalLM, batch: int, context: int, repeats: int) -> float:
+    """Median time of one decode step for `batch` requests with `context`-token caches."""
+    t = lm.config
+    caches = [
+        LatentCache.from_tensor(torch.randn(t.num_hidden_layers, context, t.latent_dim))
+        for _ in range(batch)
+    ]
+    for cache in caches:
+        cache.reserve(repeats + 1)  # growth is amortised in serving; keep it out of the timing
+    ids = torch.randint(0, t.vocab_size, (batch,))
+    times = []
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        lm.decode(ids, caches)
+        times.append(time.perf_counter() - start)
+    return sorted(times[1:])[repeats // 2]
+
+
 def run(checkpoint: Path, images: int, side: int, tokens: int, repeats: int) -> None:
     torch.manual_seed(0)
     peak = matmul_flops()
@@ -104,6 +124,13 @@ def run(checkpoint: Path, images: int, side: int, tokens: int, repeats: int) -> 
         f"| language prefill | {tokens}-token prompt | {tokens / prefill_s:.0f} tokens/s | "
         f"{p_rate / 1e9:.1f} | {p_rate / peak:.0%} |"
     )
+    print()
+    print("| decode batch | step (300-token caches) | tokens/s |")
+    print("|---|---|---|")
+    with torch.inference_mode():
+        for batch in (1, 4, 16, 32):
+            step = decode_step_seconds(lm, batch, 300, 4 * repeats)
+            print(f"| {batch} | {step * 1e3:.1f} ms | {batch / step:.0f} |")
 
 
 def main() -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -66,12 +68,75 @@ class Router(nn.Module):
         return groups.masked_fill(~keep[..., None], float("-inf")).flatten(1)
 
 
+class Experts(nn.Module):
+    """The routed experts' gated MLPs, stacked so that two grouped matmuls run them all.
+
+    gate_up_proj (E, 2H, D): expert e's gate_proj.weight in rows [0, H), up_proj.weight in [H, 2H)
+    down_proj    (E, D, H):  expert e's down_proj.weight
+
+    The state dict still names each expert's matrices as checkpoints do (`{e}.gate_proj.weight`,
+    `{e}.up_proj.weight`, `{e}.down_proj.weight`), as views into the stacks, so loading stays a
+    lookup by name.
+    """
+
+    def __init__(self, experts: int, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.hidden = hidden
+        self.gate_up_proj = nn.Parameter(torch.empty(experts, 2 * hidden, dim))
+        self.down_proj = nn.Parameter(torch.empty(experts, dim, hidden))
+        self.register_state_dict_post_hook(per_expert_names)
+        self.register_load_state_dict_pre_hook(stack_per_expert)
+
+    def __len__(self) -> int:
+        return self.down_proj.shape[0]
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Rows sorted by expert (S, D), rows per expert (E,) → each row through its expert (S, D).
+
+        `counts` stays on the device: no host sync (torch's grouped matmul reads the offsets
+        on the GPU; its fallback for other devices and dtypes loops over the groups).
+        """
+        ends = counts.cumsum(0).to(torch.int32)
+        gate_up = F.grouped_mm(x, self.gate_up_proj.transpose(1, 2), offs=ends)  # (S, 2H)
+        gate, up = gate_up.split(self.hidden, dim=-1)
+        return F.grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=ends)
+
+
+def per_expert_names(
+    module: nn.Module, state: dict[str, Any], prefix: str, metadata: dict[str, Any]
+) -> None:
+    """State-dict hook: the stacks as per-expert tensors named as in checkpoints (views)."""
+    assert isinstance(module, Experts)
+    gate_up, down = state.pop(prefix + "gate_up_proj"), state.pop(prefix + "down_proj")
+    for e in range(len(module)):
+        state[f"{prefix}{e}.gate_proj.weight"] = gate_up[e, : module.hidden]
+        state[f"{prefix}{e}.up_proj.weight"] = gate_up[e, module.hidden :]
+        state[f"{prefix}{e}.down_proj.weight"] = down[e]
+
+
+def stack_per_expert(module: nn.Module, state: dict[str, Any], prefix: str, *_: object) -> None:
+    """Load pre-hook: stack checkpoint-named per-expert tensors into the module's parameters.
+
+    Names that are missing are left alone, so strict loading still reports each one.
+    """
+    assert isinstance(module, Experts)
+    names = [
+        [f"{prefix}{e}.{m}.weight" for e in range(len(module))]
+        for m in ("gate_proj", "up_proj", "down_proj")
+    ]
+    if not all(n in state for group in names for n in group):
+        return
+    gate, up, down = ([state.pop(n) for n in group] for group in names)
+    state[prefix + "gate_up_proj"] = torch.cat([torch.stack(gate), torch.stack(up)], dim=1)
+    state[prefix + "down_proj"] = torch.stack(down)
+
+
 class MoE(nn.Module):
     def __init__(self, config: TextConfig) -> None:
         super().__init__()
         dim, hidden = config.hidden_size, config.moe_intermediate_size
         self.gate = Router(config)
-        self.experts = nn.ModuleList(MLP(dim, hidden) for _ in range(config.n_routed_experts or 0))
+        self.experts = Experts(config.n_routed_experts or 0, dim, hidden)
         if config.n_shared_experts:
             self.shared_experts = MLP(dim, hidden * config.n_shared_experts)
 
@@ -84,15 +149,11 @@ class MoE(nn.Module):
         return out
 
     def routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        k = ids.shape[1]
-        order = ids.flatten().argsort()  # (T·k,) slots sorted by expert
-        counts = torch.bincount(ids.flatten(), minlength=len(self.experts)).tolist()
-        flat_weights = weights.flatten()
-        out = torch.zeros_like(x)
-        for expert, slots in zip(self.experts, order.split(counts), strict=True):
-            if slots.numel() == 0:
-                continue
-            tokens = slots // k
-            y = expert(x[tokens]) * flat_weights[slots, None].to(x.dtype)
-            out.index_add_(0, tokens, y)
-        return out
+        """x (T, D), weights and expert ids (T, k) → Σ_k weight_k · expert_k(x) (T, D)."""
+        tokens, k = ids.shape
+        order = ids.flatten().argsort(stable=True)  # (T·k,) slots grouped by expert
+        counts = torch.bincount(ids.flatten(), minlength=len(self.experts))  # (E,)
+        y = self.experts(x[order // k], counts)  # (T·k, D), in slot order
+        per_slot = torch.empty_like(y).index_copy_(0, order, y).view(tokens, k, -1)
+        # Summing the k slots of a token in a fixed order keeps the result deterministic.
+        return (per_slot * weights.to(x.dtype)[..., None]).sum(1)
