@@ -4,9 +4,10 @@ New sequences join between steps (their first token, sampled by prefill, is emit
 arrival); finished and aborted ones leave between steps and their caches are freed. Beyond
 `max_batch_size` sequences wait, in arrival order, for a free slot.
 
-A step's failures are per sequence: a row whose logits are not finite or cannot be sampled
-fails that sequence only, and when the batched forward itself fails, each sequence is run alone
-so only the ones that fail alone are failed.
+A step samples every row in one batched call (one finiteness check, one transfer to the host).
+Its failures are per sequence: a row whose logits are not finite or cannot be sampled fails that
+sequence only, and when the batched forward or the batched sampling fails, each sequence is run
+alone (from its generator's earlier state) so only the ones that fail alone are failed.
 """
 
 from __future__ import annotations
@@ -19,13 +20,17 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from epd.generation.sampling import restore_generator
+from epd.generation.sampling import restore_generator, sample_batch
 from epd.generation.sequence import Output, Sequence
 from epd.model.deepseek import DeepseekV3ForCausalLM
 from epd.model.latent_cache import LatentCache
 from epd.wire.messages import KVHandoff
 
 log = logging.getLogger(__name__)
+
+
+class NonFinite(ValueError):
+    """A row of logits holds NaN or infinity: nothing can be sampled from it."""
 
 
 class Busy(ValueError):
@@ -132,22 +137,62 @@ class Scheduler:
             sequence = self.waiting.popleft()
             self.running[sequence.request_id] = sequence
         step = Step()
+        good: list[tuple[Sequence, torch.Tensor]] = []
         for sequence, row in self._logits(list(self.running.values())):
+            if isinstance(row, Exception):
+                self._fail(step, sequence, row)
+            else:
+                good.append((sequence, row))
+        if not good:
+            return step
+        logits = torch.stack([row for _, row in good])  # (B, vocab)
+        for (sequence, row), token in zip(good, self._sample(good, logits), strict=True):
             try:
-                if isinstance(row, Exception):
-                    raise row
-                if not bool(torch.isfinite(row).all()):
-                    raise ValueError("the model's logits for this request are not finite")
-                output = sequence.accept(*sequence.pick(row))
+                if isinstance(token, Exception):
+                    raise token
+                output = sequence.accept(token, sequence.logprob(row, token))
             except Exception as e:
-                log.exception("request %s failed in a decode step", sequence.request_id)
-                step.failed.append((sequence, f"decode failed: {type(e).__name__}: {e}"))
-                del self.running[sequence.request_id]
+                self._fail(step, sequence, e)
                 continue
             step.produced.append((sequence, output))
             if sequence.finish_reason is not None:
                 del self.running[sequence.request_id]
         return step
+
+    def _fail(self, step: Step, sequence: Sequence, error: Exception) -> None:
+        log.error("request %s failed in a decode step", sequence.request_id, exc_info=error)
+        step.failed.append((sequence, f"decode failed: {type(error).__name__}: {error}"))
+        del self.running[sequence.request_id]
+
+    def _sample(
+        self, batch: list[tuple[Sequence, torch.Tensor]], logits: torch.Tensor
+    ) -> list[int | Exception]:
+        """Each row's next token, drawn in one batched call; a row that is not finite, or that
+        fails when drawn alone after the batch failed, gets its error instead."""
+        finite = torch.isfinite(logits).all(-1).tolist()
+        results: list[int | Exception] = [
+            NonFinite("the model's logits for this request are not finite") for _ in batch
+        ]
+        rows = [i for i, ok in enumerate(finite) if ok]
+        sequences = [batch[i][0] for i in rows]
+        states = [s.generator.get_state() for s in sequences]
+        try:
+            tokens = sample_batch(
+                logits[rows], [s.sampling for s in sequences], [s.generator for s in sequences]
+            ).tolist()
+        except Exception as e:
+            if len(rows) == 1:
+                results[rows[0]] = e
+                return results
+            log.exception("batched sampling failed; sampling its %d requests alone", len(rows))
+            for sequence, state in zip(sequences, states, strict=True):
+                sequence.generator.set_state(state)  # the failed call may have drawn already
+            for i in rows:
+                results[i] = self._sample([batch[i]], logits[i : i + 1])[0]
+            return results
+        for i, token in zip(rows, tokens, strict=True):
+            results[i] = token
+        return results
 
     def _logits(self, batch: list[Sequence]) -> list[tuple[Sequence, torch.Tensor | Exception]]:
         """Each sequence's next-token logits (vocab,), or the error that kept it from them."""

@@ -6,7 +6,9 @@ KV hand-off, so a seeded request draws the same tokens whichever process samples
 
 from __future__ import annotations
 
+import math
 import secrets
+from collections.abc import Sequence
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -31,19 +33,65 @@ def restore_generator(state: torch.Tensor) -> torch.Generator:
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
     """One token id from a float32 logits row (vocab,)."""
-    if params.temperature < GREEDY_BELOW:
-        return int(logits.argmax())
-    logits = logits.float().cpu() / params.temperature
-    if params.top_k and params.top_k < logits.numel():
-        kth = logits.topk(params.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if params.top_p < 1.0:
-        ordered, order = logits.sort(descending=True)
-        probs = ordered.softmax(-1)
+    return int(sample_batch(logits[None], [params], [generator])[0])
+
+
+def sample_batch(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator],
+) -> torch.Tensor:
+    """Token ids (B,) on the CPU from float32 logits (B, vocab), each row by its own rules.
+
+    Greedy rows take their argmax. The others draw by inverse CDF from one uniform of their own
+    generator; rows with top-k or top-p do so in descending-probability order, plain ones in
+    vocabulary order. Each row's arithmetic is its own, so a request draws the same tokens alone
+    or in any batch, on the host or the device its logits are on.
+    """
+    tokens = logits.argmax(-1)  # (B,)
+    drawn = [i for i, p in enumerate(params) if p.temperature >= GREEDY_BELOW]
+    for filtered in (False, True):
+        rows = [i for i in drawn if (params[i].top_k > 0 or params[i].top_p < 1.0) == filtered]
+        if rows:
+            index = torch.tensor(rows, device=logits.device)
+            tokens[index] = draw(
+                logits[index], [params[i] for i in rows], [generators[i] for i in rows], filtered
+            )
+    return tokens.cpu()
+
+
+def draw(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator],
+    filtered: bool,
+) -> torch.Tensor:
+    """Sampled token ids (n,) from logits (n, vocab) under temperature, top-k and top-p."""
+    vocab = logits.shape[-1]
+    device = logits.device
+
+    def column(values: list[float]) -> torch.Tensor:  # (n, 1)
+        return torch.tensor(values, dtype=torch.float32, device=device)[:, None]
+
+    scaled = logits.float() / column([p.temperature for p in params])
+    order = None
+    if filtered:
+        scaled, order = scaled.sort(dim=-1, descending=True)  # (n, vocab), best first
+        ranks = torch.arange(vocab, device=device)
+        scaled = scaled.masked_fill(ranks >= column([p.top_k or vocab for p in params]), -math.inf)
+    probs = scaled.softmax(-1)
+    if filtered:
+        top_p = column([p.top_p for p in params])
         # Drop a token once the tokens ranked above it already cover top_p.
-        outside = probs.cumsum(-1) - probs >= params.top_p
-        logits = logits.scatter(0, order, ordered.masked_fill(outside, float("-inf")))
-    return int(torch.multinomial(logits.softmax(-1), 1, generator=generator))
+        outside = (probs.cumsum(-1) - probs >= top_p) & (top_p < 1.0)
+        probs = probs.masked_fill(outside, 0.0)
+    cdf = probs.cumsum(-1)  # (n, vocab)
+    uniform = torch.cat([torch.rand(1, generator=g) for g in generators]).to(device)[:, None]
+    chosen = torch.searchsorted(cdf, uniform * cdf[:, -1:], right=True)  # (n, 1)
+    # Rounding can put u·total at the total; stay on the last token that has any probability.
+    last_kept = (probs > 0).cumsum(-1).argmax(-1, keepdim=True)
+    chosen = torch.minimum(chosen, last_kept)
+    return chosen[:, 0] if order is None else order.gather(1, chosen)[:, 0]
 
 
 def token_logprob(

@@ -17,7 +17,7 @@ from transformers import PreTrainedTokenizerBase
 
 from epd.generation.detokenizer import Detokenizer
 from epd.generation.params import FinishReason, SamplingParams, TokenLogprob
-from epd.generation.sampling import sample, token_logprob
+from epd.generation.sampling import token_logprob
 from epd.model.latent_cache import LatentCache
 
 
@@ -54,12 +54,11 @@ class Sequence:
     def last_token(self) -> int:
         return self.tokens[-1]
 
-    def pick(self, logits: torch.Tensor) -> tuple[int, TokenLogprob | None]:
-        """Sample the next token from float32 logits (vocab,) with this request's rules."""
-        token = sample(logits, self.sampling, self.generator)
+    def logprob(self, logits: torch.Tensor, token: int) -> TokenLogprob | None:
+        """What the request asked to know of `token`'s probability under logits (vocab,)."""
         if not self.sampling.logprobs:
-            return token, None
-        return token, token_logprob(logits, token, self.sampling.top_logprobs, self.tokenizer)
+            return None
+        return token_logprob(logits, token, self.sampling.top_logprobs, self.tokenizer)
 
     def accept(self, token: int, logprob: TokenLogprob | None = None) -> Output:
         """Record a generated token and say what the client gets for it."""

@@ -22,14 +22,17 @@ def parts(tiny_checkpoint):
     return lm, tokenizer, engine, load_generation_config(tiny_checkpoint).eos_token_ids
 
 
-def handoff(engine, i, max_tokens=12):
-    return engine.run(f"r{i}", PROMPTS[i], None, SamplingParams(max_tokens, temperature=0))
+def handoff(engine, i, max_tokens=12, seeded=False):
+    sampling = SamplingParams(max_tokens, temperature=0)
+    if seeded:  # a distribution wide enough that the draws depend on the seed
+        sampling = SamplingParams(max_tokens, temperature=1.5, top_k=50, top_p=0.95, seed=i)
+    return engine.run(f"r{i}", PROMPTS[i], None, sampling)
 
 
-def run_alone(parts, i, max_tokens=12):
+def run_alone(parts, i, max_tokens=12, seeded=False):
     lm, tokenizer, engine, eos = parts
     scheduler = Scheduler(lm, tokenizer, eos)
-    tokens = list(scheduler.add(handoff(engine, i, max_tokens))[1].token_ids)
+    tokens = list(scheduler.add(handoff(engine, i, max_tokens, seeded))[1].token_ids)
     while len(scheduler):
         tokens += [t for _, d in scheduler.step().produced for t in d.token_ids]
     return tokens
@@ -134,6 +137,37 @@ def test_a_failing_batched_forward_fails_only_the_request_that_fails_alone(parts
         assert all(s.request_id == "r1" and "kernel" in why for s, why in step.failed)
         for sequence, delta in step.produced:
             produced[sequence.request_id] += delta.token_ids
+    assert produced["r0"] == expected[0] and produced["r2"] == expected[2]
+
+
+def test_a_row_that_fails_to_sample_fails_alone_and_seeds_still_hold(parts, monkeypatch):
+    """Batched sampling that raises is redone row by row from the generators' earlier states."""
+    import epd.decode.scheduler as scheduler_module
+
+    lm, tokenizer, engine, eos = parts
+    scheduler = Scheduler(lm, tokenizer, eos)
+    expected = {i: run_alone(parts, i, seeded=True) for i in (0, 2)}
+    produced = {
+        f"r{i}": list(scheduler.add(handoff(engine, i, seeded=True))[1].token_ids) for i in range(3)
+    }
+    assert expected[0] != run_alone(parts, 0)  # the seeded draws are not the greedy tokens
+    real = scheduler_module.sample_batch
+    r1 = next(s.sampling for s in scheduler.sequences() if s.request_id == "r1")
+
+    def fails_with_r1(logits, params, generators):
+        tokens = real(logits, params, generators)  # every generator has drawn by now
+        if any(p is r1 for p in params):
+            raise RuntimeError("r1 broke the sampler")
+        return tokens
+
+    monkeypatch.setattr(scheduler_module, "sample_batch", fails_with_r1)
+    failed = []
+    while len(scheduler):
+        step = scheduler.step()
+        failed += [(s.request_id, "broke the sampler" in why) for s, why in step.failed]
+        for sequence, delta in step.produced:
+            produced[sequence.request_id] += delta.token_ids
+    assert failed == [("r1", True)]
     assert produced["r0"] == expected[0] and produced["r2"] == expected[2]
 
 

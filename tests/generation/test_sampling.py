@@ -2,7 +2,13 @@ import pytest
 import torch
 
 from epd.generation.params import SamplingParams
-from epd.generation.sampling import make_generator, restore_generator, sample, token_logprob
+from epd.generation.sampling import (
+    make_generator,
+    restore_generator,
+    sample,
+    sample_batch,
+    token_logprob,
+)
 
 LOGITS = torch.tensor([1.0, 3.0, 2.5, -1.0, 0.0])
 
@@ -29,6 +35,69 @@ def test_top_p_keeps_the_smallest_covering_set():
 
 def test_full_distribution_reaches_every_token():
     assert set(draws(SamplingParams(8, temperature=1.0), n=2000)) == {0, 1, 2, 3, 4}
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(8, temperature=1.0),
+        SamplingParams(8, temperature=0.7, top_k=3),
+        SamplingParams(8, temperature=1.3, top_p=0.8),
+    ],
+)
+def test_draw_frequencies_follow_the_distribution(params):
+    """Inverse-CDF draws land on each token as often as its (filtered) probability says."""
+    scaled = LOGITS / params.temperature
+    if params.top_k:
+        scaled = scaled.masked_fill(scaled < scaled.topk(params.top_k).values[-1], -torch.inf)
+    probs = scaled.softmax(-1)
+    if params.top_p < 1:
+        ordered, order = probs.sort(descending=True)
+        probs = probs.scatter(
+            0, order, ordered.masked_fill(ordered.cumsum(0) - ordered >= params.top_p, 0)
+        )
+        probs = probs / probs.sum()
+    n = 5_000
+    counts = torch.bincount(torch.tensor(draws(params, n=n)), minlength=5) / n
+    # Four standard deviations of a binomial frequency at p ≤ 0.5.
+    assert (counts - probs).abs().max() < 4 * (0.25 / n) ** 0.5
+    assert torch.all(counts[probs == 0] == 0)
+
+
+def test_a_row_draws_the_same_alone_or_in_any_batch():
+    """Seeded draws do not depend on which other requests share the decode step."""
+    logits = torch.randn(6, 300, generator=torch.Generator().manual_seed(3)) * 3
+    rules = [
+        SamplingParams(8, temperature=0),
+        SamplingParams(8, temperature=1.0),
+        SamplingParams(8, temperature=0.8, top_k=5),
+        SamplingParams(8, temperature=1.2, top_p=0.9),
+        SamplingParams(8, temperature=1.0, top_k=40, top_p=0.5),
+        SamplingParams(8, temperature=2.0),
+    ]
+    alone = [sample(logits[i], rules[i], make_generator(i)) for i in range(6)]
+    for subset in ([0, 1, 2, 3, 4, 5], [5, 3, 1], [4, 2]):
+        generators = [make_generator(i) for i in subset]
+        batch = sample_batch(logits[subset], [rules[i] for i in subset], generators)
+        assert batch.tolist() == [alone[i] for i in subset]
+    # And over many steps: each generator advances by one draw per sampled token.
+    generators = [make_generator(10 + i) for i in range(6)]
+    single = [make_generator(10 + i) for i in range(6)]
+    for _ in range(50):
+        together = sample_batch(logits, rules, generators).tolist()
+        assert together == [sample(logits[i], rules[i], single[i]) for i in range(6)]
+
+
+def test_top_k_keeps_exactly_k_of_varied_rows():
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    rules = [SamplingParams(8, temperature=5.0, top_k=k) for k in (1, 2, 7)]
+    generators = [make_generator(i) for i in range(3)]
+    seen: list[set[int]] = [set(), set(), set()]
+    for _ in range(400):
+        for row, token in enumerate(sample_batch(logits, rules, generators).tolist()):
+            seen[row].add(token)
+    for row, k in enumerate((1, 2, 7)):
+        assert seen[row] == set(logits[row].topk(k).indices.tolist())
 
 
 def test_seed_fixes_the_draws():
