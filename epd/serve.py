@@ -132,7 +132,7 @@ def plan(args: argparse.Namespace) -> tuple[ServeConfig, dict[str, Any]]:
 
     A child gets its role's settings from the file, then the shared settings (model, device,
     dtype, ...) given to `serve` itself, then the loopback addresses `serve` owns, and, unless
-    its threads are set, a third of this machine's cores.
+    its threads are set, its share of this machine's cores (`core_shares`).
     """
     raw = read_config_file(args.config) if args.config else {}
     flags = flag_values(args, ServeConfig)
@@ -144,9 +144,22 @@ def plan(args: argparse.Namespace) -> tuple[ServeConfig, dict[str, Any]]:
     for role in CHILDREN:
         values = role_values(raw, role) | shared | config.addresses(role)
         child = build(ROLES[role], values)
-        share = torch_threads(child.threads, child.device, max(1, CORES // len(CHILDREN)))
+        share = torch_threads(child.threads, child.device, core_shares(CORES)[role])
         children[role] = dataclasses.replace(child, threads=share)
     return config, children
+
+
+def core_shares(cores: int) -> dict[str, int]:
+    """Threads per role on a CPU: decode and encode a third of the cores each (at least one),
+    prefill the cores that decode's third (rounded down) leaves, so both on 2 cores.
+
+    Decode works without pause while anything is generating; prefill works in bursts that set
+    each request's time to first token, and a request's encode comes before its prefill rather
+    than beside it. Measured on 2 cores (docs/benchmarks.md): prefill on both, beside decode's
+    one, beat one thread each at every load; encode on both too was worse under image load.
+    """
+    third = cores // 3
+    return {"encode": max(1, third), "decode": max(1, third), "prefill": max(1, cores - third)}
 
 
 def announce(config: ServeConfig, model_name: str) -> None:

@@ -12,7 +12,7 @@ from epd.cli import parser
 from epd.config.roles import ROLES, DecodeConfig, EncodeConfig, PrefillConfig
 from epd.config.sources import read_config_file, resolve, role_values, to_flags
 from epd.runtime.process import available_cores
-from epd.serve import plan
+from epd.serve import core_shares, plan
 
 CONFIGS = Path(__file__).parents[2] / "configs"
 
@@ -149,9 +149,18 @@ def test_serve_gives_children_the_file_settings_and_its_own_addresses(tmp_path):
 def test_serve_gives_each_child_a_share_of_the_cores_unless_set(tmp_path):
     path = write(tmp_path, "model: /m\ndecode:\n  threads: 5\n")
     _, children = plan(args("serve", "--config", path))
-    share = max(1, available_cores() // 3)
+    shares = core_shares(available_cores())
     assert children["decode"].threads == 5
-    assert children["encode"].threads == children["prefill"].threads == share
+    assert children["encode"].threads == shares["encode"]
+    assert children["prefill"].threads == shares["prefill"]
+
+
+@pytest.mark.parametrize(
+    ("cores", "encode", "decode", "prefill"),
+    [(1, 1, 1, 1), (2, 1, 1, 2), (3, 1, 1, 2), (16, 5, 5, 11)],
+)
+def test_prefill_gets_the_cores_decode_leaves(cores, encode, decode, prefill):
+    assert core_shares(cores) == {"encode": encode, "decode": decode, "prefill": prefill}
 
 
 def test_a_role_section_wins_over_the_top_level_for_serve_children(tmp_path):
