@@ -51,10 +51,11 @@ class LocalPipeline:
             checkpoint, tokenizer, self.limits.default_max_tokens, self.limits.max_image_pixels
         )
         self.encoder = Encoder(model, self.builder.processor, self.builder.max_image_pixels)
-        self.engine = PrefillEngine(model.language_model, tokenizer, self.builder.placeholder_id)
-        self.scheduler = Scheduler(
-            model.language_model, tokenizer, stop_token_ids(checkpoint, tokenizer)
+        eos_ids = stop_token_ids(checkpoint, tokenizer)
+        self.engine = PrefillEngine(
+            model.language_model, tokenizer, self.builder.placeholder_id, eos_ids
         )
+        self.scheduler = Scheduler(model.language_model, tokenizer, eos_ids)
 
     def chat(self, body: dict[str, Any]) -> Completion:
         start = time.perf_counter()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -12,7 +12,12 @@ from transformers import PreTrainedTokenizerBase
 
 from epd.api.errors import APIError, bad_request
 from epd.api.schema import ChatCompletionRequest
-from epd.checkpoint.config import load_model_config, load_processor_config
+from epd.checkpoint.config import (
+    CheckpointError,
+    load_generation_config,
+    load_model_config,
+    load_processor_config,
+)
 from epd.generation.params import SamplingParams
 from epd.multimodal.grids import Grid
 from epd.multimodal.image_processor import ImageProcessor
@@ -36,8 +41,16 @@ class PromptBuilder:
     processor: ImageProcessor
     placeholder_id: int
     context_length: int
+    vocab_size: int
     default_max_tokens: int
     max_image_pixels: int = 50_000_000
+    defaults: dict[str, float] = field(default_factory=dict)  # generation_config.json's
+
+    def __post_init__(self) -> None:
+        try:  # refuse a checkpoint whose defaults no request could use, at start-up
+            SamplingParams(**({"max_tokens": 1} | self.defaults))  # type: ignore[arg-type]
+        except (TypeError, ValueError) as e:
+            raise CheckpointError(f"generation_config.json: unusable sampling default: {e}") from e
 
     @cached_property
     def special_tokens(self) -> list[str]:
@@ -57,8 +70,10 @@ class PromptBuilder:
             processor=ImageProcessor(load_processor_config(checkpoint)),
             placeholder_id=config.media_placeholder_token_id,
             context_length=config.text.max_position_embeddings,
+            vocab_size=config.text.vocab_size,
             default_max_tokens=default_max_tokens,
             max_image_pixels=max_image_pixels,
+            defaults=load_generation_config(checkpoint).sampling_defaults,
         )
 
     def read(self, request: ChatCompletionRequest) -> Conversation:
@@ -68,12 +83,16 @@ class PromptBuilder:
         return Conversation(request, messages, urls)
 
     def messages(self, request: ChatCompletionRequest) -> list[dict[str, Any]]:
-        """Messages for the chat template; a `developer` message is Kimi's `system` turn."""
-        messages = [m.model_dump(exclude_none=True) for m in request.messages]
-        for message in messages:
+        """Messages for the chat template; a `developer` message is Kimi's `system` turn, and an
+        assistant turn echoed without content (`content: null`) is an empty one."""
+        messages = []
+        for m in request.messages:
+            message = m.model_dump(include={"role", "content", "name"}, exclude_none=True)
+            message.setdefault("content", "")
             if message["role"] == "developer":
                 message["role"] = "system"
             self.refuse_special_tokens(message["content"])
+            messages.append(message)
         return messages
 
     def refuse_special_tokens(self, content: str | list[dict[str, Any]]) -> None:
@@ -113,6 +132,7 @@ class PromptBuilder:
         )
 
     def sampling(self, request: ChatCompletionRequest, prompt_tokens: int) -> SamplingParams:
+        """The request's sampling; a field it leaves out takes the checkpoint's default."""
         room = self.context_length - prompt_tokens
         asked = request.max_completion_tokens or request.max_tokens
         if room < 1 or (asked is not None and asked > room):
@@ -123,14 +143,45 @@ class PromptBuilder:
                 param="max_tokens",
                 code="context_length_exceeded",
             )
-        return SamplingParams(
-            max_tokens=asked or min(room, self.default_max_tokens),
-            temperature=request.temperature,
-            top_p=request.top_p,
-            top_k=max(request.top_k, 0),
-            seed=request.seed,
-            stop=request.stop_list,
-            logprobs=request.logprobs,
-            top_logprobs=request.top_logprobs or 0,
-            ignore_eos=request.ignore_eos,
-        )
+        default_max = int(self.defaults.get("max_tokens", self.default_max_tokens))
+        given = {
+            name: value
+            for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+            if (value := getattr(request, name)) is not None
+        }
+        chosen = self.defaults | given
+        self.check_token_ids(request)
+        try:
+            return SamplingParams(
+                max_tokens=asked or min(room, default_max),
+                temperature=float(chosen.get("temperature", 1.0)),
+                top_p=float(chosen.get("top_p", 1.0)),
+                top_k=max(int(chosen.get("top_k", 0)), 0),
+                min_p=float(chosen.get("min_p", 0.0)),
+                repetition_penalty=float(chosen.get("repetition_penalty", 1.0)),
+                presence_penalty=request.presence_penalty,
+                frequency_penalty=request.frequency_penalty,
+                logit_bias=request.bias_pairs,
+                min_tokens=request.min_tokens,
+                stop_token_ids=tuple(request.stop_token_ids or ()),
+                skip_special_tokens=request.skip_special_tokens,
+                seed=request.seed,
+                stop=request.stop_list,
+                logprobs=request.logprobs,
+                top_logprobs=request.top_logprobs or 0,
+                ignore_eos=request.ignore_eos,
+            )
+        except ValueError as e:  # e.g. min_tokens over max_tokens
+            raise bad_request(str(e)) from None
+
+    def check_token_ids(self, request: ChatCompletionRequest) -> None:
+        for param, ids in (
+            ("logit_bias", [t for t, _ in request.bias_pairs]),
+            ("stop_token_ids", request.stop_token_ids or []),
+        ):
+            if outside := [t for t in ids if t >= self.vocab_size]:
+                raise bad_request(
+                    f"{param}: token id {outside[0]} is outside the vocabulary of "
+                    f"{self.vocab_size}",
+                    param=param,
+                )

@@ -1,16 +1,31 @@
-"""The chat-completions request as the API accepts it; anything else is a 400."""
+"""The chat-completions request as the API accepts it.
+
+vLLM's policy: an unknown top-level field is ignored with a warning (clients send fields of
+their own), a known one asking for what this server does not do is a 400 naming it, and every
+value is checked (a NaN is a float).
+"""
 
 from __future__ import annotations
 
+import logging
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from epd.api.errors import APIError, bad_request
+from epd.generation.params import LOGIT_BIAS_LIMIT, MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS
+
+log = logging.getLogger(__name__)
 
 
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+
+class Lenient(BaseModel):
+    """An object clients fill with fields of their own (vLLM ignores those too)."""
+
+    model_config = ConfigDict(extra="ignore")
 
 
 class ImageURL(Strict):
@@ -31,42 +46,73 @@ class ImagePart(Strict):
 Part = Annotated[TextPart | ImagePart, Field(discriminator="type")]
 
 
-class ChatMessage(Strict):
+class ChatMessage(Lenient):
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[Part]
+    content: str | list[Part] | None = None
     name: str | None = None
+    # What the openai client sends back of an earlier reply (`message.model_dump()`).
+    refusal: str | None = None
+    tool_calls: list[Any] | None = None
+    function_call: Any = None
+    audio: Any = None
 
     @model_validator(mode="after")
-    def images_only_from_users(self) -> ChatMessage:
+    def check_content(self) -> ChatMessage:
         parts = self.content if isinstance(self.content, list) else []
         if self.role != "user" and any(isinstance(p, ImagePart) for p in parts):
             raise ValueError(f"{self.role} messages cannot hold images")
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"{self.role} messages need content")
         return self
 
 
-class StreamOptions(Strict):
+class StreamOptions(Lenient):
     include_usage: bool = False
 
 
-class ChatCompletionRequest(Strict):
+class ResponseFormat(Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
+
+
+class ChatCompletionRequest(BaseModel):
+    """OpenAI's fields and vLLM's sampling extras; unknown fields are ignored (and logged)."""
+
+    model_config = ConfigDict(extra="allow")
+
     model: str
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0, le=2)
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=-1)  # 0 or -1: no limit
+    # None: the checkpoint's generation_config.json default, else the usual one.
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)  # 0 or -1: no limit
+    min_p: float | None = Field(None, ge=0, le=1)
+    repetition_penalty: float | None = Field(None, ge=0.01, le=100)
+    presence_penalty: float = Field(0.0, ge=-2, le=2, allow_inf_nan=False)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2, allow_inf_nan=False)
+    logit_bias: dict[str, float] | None = None
+    min_tokens: int = Field(0, ge=0)
     seed: int | None = Field(None, ge=-(2**63), lt=2**64)  # what torch's generators take
     stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
+    ignore_eos: bool = False  # vLLM's extra: exactly max_tokens, as benchmark clients ask
+    skip_special_tokens: bool = True
     stream: bool = False
     stream_options: StreamOptions | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    ignore_eos: bool = False  # vLLM's extra: exactly max_tokens, as benchmark clients ask
-    n: Literal[1] = 1
+    n: int = Field(1, ge=1, le=128)
+    response_format: ResponseFormat | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    # Accepted and without effect here: bookkeeping for OpenAI's platform.
     user: str | None = None
-    frequency_penalty: Literal[0] = 0
-    presence_penalty: Literal[0] = 0
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    parallel_tool_calls: bool | None = None
+    service_tier: str | None = None
 
     @field_validator("stop")
     @classmethod
@@ -75,6 +121,27 @@ class ChatCompletionRequest(Strict):
         if len(values) > 4 or any(not s for s in values):
             raise ValueError("stop takes up to 4 non-empty strings")
         return stop
+
+    @field_validator("logit_bias")
+    @classmethod
+    def token_biases(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        if bias is None:
+            return None
+        if len(bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS} tokens")
+        for key, value in bias.items():
+            if not key.isdigit() or not key.isascii() or len(key) > 9:
+                raise ValueError(f"keys must be token ids, not {key[:20]!r}")
+            if not -LOGIT_BIAS_LIMIT <= value <= LOGIT_BIAS_LIMIT:  # NaN fails this too
+                raise ValueError(f"biases must be in [-100, 100], not {value}")
+        return bias
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def token_ids(cls, ids: list[int] | None) -> list[int] | None:
+        if ids and min(ids) < 0:
+            raise ValueError("token ids must be ≥ 0")
+        return ids
 
     @model_validator(mode="after")
     def consistent(self) -> ChatCompletionRequest:
@@ -88,28 +155,62 @@ class ChatCompletionRequest(Strict):
     def stop_list(self) -> tuple[str, ...]:
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
 
+    @property
+    def bias_pairs(self) -> tuple[tuple[int, float], ...]:
+        return tuple(sorted((int(k), v) for k, v in (self.logit_bias or {}).items()))
+
+    def unsupported(self) -> tuple[str, str] | None:
+        """(field, why) for a field that asks for what this server does not do (yet)."""
+        if self.n > 1:
+            return "n", "n > 1 is not supported yet"
+        if self.response_format is not None and self.response_format.type != "text":
+            return (
+                "response_format",
+                f"response_format {self.response_format.type!r} is not supported yet",
+            )
+        if self.tools:
+            return "tools", "tools are not supported yet"
+        if self.tool_choice not in (None, "none", "auto"):
+            return "tool_choice", "tool_choice needs tools, which are not supported yet"
+        for i, message in enumerate(self.messages):
+            if message.tool_calls or message.function_call:
+                return f"messages.{i}.tool_calls", "tool calls are not supported yet"
+            if message.audio is not None:
+                return f"messages.{i}.audio", "audio is not supported"
+        extra = self.model_extra or {}
+        if extra.get("audio") is not None or "audio" in (extra.get("modalities") or ()):
+            return "audio", "audio output is not supported"
+        for name in GUIDED:
+            if extra.get(name) is not None:
+                return name, f"{name} (structured output) is not supported yet"
+        return None
+
+
+GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
+
 
 def parse_request(body: Any) -> ChatCompletionRequest:
     """Validate a JSON body; the first problem becomes an OpenAI-style 400 naming the field."""
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
     try:
-        return ChatCompletionRequest.model_validate(body)
+        request = ChatCompletionRequest.model_validate(body)
     except ValidationError as e:
         raise _as_api_error(e) from None
+    if (refused := request.unsupported()) is not None:
+        param, why = refused
+        raise bad_request(why, param=param, code="unsupported_parameter")
+    if ignored := sorted(set(request.model_extra or ()) - IGNORED_QUIETLY):
+        log.warning("ignored request fields: %s", ", ".join(f[:40] for f in ignored[:20]))
+    return request
+
+
+IGNORED_QUIETLY = {"audio", "modalities", *GUIDED}  # checked above, None or text only
 
 
 def _as_api_error(error: ValidationError) -> APIError:
     first = error.errors()[0]
     param = ".".join(str(p) for p in first["loc"])
-    if first["type"] == "extra_forbidden":
-        return bad_request(
-            f"unsupported parameter: {param}", param=param, code="unsupported_parameter"
-        )
-    if param in ("n", "frequency_penalty", "presence_penalty"):
-        return bad_request(
-            f"{param} is not supported (only its default)", param, "unsupported_parameter"
-        )
     if not param:  # a check across several fields
         return bad_request(f"invalid request: {first['msg']}")
     return bad_request(f"invalid {param}: {first['msg']}", param=param)

@@ -8,7 +8,7 @@ import uvicorn
 
 from epd.api.app import Service, create_app
 from epd.api.prepare import PromptBuilder
-from epd.checkpoint.tokenizer import load_tokenizer
+from epd.checkpoint.tokenizer import load_tokenizer, stop_token_ids
 from epd.checkpoint.weights import load_model
 from epd.config.roles import PrefillConfig
 from epd.dtypes import model_dtype
@@ -28,7 +28,8 @@ def build_service(config: PrefillConfig) -> Service:
     lm = load_model(
         config.model, "language", config.device, model_dtype(config.dtype)
     ).language_model
-    engine = PrefillEngine(lm, tokenizer, builder.placeholder_id)
+    eos_ids = stop_token_ids(config.model, tokenizer)
+    engine = PrefillEngine(lm, tokenizer, builder.placeholder_id, eos_ids)
     return Service(
         config, config.model_name, builder, engine, Watchdog(config.watchdog_s, PREFILL_ACTIVITIES)
     )

@@ -35,9 +35,14 @@ class ProcessorConfig:
 
 @dataclass(frozen=True)
 class GenerationConfig:
-    """`generation_config.json`: the token ids that end a reply."""
+    """`generation_config.json`: the token ids that end a reply, and the sampling defaults a
+    request that leaves a field out gets (the keys vLLM takes, `max_new_tokens` as `max_tokens`)."""
 
     eos_token_ids: tuple[int, ...]
+    sampling_defaults: dict[str, float] = dataclasses.field(default_factory=dict)
+
+
+SAMPLING_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -109,4 +114,10 @@ def load_generation_config(checkpoint: str | Path) -> GenerationConfig:
     if eos is None:
         raise CheckpointError("generation_config.json lacks 'eos_token_id'")
     ids = (eos,) if isinstance(eos, int) else tuple(int(i) for i in eos)
-    return GenerationConfig(eos_token_ids=ids)
+    defaults = {key: raw[key] for key in SAMPLING_DEFAULTS if raw.get(key) is not None}
+    if raw.get("max_new_tokens") is not None:
+        defaults["max_tokens"] = raw["max_new_tokens"]
+    for key, value in defaults.items():
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise CheckpointError(f"generation_config.json: {key} must be a number, not {value!r}")
+    return GenerationConfig(eos_token_ids=ids, sampling_defaults=defaults)

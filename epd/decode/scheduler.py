@@ -4,7 +4,8 @@ New sequences join between steps (their first token, sampled by prefill, is emit
 arrival); finished and aborted ones leave between steps and their caches are freed. Beyond
 `max_batch_size` sequences wait, in arrival order, for a free slot.
 
-A step samples every row in one batched call (one finiteness check, one transfer to the host).
+A step samples every row in one batched call (one finiteness check, the requests' penalties,
+biases and bans applied batched, one transfer to the host).
 Its failures are per sequence: a row whose logits are not finite or cannot be sampled fails that
 sequence only, and when the batched forward or the batched sampling fails, each sequence is run
 alone (from its generator's earlier state) so only the ones that fail alone are failed.
@@ -20,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from epd.generation.logits import adjust
 from epd.generation.sampling import restore_generator, sample_batch
 from epd.generation.sequence import Output, Sequence
 from epd.model.deepseek import DeepseekV3ForCausalLM
@@ -81,6 +83,11 @@ class Scheduler:
             raise ValueError(f"KV cache of shape {tuple(handoff.cache.shape)}, expected {expected}")
         if not 0 <= handoff.first_token < config.vocab_size:
             raise ValueError(f"first token {handoff.first_token} is outside the vocabulary")
+        ids = handoff.prompt_ids
+        if int(ids.min()) < 0 or int(ids.max()) >= config.vocab_size:
+            raise ValueError("a prompt token id is outside the vocabulary")
+        if any(not 0 <= t < config.vocab_size for t in handoff.sampling.token_ids()):
+            raise ValueError("logit_bias or stop_token_ids name a token outside the vocabulary")
         total = handoff.prompt_tokens + handoff.sampling.max_tokens
         if total > config.max_position_embeddings:
             raise ValueError(
@@ -108,6 +115,7 @@ class Scheduler:
             cache,
             self.tokenizer,
             self.eos_ids,
+            handoff.prompt_ids,
         )
         output = sequence.accept(handoff.first_token, handoff.first_logprob)
         if sequence.finish_reason is None:
@@ -177,8 +185,9 @@ class Scheduler:
         sequences = [batch[i][0] for i in rows]
         states = [s.generator.get_state() for s in sequences]
         try:
+            adjusted = adjust(logits[rows], sequences, self.eos_ids)
             tokens = sample_batch(
-                logits[rows], [s.sampling for s in sequences], [s.generator for s in sequences]
+                adjusted, [s.sampling for s in sequences], [s.generator for s in sequences]
             ).tolist()
         except Exception as e:
             if len(rows) == 1:

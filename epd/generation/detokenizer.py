@@ -13,14 +13,14 @@ from epd.checkpoint.tokenizer import decode_text
 
 
 class Detokenizer:
-    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, skip_special: bool = True) -> None:
+        self.tokenizer, self.skip_special = tokenizer, skip_special
         self.ids: list[int] = []
         self.prefix = 0  # start of the window that is re-decoded for context
         self.read = 0  # tokens up to here have been turned into released text
 
     def _text(self, ids: list[int]) -> str:
-        return decode_text(self.tokenizer, ids, skip_special=True)
+        return decode_text(self.tokenizer, ids, self.skip_special)
 
     def add(self, token: int) -> str:
         """Append one token id; return the text it completes ('' while a character is split)."""

@@ -29,6 +29,13 @@ TokenBytes = Annotated[tuple[int, ...], Meta(max_length=MAX_TOKEN_BYTES)]
 StopStrings = Annotated[
     tuple[Annotated[str, Meta(max_length=MAX_STOP_CHARS)], ...], Meta(max_length=MAX_STOP_STRINGS)
 ]
+MAX_LOGIT_BIAS = 1024  # token biases per request
+MAX_STOP_TOKEN_IDS = 64
+LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range: ±100 bans or forces a token
+PENALTY_LIMIT = 2.0  # OpenAI's range for presence and frequency penalties
+REPETITION_PENALTY_RANGE = (0.01, 100.0)  # dividing by less could overflow float32 logits
+LogitBias = Annotated[tuple[tuple[int, float], ...], Meta(max_length=MAX_LOGIT_BIAS)]
+StopTokenIds = Annotated[tuple[int, ...], Meta(max_length=MAX_STOP_TOKEN_IDS)]
 
 
 def require(condition: bool, problem: str) -> None:
@@ -58,6 +65,20 @@ class SamplingParams(Record, frozen=True):
     logprobs: bool = False
     top_logprobs: int = 0
     ignore_eos: bool = False  # generate max_tokens whatever the model says (benchmarks)
+    presence_penalty: float = 0.0  # subtracted once from each token generated so far
+    frequency_penalty: float = 0.0  # subtracted per time each token was generated so far
+    repetition_penalty: float = 1.0  # divides (positive) or multiplies logits of seen tokens
+    min_p: float = 0.0  # drop tokens less likely than min_p × the likeliest one
+    min_tokens: int = 0  # no eos or stop token id before this many tokens
+    logit_bias: LogitBias = ()  # (token id, bias) pairs, added to the logits
+    stop_token_ids: StopTokenIds = ()  # end the reply like an eos id
+    skip_special_tokens: bool = True  # leave special tokens out of the text
+
+    @property
+    def penalised(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty) or (
+            self.repetition_penalty != 1.0
+        )
 
     def __post_init__(self) -> None:
         require(self.max_tokens >= 1, f"max_tokens must be at least 1, not {self.max_tokens}")
@@ -80,6 +101,37 @@ class SamplingParams(Record, frozen=True):
             0 <= self.top_logprobs <= MAX_TOP_LOGPROBS,
             f"top_logprobs must be 0 to {MAX_TOP_LOGPROBS}, not {self.top_logprobs}",
         )
+        self._check_controls()
+
+    def _check_controls(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            require(
+                -PENALTY_LIMIT <= value <= PENALTY_LIMIT,
+                f"{name} must be in [-{PENALTY_LIMIT}, {PENALTY_LIMIT}], not {value}",
+            )
+        low, high = REPETITION_PENALTY_RANGE
+        require(
+            low <= self.repetition_penalty <= high,
+            f"repetition_penalty must be in [{low}, {high}], not {self.repetition_penalty}",
+        )
+        require(0 <= self.min_p <= 1, f"min_p must be in [0, 1], not {self.min_p}")
+        require(
+            0 <= self.min_tokens <= self.max_tokens,
+            f"min_tokens must be in [0, max_tokens], not {self.min_tokens}",
+        )
+        require(
+            all(
+                token >= 0 and -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT
+                for token, bias in self.logit_bias
+            ),
+            f"logit_bias maps token ids ≥ 0 to biases in [-{LOGIT_BIAS_LIMIT}, {LOGIT_BIAS_LIMIT}]",
+        )
+        require(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids must be ≥ 0")
+
+    def token_ids(self) -> tuple[int, ...]:
+        """Every token id the request names, for a check against the vocabulary."""
+        return tuple(t for t, _ in self.logit_bias) + self.stop_token_ids
 
 
 class TopLogprob(Record, frozen=True):

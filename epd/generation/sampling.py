@@ -1,4 +1,4 @@
-"""Per-request token sampling: greedy, temperature, top-k, top-p, seeded.
+"""Per-request token sampling: greedy, temperature, top-k, top-p, min-p, seeded.
 
 Each request owns a CPU `torch.Generator`; its state travels from prefill to decode with the
 KV hand-off, so a seeded request draws the same tokens whichever process samples them.
@@ -66,7 +66,7 @@ def draw(
     generators: list[torch.Generator],
     filtered: bool,
 ) -> torch.Tensor:
-    """Sampled token ids (n,) from logits (n, vocab) under temperature, top-k and top-p."""
+    """Sampled token ids (n,) from logits (n, vocab) under temperature, top-k, top-p, min-p."""
     vocab = logits.shape[-1]
     device = logits.device
 
@@ -85,6 +85,9 @@ def draw(
         # Drop a token once the tokens ranked above it already cover top_p.
         outside = (probs.cumsum(-1) - probs >= top_p) & (top_p < 1.0)
         probs = probs.masked_fill(outside, 0.0)
+    if any(p.min_p > 0 for p in params):
+        floor = column([p.min_p for p in params]) * probs.amax(-1, keepdim=True)
+        probs = probs.masked_fill(probs < floor, 0.0)  # the likeliest token always stays
     cdf = probs.cumsum(-1)  # (n, vocab)
     uniform = torch.cat([torch.rand(1, generator=g) for g in generators]).to(device)[:, None]
     chosen = torch.searchsorted(cdf, uniform * cdf[:, -1:], right=True)  # (n, 1)

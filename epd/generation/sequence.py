@@ -1,8 +1,9 @@
 """One request being generated: its cache, sampler and stop rules, shared by decode and tests.
 
 A sequence ends on an eos id (the token is counted but adds no text; with `ignore_eos` it goes
-on, as benchmarks ask), on a stop string (the reply is cut before it, and text that might be the
-start of a stop string is held back until it cannot be), or at `max_tokens`. Each accepted token
+on, as benchmarks ask) or one of its `stop_token_ids`, on a stop string (the reply is cut before
+it, and text that might be the start of a stop string is held back until it cannot be; none is
+looked for before `min_tokens`), or at `max_tokens`. Each accepted token
 gives an `Output`: what the client gets for it. Where the output goes is the decode server's
 business, not the sequence's.
 """
@@ -41,11 +42,14 @@ class Sequence:
         cache: LatentCache,
         tokenizer: PreTrainedTokenizerBase,
         eos_ids: Collection[int],
+        prompt_ids: torch.Tensor,
     ) -> None:
         self.request_id = request_id
         self.sampling, self.generator, self.cache = sampling, generator, cache
         self.tokenizer, self.eos_ids = tokenizer, frozenset(eos_ids)
-        self.detokenizer = Detokenizer(tokenizer)
+        self.prompt_ids = prompt_ids  # (prompt tokens,) int64, for repetition penalties
+        self.stop_ids = frozenset(sampling.stop_token_ids)
+        self.detokenizer = Detokenizer(tokenizer, sampling.skip_special_tokens)
         self.tokens: list[int] = []
         self.text, self.sent = "", 0  # reply text so far; characters already released
         self.finish_reason: FinishReason | None = None
@@ -64,11 +68,12 @@ class Sequence:
         """Record a generated token and say what the client gets for it."""
         assert self.finish_reason is None
         self.tokens.append(token)
-        if token in self.eos_ids and not self.sampling.ignore_eos:
+        if (token in self.eos_ids and not self.sampling.ignore_eos) or token in self.stop_ids:
             self.finish_reason = "stop"
         else:
             self.text += self.detokenizer.add(token)
-            self._apply_stop_strings()
+            if len(self.tokens) >= self.sampling.min_tokens:
+                self._apply_stop_strings()
         if self.finish_reason is None and len(self.tokens) >= self.sampling.max_tokens:
             self.finish_reason = "length"
         end = len(self.text) if self.finish_reason else len(self.text) - self._held_back()

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from epd.generation.logits import adjust
 from epd.generation.params import SamplingParams
 from epd.generation.sampling import make_generator, sample, token_logprob
 from epd.model.deepseek import DeepseekV3ForCausalLM
@@ -31,11 +33,25 @@ class Prompt:
     sampling: SamplingParams
 
 
+@dataclass(frozen=True)
+class FirstToken:
+    """The history the first token's controls see: the prompt, and no reply yet."""
+
+    sampling: SamplingParams
+    prompt_ids: torch.Tensor
+    tokens: tuple[int, ...] = ()
+
+
 class PrefillEngine:
     def __init__(
-        self, lm: DeepseekV3ForCausalLM, tokenizer: PreTrainedTokenizerBase, placeholder_id: int
+        self,
+        lm: DeepseekV3ForCausalLM,
+        tokenizer: PreTrainedTokenizerBase,
+        placeholder_id: int,
+        eos_ids: Collection[int],
     ) -> None:
         self.lm, self.tokenizer, self.placeholder_id = lm, tokenizer, placeholder_id
+        self.eos_ids = eos_ids  # banned from the first token while min_tokens asks for more
         self.device = lm.lm_head.weight.device
 
     def run(
@@ -103,7 +119,9 @@ class PrefillEngine:
         """Sample the first token and pack everything decode needs."""
         try:
             generator = make_generator(prompt.sampling.seed)
-            token = sample(logits, prompt.sampling, generator)
+            ids = torch.tensor(prompt.prompt_ids, dtype=torch.int64)
+            adjusted = adjust(logits[None], [FirstToken(prompt.sampling, ids)], self.eos_ids)
+            token = sample(adjusted[0], prompt.sampling, generator)
             logprob = None
             if prompt.sampling.logprobs:
                 top = prompt.sampling.top_logprobs
@@ -117,6 +135,7 @@ class PrefillEngine:
                 sampling=prompt.sampling,
                 rng_state=generator.get_state(),
                 cache=cache.tensor().contiguous().cpu(),  # its own memory, copied off the loop
+                prompt_ids=ids,
             )
         except Exception as e:  # e.g. a cache with NaN from an overflow: this request only
             return e

@@ -26,7 +26,7 @@ from epd.wire.messages import MESSAGE_TYPES, Message
 
 Frame = bytes | memoryview
 MAX_RANK = 8
-MAX_TENSORS = 2  # the most tensor fields any message has
+MAX_TENSORS = 3  # the most tensor fields any message has (a hand-off)
 HEADER_BYTES = 1 << 16  # every header but an EncodeRequest's (which holds image files) fits
 
 

@@ -101,6 +101,7 @@ class KVHandoff(WireMessage, frozen=True):
     sampling: SamplingParams
     rng_state: torch.Tensor  # the request's generator state after sampling the first token
     cache: torch.Tensor  # latent KV (layers, prompt_tokens, kv_lora_rank + qk_rope_head_dim)
+    prompt_ids: torch.Tensor  # (prompt_tokens,) int64, for penalties on the prompt's tokens
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -114,6 +115,11 @@ class KVHandoff(WireMessage, frozen=True):
         require(
             self.prompt_tokens >= 1 and self.cache.shape[1] == self.prompt_tokens,
             f"a cache of {self.cache.shape[1]} tokens for a prompt of {self.prompt_tokens}",
+        )
+        require(
+            self.prompt_ids.dtype == torch.int64
+            and tuple(self.prompt_ids.shape) == (self.prompt_tokens,),
+            f"prompt_ids must be {self.prompt_tokens} int64 token ids",
         )
 
 

@@ -1,5 +1,6 @@
 """Continuous batching: joins and leaves between steps, each request as if alone."""
 
+import msgspec
 import pytest
 
 from epd.checkpoint.config import load_generation_config, load_model_config
@@ -16,10 +17,10 @@ PROMPTS = [[5, 17, 42, 99], [7, 300, 12, 64, 128, 3, 250], [31, 77]]
 def parts(tiny_checkpoint):
     lm = load_model(tiny_checkpoint, role="language").language_model
     tokenizer = load_tokenizer(tiny_checkpoint)
-    engine = PrefillEngine(
-        lm, tokenizer, load_model_config(tiny_checkpoint).media_placeholder_token_id
-    )
-    return lm, tokenizer, engine, load_generation_config(tiny_checkpoint).eos_token_ids
+    eos = load_generation_config(tiny_checkpoint).eos_token_ids
+    placeholder = load_model_config(tiny_checkpoint).media_placeholder_token_id
+    engine = PrefillEngine(lm, tokenizer, placeholder, eos)
+    return lm, tokenizer, engine, eos
 
 
 def handoff(engine, i, max_tokens=12, seeded=False):
@@ -180,6 +181,21 @@ def test_hand_offs_past_the_context_or_already_decoding_are_refused(parts):
     scheduler.add(handoff(engine, 0, max_tokens=room))
     with pytest.raises(ValueError, match="already decoding"):
         scheduler.add(handoff(engine, 0))
+
+
+def test_token_ids_outside_the_vocabulary_are_refused(parts):
+    lm, tokenizer, engine, eos = parts
+    scheduler = Scheduler(lm, tokenizer, eos)
+    good = handoff(engine, 0)
+    vocab = lm.config.vocab_size
+    sampling = msgspec.structs.replace(good.sampling, stop_token_ids=(vocab,))
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        scheduler.add(msgspec.structs.replace(good, sampling=sampling))
+    ids = good.prompt_ids.clone()
+    ids[-1] = vocab
+    with pytest.raises(ValueError, match="prompt token id is outside"):
+        scheduler.add(msgspec.structs.replace(good, prompt_ids=ids))
+    assert len(scheduler) == 0
 
 
 def test_a_failure_after_the_caches_grew_does_not_shift_them(parts):

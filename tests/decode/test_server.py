@@ -27,10 +27,10 @@ from epd.wire.transport import Inbox
 def model(tiny_checkpoint):
     lm = load_model(tiny_checkpoint, role="language").language_model
     tokenizer = load_tokenizer(tiny_checkpoint)
-    engine = PrefillEngine(
-        lm, tokenizer, load_model_config(tiny_checkpoint).media_placeholder_token_id
-    )
-    return lm, tokenizer, engine, load_generation_config(tiny_checkpoint).eos_token_ids
+    eos = load_generation_config(tiny_checkpoint).eos_token_ids
+    placeholder = load_model_config(tiny_checkpoint).media_placeholder_token_id
+    engine = PrefillEngine(lm, tokenizer, placeholder, eos)
+    return lm, tokenizer, engine, eos
 
 
 @pytest.fixture

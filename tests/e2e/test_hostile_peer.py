@@ -173,6 +173,7 @@ def handoff(checkpoint, request_id: str, reply_to: str, max_tokens: int = 300) -
         sampling=SamplingParams(max_tokens, temperature=0),
         rng_state=torch.Generator().manual_seed(0).get_state(),
         cache=torch.randn(text.num_hidden_layers, 4, text.latent_dim),
+        prompt_ids=torch.tensor([5, 6, 7, 8]),
     )
 
 
@@ -180,18 +181,24 @@ def poisoned_handoffs(checkpoint) -> list[list[bytes]]:
     good = handoff(checkpoint, "poisoned", "tcp://127.0.0.1:9")
     nan_cache = good.cache.clone()
     nan_cache[0, 0, 0] = float("nan")
-    sampling = {"temperature": 1, "top_p": 2, "top_k": 3, "top_logprobs": 7}
+    fields = SamplingParams.__struct_fields__
     bad = [
         ("temperature", float("nan")),
         ("top_p", float("nan")),
         ("top_p", 0.0),
         ("top_k", -5),
         ("top_logprobs", 5000),
+        ("presence_penalty", float("nan")),
+        ("repetition_penalty", 1e-30),  # would overflow every logit it divides
+        ("logit_bias", [[3, float("inf")]]),
+        ("stop_token_ids", [10**9]),  # outside the vocabulary
     ]
-    frames = [edited(good, (6, sampling[name]), value) for name, value in bad]
-    header, rng, _ = [bytes(f) for f in encode(good)]
-    frames.append([header, rng, nan_cache.numpy().tobytes()])
-    frames.append([header, rng, (nan_cache / 0).numpy().tobytes()])
+    frames = [edited(good, (6, fields.index(name)), value) for name, value in bad]
+    header, rng, _, ids = [bytes(f) for f in encode(good)]
+    frames.append([header, rng, nan_cache.numpy().tobytes(), ids])
+    frames.append([header, rng, (nan_cache / 0).numpy().tobytes(), ids])
+    outside = torch.tensor([5, 6, 7, 10**9]).numpy().tobytes()  # a prompt id past the vocabulary
+    frames.append([header, rng, good.cache.numpy().tobytes(), outside])
     return frames
 
 
@@ -259,7 +266,7 @@ def test_hostile_and_dead_peers_hurt_no_honest_request(three, expected, tiny_che
     assert all(text == expected[case] for case, text in honest.texts)
     assert max(honest.gaps) < 1.0, f"a stream stalled for {max(honest.gaps):.2f}s"
     assert attacker.returncode == 0, attacker.stderr
-    expected_refusals = {"encode": len(CORPUS), "prefill": len(CORPUS), "decode": len(CORPUS) + 7}
+    expected_refusals = {"encode": len(CORPUS), "prefill": len(CORPUS), "decode": len(CORPUS) + 10}
     assert eventually(lambda: delta(refusals(base), refused) == expected_refusals)
     assert "'tcp://10.9.9.9:7102' is not a prefill of this encoder" in processes["encode"].output
 

@@ -33,6 +33,13 @@ def test_top_p_keeps_the_smallest_covering_set():
     assert set(draws(SamplingParams(8, temperature=1.0, top_p=0.5))) == {1}
 
 
+@pytest.mark.parametrize("top_k", [0, 5])  # in vocabulary order, and in probability order
+def test_min_p_drops_tokens_below_its_share_of_the_likeliest(top_k):
+    probs = LOGITS.softmax(-1)  # ≈ [.09, .52, .32, .01, .03]: 0.3 × .52 ≈ .16
+    assert set(draws(SamplingParams(8, temperature=1.0, min_p=0.3, top_k=top_k))) == {1, 2}
+    assert probs[2] > 0.3 * probs[1] > probs[0]
+
+
 def test_full_distribution_reaches_every_token():
     assert set(draws(SamplingParams(8, temperature=1.0), n=2000)) == {0, 1, 2, 3, 4}
 

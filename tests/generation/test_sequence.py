@@ -18,7 +18,8 @@ def sequence(tokenizer, **params):
     cache = LatentCache(torch.zeros(1, 1, 1), 0)
     sampling = SamplingParams(**({"max_tokens": 100} | params))
     eos = [tokenizer.convert_tokens_to_ids("<|im_end|>")]
-    return Sequence("r", sampling, torch.Generator(), cache, tokenizer, eos)
+    prompt = torch.tensor([1, 2, 3])
+    return Sequence("r", sampling, torch.Generator(), cache, tokenizer, eos, prompt)
 
 
 def feed(seq, tokenizer, text):
@@ -71,3 +72,26 @@ def test_released_text_is_the_whole_reply_when_nothing_stops(tokenizer):
     seq = sequence(tokenizer, stop=("zzz",), max_tokens=50)
     deltas = feed(seq, tokenizer, "hello world, what shape is this?")
     assert "".join(d.text for d in deltas) == "hello world, what shape is this?"
+
+
+def test_a_stop_token_id_finishes_like_eos_even_with_ignore_eos(tokenizer):
+    stop = tokenizer.encode(" two", add_special_tokens=False)[0]
+    seq = sequence(tokenizer, stop_token_ids=(stop,), ignore_eos=True)
+    deltas = feed(seq, tokenizer, "one two three")
+    assert deltas[-1].finish_reason == "stop" and "".join(d.text for d in deltas) == "one"
+
+
+def test_stop_strings_wait_for_min_tokens(tokenizer):
+    early = sequence(tokenizer, stop=("one",), min_tokens=3)
+    deltas = feed(early, tokenizer, "one two three four")
+    assert "".join(d.text for d in deltas) == "one two three four"
+    assert early.finish_reason is None
+    assert (
+        feed(sequence(tokenizer, stop=("one",)), tokenizer, "one two")[-1].finish_reason == "stop"
+    )
+
+
+def test_special_tokens_are_spelled_out_when_not_skipped(tokenizer):
+    special = tokenizer.convert_tokens_to_ids("<|im_middle|>")
+    kept, skipped = sequence(tokenizer, skip_special_tokens=False), sequence(tokenizer)
+    assert kept.accept(special).text == "<|im_middle|>" and skipped.accept(special).text == ""

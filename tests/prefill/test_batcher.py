@@ -5,7 +5,7 @@ import asyncio
 import pytest
 import torch
 
-from epd.checkpoint.config import load_model_config
+from epd.checkpoint.config import load_generation_config, load_model_config
 from epd.checkpoint.tokenizer import load_tokenizer
 from epd.checkpoint.weights import load_model
 from epd.generation.params import SamplingParams
@@ -20,7 +20,8 @@ PROMPTS = [[5, 17, 42, 99], [7, 300, 12, 64, 128, 3, 250], [31, 77], [9] * 40]
 def engine(tiny_checkpoint):
     lm = load_model(tiny_checkpoint, role="language").language_model
     placeholder = load_model_config(tiny_checkpoint).media_placeholder_token_id
-    return PrefillEngine(lm, load_tokenizer(tiny_checkpoint), placeholder)
+    eos = load_generation_config(tiny_checkpoint).eos_token_ids
+    return PrefillEngine(lm, load_tokenizer(tiny_checkpoint), placeholder, eos)
 
 
 def prompt(i, ids=None, images=None):

@@ -32,6 +32,7 @@ def handoff(**changes):
         "sampling": SamplingParams(8),
         "rng_state": RNG,
         "cache": torch.zeros(2, 3, 8),
+        "prompt_ids": torch.tensor([1, 2, 3]),
     }
     return KVHandoff(**(fields | changes))
 
@@ -49,6 +50,21 @@ SAMPLING = [
     ({"stop": ("",)}, "stop"),
     ({"stop": ("x" * 10_000,)}, "stop"),
     ({"stop": ("a",) * 5}, "stop"),
+    ({"presence_penalty": NAN}, "presence_penalty"),
+    ({"frequency_penalty": INF}, "frequency_penalty"),
+    ({"frequency_penalty": -2.5}, "frequency_penalty"),
+    ({"repetition_penalty": 0.0}, "repetition_penalty"),
+    ({"repetition_penalty": 1e-30}, "repetition_penalty"),  # would overflow the logits
+    ({"repetition_penalty": NAN}, "repetition_penalty"),
+    ({"min_p": NAN}, "min_p"),
+    ({"min_p": 1.5}, "min_p"),
+    ({"min_tokens": 9}, "min_tokens"),  # over max_tokens
+    ({"min_tokens": -1}, "min_tokens"),
+    ({"logit_bias": ((3, INF),)}, "logit_bias"),
+    ({"logit_bias": ((3, NAN),)}, "logit_bias"),
+    ({"logit_bias": ((-1, 5.0),)}, "logit_bias"),
+    ({"logit_bias": ((3, 101.0),)}, "logit_bias"),
+    ({"stop_token_ids": (-4,)}, "stop_token_ids"),
 ]
 
 
@@ -65,6 +81,14 @@ def test_poisoned_sampling_is_refused_here_and_on_the_wire(changes, field):
     raw[6] = values
     with pytest.raises(WireError, match=rf"{field}|at `\$\[6\]"):  # named, or its place
         decode([msgspec.msgpack.encode(raw), *map(bytes, good[1:])])
+
+
+@pytest.mark.parametrize(
+    "prompt_ids", [torch.tensor([1.0, 2.0, 3.0]), torch.tensor([1, 2]), torch.tensor([[1, 2, 3]])]
+)
+def test_prompt_ids_must_be_the_prompts_int64_ids(prompt_ids):
+    with pytest.raises(ValueError, match="prompt_ids"):
+        handoff(prompt_ids=prompt_ids)
 
 
 @pytest.mark.parametrize("value", [NAN, INF, -INF])

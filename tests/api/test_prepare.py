@@ -1,0 +1,71 @@
+"""Sampling settings from a request, and the checkpoint's defaults for what it leaves out."""
+
+import json
+import shutil
+
+import pytest
+
+from epd.api.errors import APIError
+from epd.api.prepare import PromptBuilder
+from epd.api.schema import parse_request
+from epd.checkpoint.config import CheckpointError
+from epd.checkpoint.tokenizer import load_tokenizer
+
+
+def builder_with(tiny_checkpoint, tmp_path, **generation):
+    checkpoint = tmp_path / "checkpoint"
+    shutil.copytree(tiny_checkpoint, checkpoint)
+    path = checkpoint / "generation_config.json"
+    path.write_text(json.dumps(json.loads(path.read_text()) | generation))
+    return PromptBuilder.from_checkpoint(checkpoint, load_tokenizer(checkpoint), 512)
+
+
+def sampling(builder, **fields):
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]} | fields
+    return builder.sampling(parse_request(body), prompt_tokens=10)
+
+
+def test_generation_config_fills_what_the_request_leaves_out(tiny_checkpoint, tmp_path):
+    builder = builder_with(
+        tiny_checkpoint,
+        tmp_path,
+        temperature=0.3,
+        top_p=0.8,
+        top_k=20,
+        repetition_penalty=1.05,
+        max_new_tokens=7,
+        do_sample=True,
+    )
+    left_out = sampling(builder)
+    assert (left_out.temperature, left_out.top_p, left_out.top_k) == (0.3, 0.8, 20)
+    assert left_out.repetition_penalty == 1.05 and left_out.max_tokens == 7
+    given = sampling(builder, temperature=0, top_p=1.0, top_k=-1, max_tokens=30)
+    assert (given.temperature, given.top_p, given.top_k, given.max_tokens) == (0, 1.0, 0, 30)
+
+
+def test_without_defaults_the_usual_ones_apply(tiny_checkpoint, tmp_path):
+    plain = sampling(builder_with(tiny_checkpoint, tmp_path))
+    assert (plain.temperature, plain.top_p, plain.top_k, plain.min_p) == (1.0, 1.0, 0, 0.0)
+    assert plain.repetition_penalty == 1.0 and plain.max_tokens == 512
+
+
+@pytest.mark.parametrize("bad", [{"temperature": "hot"}, {"top_p": 0}, {"min_p": 7}])
+def test_a_checkpoint_with_unusable_defaults_is_refused_at_start(tiny_checkpoint, tmp_path, bad):
+    with pytest.raises(CheckpointError, match="generation_config.json"):
+        builder_with(tiny_checkpoint, tmp_path, **bad)
+
+
+def test_controls_reach_the_sampling_params(tiny_checkpoint, tmp_path):
+    params = sampling(
+        builder_with(tiny_checkpoint, tmp_path),
+        logit_bias={"12": -100, "3": 2.5},
+        stop_token_ids=[4],
+        min_tokens=2,
+        presence_penalty=0.5,
+        skip_special_tokens=False,
+    )
+    assert params.logit_bias == ((3, 2.5), (12, -100.0)) and params.stop_token_ids == (4,)
+    assert params.min_tokens == 2 and params.presence_penalty == 0.5
+    assert not params.skip_special_tokens
+    with pytest.raises(APIError, match="min_tokens"):
+        sampling(builder_with(tiny_checkpoint, tmp_path / "2"), min_tokens=9, max_tokens=3)

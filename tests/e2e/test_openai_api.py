@@ -1,0 +1,136 @@
+"""What ordinary OpenAI and vLLM clients send, over the three processes, against the one-process
+path: routine fields, an earlier reply echoed back, and the sampling controls."""
+
+import asyncio
+
+import openai
+import pytest
+
+from .test_stack import CASES, ask, body
+
+TEXT = CASES["text only"]
+IMAGE = CASES["one image"]
+
+
+def tokens(reply):
+    return [t.token for t in reply.choices[0].logprobs.content]
+
+
+def local_tokens(completion):
+    return [e.token for d in completion.deltas for e in d.logprobs]
+
+
+@pytest.fixture(scope="module")
+def free(local, model_name):
+    """The greedy reply without controls, whose tokens the controls below act on."""
+    return local.chat(body(model_name, TEXT, max_tokens=24, temperature=0, logprobs=True))
+
+
+def controls_for(free):
+    ids = free.token_ids
+    return {
+        "logit_bias bans the first token": {"logit_bias": {str(ids[0]): -100}},
+        "logit_bias forces a token": {"logit_bias": {"42": 100}},
+        "frequency_penalty": {"frequency_penalty": 2.0},
+        "presence_penalty": {"presence_penalty": 2.0},
+        "repetition_penalty": {"repetition_penalty": 3.0},
+        "stop_token_ids": {"stop_token_ids": [ids[0]]},
+        "min_tokens bans the stop token": {"stop_token_ids": [ids[0]], "min_tokens": 2},
+    }
+
+
+CONTROLS = [
+    "logit_bias bans the first token",
+    "logit_bias forces a token",
+    "frequency_penalty",
+    "presence_penalty",
+    "repetition_penalty",
+    "stop_token_ids",
+    "min_tokens bans the stop token",
+]
+
+
+@pytest.mark.parametrize("name", CONTROLS)
+def test_controls_change_greedy_output_as_the_one_process_path_does(
+    client, model_name, local, free, name
+):
+    extra = controls_for(free)[name]
+    params = {"max_tokens": 24, "temperature": 0, "logprobs": True}
+    reply = ask(client, model_name, TEXT, **params, extra_body=extra)
+    expected = local.chat(body(model_name, TEXT, **params, **extra))
+    assert tokens(reply) == local_tokens(expected)
+    assert reply.choices[0].message.content == expected.text
+    assert expected.token_ids != free.token_ids  # the control did something
+    ids = expected.token_ids
+    if name == "logit_bias bans the first token":
+        assert free.token_ids[0] not in ids
+    if name == "logit_bias forces a token":
+        assert set(ids) == {42}
+    if name == "stop_token_ids":  # the first token, sampled by prefill, ends it
+        assert ids == free.token_ids[:1] and reply.choices[0].finish_reason == "stop"
+    if name in ("frequency_penalty", "presence_penalty"):  # the free reply repeats one token
+        assert len(set(ids)) == len(ids) > len(set(free.token_ids))
+    if name == "min_tokens bans the stop token":
+        assert ids[0] != free.token_ids[0]
+
+
+def test_seeded_min_p_sampling_equals_the_one_process_path(client, model_name, local):
+    params = {"max_tokens": 16, "temperature": 1.5, "seed": 5}
+    extra = {"min_p": 0.2, "repetition_penalty": 1.3}
+    reply = ask(client, model_name, IMAGE, **params, extra_body=extra)
+    expected = local.chat(body(model_name, IMAGE, **params, **extra))
+    assert reply.choices[0].message.content == expected.text
+
+
+def test_routine_fields_and_an_echoed_reply_are_accepted(client, model_name, local):
+    routine = {
+        "response_format": {"type": "text"},
+        "metadata": {"session": "s1"},
+        "store": False,
+        "user": "user-1",
+        "service_tier": "auto",
+        "parallel_tool_calls": False,
+        "n": 1,
+    }
+    first = ask(client, model_name, TEXT, max_tokens=8, temperature=0, **routine)
+    # The openai client's own dump of the reply: refusal, tool_calls, audio... all null.
+    echoed = first.choices[0].message.model_dump()
+    assert echoed["tool_calls"] is None and "refusal" in echoed
+    conversation = [*TEXT, echoed, {"role": "user", "content": "And then?"}]
+    reply = ask(client, model_name, conversation, max_tokens=12, temperature=0, **routine)
+    expected = local.chat(body(model_name, conversation, max_tokens=12, temperature=0))
+    assert reply.choices[0].message.content == expected.text
+
+
+def test_asking_for_what_is_not_there_names_the_field(client, model_name):
+    with pytest.raises(openai.BadRequestError, match="n > 1") as error:
+        ask(client, model_name, TEXT, n=2)
+    assert error.value.body["param"] == "n"
+    with pytest.raises(openai.BadRequestError, match="outside the vocabulary"):
+        ask(client, model_name, TEXT, logit_bias={"10000000": 5})
+
+
+def test_async_streaming_with_controls_equals_non_streaming(stack, model_name, local):
+    _, base = stack
+    extra = {"min_tokens": 4, "skip_special_tokens": False}
+
+    async def stream() -> str:
+        client = openai.AsyncOpenAI(
+            base_url=f"http://127.0.0.1:{base + 20}/v1", api_key="unused", max_retries=0
+        )
+        chunks = await client.chat.completions.create(
+            model=model_name,
+            messages=IMAGE,
+            max_tokens=20,
+            temperature=0,
+            frequency_penalty=1.5,
+            stream=True,
+            extra_body=extra,
+        )
+        text = "".join([c.choices[0].delta.content or "" async for c in chunks if c.choices])
+        await client.close()
+        return text
+
+    params = {"max_tokens": 20, "temperature": 0, "frequency_penalty": 1.5, **extra}
+    expected = local.chat(body(model_name, IMAGE, **params))
+    assert asyncio.run(stream()) == expected.text
