@@ -1,4 +1,4 @@
-"""The FastAPI app: /v1/chat/completions, /v1/models and /health."""
+"""The FastAPI app: /v1/chat/completions, /v1/models (and /v1/models/{id}) and /health."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from epd.api.errors import APIError, as_api_error, bad_request
 from epd.api.images import load_image_bytes
+from epd.api.middleware import add_middleware, request_id
 from epd.api.prepare import PromptBuilder
 from epd.api.responses import Reply
 from epd.api.schema import ChatCompletionRequest, parse_request
@@ -97,12 +98,19 @@ def create_app(service: Service, on_started: Callable[[], Any] | None = None) ->
 
     app = FastAPI(title="epd", lifespan=lifespan)
     handle_errors(app)
+    add_middleware(app, service.config.allowed_origins)
     app.include_router(health_router("prefill", service.watchdog, service.status))
+    card = {"id": service.model_name, "object": "model", "created": 0, "owned_by": "epd"}
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        card = {"id": service.model_name, "object": "model", "created": 0, "owned_by": "epd"}
         return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models/{model_id:path}")  # ids may hold slashes: moonshotai/Kimi-VL-...
+    async def model(model_id: str) -> dict[str, Any]:
+        if model_id != service.model_name:
+            raise unknown_model(model_id, service.model_name)
+        return card
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -112,15 +120,19 @@ def create_app(service: Service, on_started: Callable[[], Any] | None = None) ->
             raise bad_request("the request body is not valid JSON") from None
         chat = parse_request(body)
         if chat.model != service.model_name:
-            raise APIError(
-                404,
-                f"model {chat.model!r} does not exist; this server has {service.model_name!r}",
-                param="model",
-                code="model_not_found",
-            )
+            raise unknown_model(chat.model, service.model_name)
         return await complete(service, chat, request)
 
     return app
+
+
+def unknown_model(asked: str, served: str) -> APIError:
+    return APIError(
+        404,
+        f"model {asked[:200]!r} does not exist; this server has {served!r}",
+        param="model",
+        code="model_not_found",
+    )
 
 
 async def complete(service: Service, chat: ChatCompletionRequest, request: Request) -> Response:
@@ -129,15 +141,17 @@ async def complete(service: Service, chat: ChatCompletionRequest, request: Reque
     conversation = service.builder.read(chat)
     images = await service.load_images(conversation.image_urls)
     try:
-        prepared = service.builder.prepare(conversation, images)
+        prepared = service.builder.prepare(conversation, images, request_id(request))
     except ValueError as e:  # e.g. more images than the prompt has placeholders
         raise bad_request(str(e)) from None
     embeddings = await coordinator.encode(prepared)
     handoff = await coordinator.prefill(prepared, embeddings)
-    reply = Reply(prepared.request_id, service.model_name, handoff.prompt_tokens, chat.logprobs)
+    usage = chat.stream_options is not None and chat.stream_options.include_usage
+    reply = Reply(
+        prepared.request_id, service.model_name, handoff.prompt_tokens, chat.logprobs, usage
+    )
     deltas = coordinator.deltas(await coordinator.hand_off(handoff))
     if chat.stream:
-        usage = chat.stream_options is not None and chat.stream_options.include_usage
         return StreamingResponse(stream(reply, deltas, usage), media_type="text/event-stream")
     collected = await until_disconnected(request, collect(deltas))
     if collected is None:

@@ -115,15 +115,20 @@ class PromptBuilder:
                 raise bad_request(str(e), code="invalid_image") from None
         return tuple(grids)
 
-    def prepare(self, conversation: Conversation, images: list[bytes]) -> PreparedRequest:
-        """The request as prefill takes it, once its images are fetched."""
+    def prepare(
+        self, conversation: Conversation, images: list[bytes], request_id: str = ""
+    ) -> PreparedRequest:
+        """The request as prefill takes it, once its images are fetched; its id holds the
+        client's `x-request-id` where one was given (made unique: clients reuse theirs)."""
         grids = self.grids(images)
         counts = [self.processor.tokens(grid) for grid in grids]
         prompt = render_prompt(self.tokenizer, conversation.messages)
         ids = expand_placeholders(prompt, self.placeholder_id, counts)
         request = conversation.request
         return PreparedRequest(
-            request_id=f"chatcmpl-{uuid.uuid4().hex}",
+            request_id=f"chatcmpl-{request_id}-{uuid.uuid4().hex[:8]}"
+            if request_id
+            else f"chatcmpl-{uuid.uuid4().hex}",
             prompt_ids=ids,
             images=images,
             grids=grids,

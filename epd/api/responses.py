@@ -31,6 +31,7 @@ class Reply:
     model: str
     prompt_tokens: int
     want_logprobs: bool
+    stream_usage: bool = False  # every chunk has `usage`: null but in the last (OpenAI's rule)
     created: int = field(default_factory=lambda: int(time.time()))
 
     def usage(self, completion_tokens: int) -> dict[str, int]:
@@ -71,7 +72,7 @@ class Reply:
             "model": self.model,
             "choices": choices,
         }
-        if usage is not None:
+        if usage is not None or self.stream_usage:
             body["usage"] = usage
         return f"data: {json.dumps(body)}\n\n"
 

@@ -126,6 +126,9 @@ class PrefillConfig(ModelOptions):
     image_cache_bytes: int = option(
         512 * 1024 * 1024, "memory for embeddings of images seen before (0: no cache)"
     )
+    allowed_origins: tuple[str, ...] = option(
+        (), "origins browsers may call the API from (CORS), e.g. https://app.example; * for any"
+    )
     watchdog_s: float = watchdog_option()
 
     def __post_init__(self) -> None:

@@ -135,7 +135,7 @@ def to_flags(config: Any) -> list[str]:
         if isinstance(value, bool):
             argv.append(flag if value else f"--no-{flag[2:]}")
         elif isinstance(value, tuple):
-            argv += [flag, *value]
+            argv += [flag, *value] if value else []  # empty: the default (no values)
         else:
             argv += [flag, str(value)]
     return argv

@@ -256,3 +256,63 @@ def test_image_fetch_has_a_total_deadline(client, trickling_server):
     response = chat(client, messages=[image(trickling_server)])
     assert response.status_code == 400 and "took over 1.0s" in response.json()["error"]["message"]
     assert time.monotonic() - start < 3
+
+
+def test_request_ids_are_echoed_or_made(client):
+    response = client.post(
+        "/v1/chat/completions",
+        json={"model": "tiny", "messages": []},
+        headers={"x-request-id": "trace-42.a:b"},
+    )
+    assert response.status_code == 400 and response.headers["x-request-id"] == "trace-42.a:b"
+    made = client.get("/v1/models").headers["x-request-id"]
+    assert len(made) == 32 and made != client.get("/v1/models").headers["x-request-id"]
+    odd = client.get("/v1/models", headers={"x-request-id": "a b\t" + "x" * 300})
+    assert odd.headers["x-request-id"] != "a b\t" + "x" * 300  # not echoed into logs or headers
+    assert client.get("/nowhere").headers["x-request-id"]
+
+
+def test_one_model_by_id(client):
+    assert client.get("/v1/models/tiny").json()["id"] == "tiny"
+    response = client.get("/v1/models/org/other-model")
+    assert response.status_code == 404 and response.json()["error"]["code"] == "model_not_found"
+
+
+def test_unknown_routes_and_methods_get_openai_errors(client):
+    missing = client.get("/v1/embeddings")
+    assert missing.status_code == 404
+    assert missing.json()["error"]["message"] == "no such route: GET /v1/embeddings"
+    wrong = client.get("/v1/chat/completions")
+    assert wrong.status_code == 405 and wrong.json()["error"]["code"] == "method_not_allowed"
+
+
+def preflight(client):
+    return client.options(
+        "/v1/chat/completions",
+        headers={
+            "Origin": "https://app.example",
+            "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization, content-type",
+        },
+    )
+
+
+def test_no_origin_is_allowed_by_default(client):
+    assert "access-control-allow-origin" not in preflight(client).headers
+    response = client.get("/v1/models", headers={"Origin": "https://app.example"})
+    assert "access-control-allow-origin" not in response.headers
+
+
+def test_allowed_origins_get_cors_answers(tiny_checkpoint, tmp_path):
+    config = PrefillConfig(
+        model=str(tiny_checkpoint),
+        bind=f"ipc://{tmp_path}/prefill",
+        served_model_name="tiny",
+        allowed_origins=("https://app.example",),
+    )
+    with TestClient(create_app(build_service(config))) as client:
+        answer = preflight(client)
+        assert answer.status_code == 200
+        assert answer.headers["access-control-allow-origin"] == "https://app.example"
+        other = client.get("/v1/models", headers={"Origin": "https://evil.example"})
+        assert "access-control-allow-origin" not in other.headers

@@ -2,7 +2,9 @@
 path: routine fields, an earlier reply echoed back, and the sampling controls."""
 
 import asyncio
+import json
 
+import httpx
 import openai
 import pytest
 
@@ -134,3 +136,34 @@ def test_async_streaming_with_controls_equals_non_streaming(stack, model_name, l
     params = {"max_tokens": 20, "temperature": 0, "frequency_penalty": 1.5, **extra}
     expected = local.chat(body(model_name, IMAGE, **params))
     assert asyncio.run(stream()) == expected.text
+
+
+def test_stream_chunks_carry_usage_null_until_the_last_and_the_request_id(stack, model_name):
+    _, base = stack
+    request = {
+        "model": model_name,
+        "messages": TEXT,
+        "max_tokens": 5,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    with httpx.stream(
+        "POST",
+        f"http://127.0.0.1:{base + 20}/v1/chat/completions",
+        json=request,
+        headers={"x-request-id": "trace-7"},
+        timeout=60,
+    ) as response:
+        assert response.headers["x-request-id"] == "trace-7"
+        lines = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    chunks = [json.loads(line) for line in lines[:-1]]
+    assert all(c["usage"] is None for c in chunks[:-1])
+    assert chunks[-1]["usage"]["completion_tokens"] == 5
+    assert chunks[0]["id"].startswith("chatcmpl-trace-7-")  # the id logs carry
+
+
+def test_a_model_by_id_through_the_client(client, model_name):
+    assert client.models.retrieve(model_name).id == model_name
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("someone/else")
