@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from epd.api.images import load_image_bytes
-from epd.api.prepare import PromptBuilder
+from epd.api.prepare import PromptBuilder, check_grammar
 from epd.api.schema import parse_request
 from epd.checkpoint.tokenizer import load_tokenizer, stop_token_ids
 from epd.checkpoint.weights import load_model
@@ -67,6 +67,7 @@ class LocalPipeline:
             for i, url in enumerate(conversation.image_urls)
         ]
         prepared = self.builder.prepare(conversation, images)
+        check_grammar(self.engine.grammars, prepared.sampling)
         embeddings = self.encoder.encode(images)[1] if images else None
         handoff = self.engine.run(
             prepared.request_id, prepared.prompt_ids, embeddings, prepared.sampling

@@ -1,5 +1,6 @@
 """The README's commands, run as written (only the port changed), against `make serve`."""
 
+import ast
 import json
 import os
 import re
@@ -136,3 +137,16 @@ def test_local_launch_commands(make_serve):
         for process in processes:
             process.terminate()
             process.wait(30)
+
+
+def test_python_structured_output_example(make_serve):
+    result = subprocess.run(
+        [sys.executable, "-c", with_port(block("python-structured"), make_serve)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    reply = ast.literal_eval(result.stdout)
+    assert reply["shape"] in ("circle", "square", "triangle") and len(reply["colour"]) <= 10
+    assert f"prints `{result.stdout.strip()}`" in README

@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from epd.api.errors import APIError, as_api_error, bad_request
 from epd.api.images import load_image_bytes
 from epd.api.middleware import add_middleware, request_id
-from epd.api.prepare import PromptBuilder
+from epd.api.prepare import PromptBuilder, check_grammar
 from epd.api.responses import Reply
 from epd.api.schema import ChatCompletionRequest, parse_request
 from epd.config.roles import PrefillConfig
@@ -144,6 +144,7 @@ async def complete(service: Service, chat: ChatCompletionRequest, request: Reque
         prepared = service.builder.prepare(conversation, images, request_id(request))
     except ValueError as e:  # e.g. more images than the prompt has placeholders
         raise bad_request(str(e)) from None
+    await asyncio.to_thread(check_grammar, service.engine.grammars, prepared.sampling)
     embeddings = await coordinator.encode(prepared)
     handoff = await coordinator.prefill(prepared, embeddings)
     usage = chat.stream_options is not None and chat.stream_options.include_usage

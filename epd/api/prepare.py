@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import uuid
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -17,6 +18,14 @@ from epd.checkpoint.config import (
     load_generation_config,
     load_model_config,
     load_processor_config,
+)
+from epd.generation.grammar import (
+    GrammarError,
+    Grammars,
+    choice_grammar,
+    json_schema_grammar,
+    lark_grammar,
+    regex_grammar,
 )
 from epd.generation.params import SamplingParams
 from epd.multimodal.grids import Grid
@@ -175,8 +184,9 @@ class PromptBuilder:
                 logprobs=request.logprobs,
                 top_logprobs=request.top_logprobs or 0,
                 ignore_eos=request.ignore_eos,
+                grammar=output_grammar(request),
             )
-        except ValueError as e:  # e.g. min_tokens over max_tokens
+        except ValueError as e:  # e.g. min_tokens over max_tokens, a schema too large
             raise bad_request(str(e)) from None
 
     def check_token_ids(self, request: ChatCompletionRequest) -> None:
@@ -190,3 +200,36 @@ class PromptBuilder:
                     f"{self.vocab_size}",
                     param=param,
                 )
+
+
+def output_grammar(request: ChatCompletionRequest) -> str:
+    """llguidance grammar text for the request's structured output ("": none)."""
+    fmt = request.response_format
+    param = (request.output_constraints() or [""])[0]
+    try:
+        if fmt is not None and fmt.type == "json_object":
+            return json_schema_grammar({"type": "object"})
+        if fmt is not None and fmt.json_schema is not None:
+            return json_schema_grammar(fmt.json_schema.schema_)
+        if request.guided_json is not None:
+            guided = request.guided_json
+            return json_schema_grammar(json.loads(guided) if isinstance(guided, str) else guided)
+        if request.guided_regex is not None:
+            return regex_grammar(request.guided_regex)
+        if request.guided_choice is not None:
+            return choice_grammar(request.guided_choice)
+        if request.guided_grammar is not None:
+            return lark_grammar(request.guided_grammar)
+    except ValueError as e:  # not JSON, or not a schema llguidance can read
+        raise bad_request(f"invalid {param}: {e}", param=param) from None
+    return ""
+
+
+def check_grammar(grammars: Grammars, sampling: SamplingParams) -> None:
+    """A 400 naming the problem for a grammar this tokenizer cannot follow."""
+    if not sampling.grammar:
+        return
+    try:
+        grammars.check(sampling.grammar)
+    except GrammarError as e:
+        raise bad_request(f"structured output: {e}", code="invalid_grammar") from None

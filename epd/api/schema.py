@@ -13,7 +13,12 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from epd.api.errors import APIError, bad_request
-from epd.generation.params import LOGIT_BIAS_LIMIT, MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS
+from epd.generation.params import (
+    LOGIT_BIAS_LIMIT,
+    MAX_GRAMMAR_CHARS,
+    MAX_LOGIT_BIAS,
+    MAX_STOP_TOKEN_IDS,
+)
 
 log = logging.getLogger(__name__)
 
@@ -70,9 +75,22 @@ class StreamOptions(Lenient):
     include_usage: bool = False
 
 
+class JsonSchema(Lenient):
+    name: str = Field(max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | bool = Field(True, alias="schema")  # true: any JSON value
+    strict: bool | None = None  # always kept: the output follows the schema either way
+
+
 class ResponseFormat(Strict):
     type: Literal["text", "json_object", "json_schema"]
-    json_schema: dict[str, Any] | None = None
+    json_schema: JsonSchema | None = None
+
+    @model_validator(mode="after")
+    def schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("type json_schema needs a json_schema")
+        return self
 
 
 class ChatCompletionRequest(BaseModel):
@@ -105,6 +123,11 @@ class ChatCompletionRequest(BaseModel):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     n: int = Field(1, ge=1, le=128)
     response_format: ResponseFormat | None = None
+    # vLLM's structured-output extras; at most one of them, or a JSON response_format.
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = Field(None, max_length=MAX_GRAMMAR_CHARS)
+    guided_choice: list[str] | None = Field(None, min_length=1, max_length=1024)
+    guided_grammar: str | None = Field(None, max_length=MAX_GRAMMAR_CHARS)
     tools: list[Any] | None = None
     tool_choice: Any = None
     # Accepted and without effect here: bookkeeping for OpenAI's platform.
@@ -163,11 +186,6 @@ class ChatCompletionRequest(BaseModel):
         """(field, why) for a field that asks for what this server does not do (yet)."""
         if self.n > 1:
             return "n", "n > 1 is not supported yet"
-        if self.response_format is not None and self.response_format.type != "text":
-            return (
-                "response_format",
-                f"response_format {self.response_format.type!r} is not supported yet",
-            )
         if self.tools:
             return "tools", "tools are not supported yet"
         if self.tool_choice not in (None, "none", "auto"):
@@ -180,13 +198,22 @@ class ChatCompletionRequest(BaseModel):
         extra = self.model_extra or {}
         if extra.get("audio") is not None or "audio" in (extra.get("modalities") or ()):
             return "audio", "audio output is not supported"
-        for name in GUIDED:
-            if extra.get(name) is not None:
-                return name, f"{name} (structured output) is not supported yet"
+        if extra.get("structured_outputs") is not None:
+            return "structured_outputs", "structured_outputs is not supported: use guided_*"
+        if len(self.output_constraints()) > 1:
+            return "response_format", (
+                "give one of response_format, guided_json, guided_regex, guided_choice, "
+                "guided_grammar"
+            )
         return None
 
-
-GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
+    def output_constraints(self) -> list[str]:
+        """The structured-output fields the request sets."""
+        json_format = self.response_format is not None and self.response_format.type != "text"
+        named = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+        return ["response_format"] * json_format + [
+            n for n in named if getattr(self, n) is not None
+        ]
 
 
 def parse_request(body: Any) -> ChatCompletionRequest:
@@ -205,7 +232,7 @@ def parse_request(body: Any) -> ChatCompletionRequest:
     return request
 
 
-IGNORED_QUIETLY = {"audio", "modalities", *GUIDED}  # checked above, None or text only
+IGNORED_QUIETLY = {"audio", "modalities", "structured_outputs"}  # checked above
 
 
 def _as_api_error(error: ValidationError) -> APIError:

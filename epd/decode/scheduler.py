@@ -17,10 +17,12 @@ import logging
 from collections import deque
 from collections.abc import Collection
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from epd.generation.grammar import Grammars
 from epd.generation.logits import adjust
 from epd.generation.sampling import restore_generator, sample_batch
 from epd.generation.sequence import Output, Sequence
@@ -61,6 +63,10 @@ class Scheduler:
         self.device = lm.lm_head.weight.device
         self.running: dict[str, Sequence] = {}
         self.waiting: deque[Sequence] = deque()
+
+    @cached_property
+    def grammars(self) -> Grammars:  # built on first use: a large vocabulary takes a second
+        return Grammars(self.tokenizer, self.lm.config.vocab_size, self.eos_ids)
 
     def __len__(self) -> int:
         return len(self.running) + len(self.waiting)
@@ -107,6 +113,8 @@ class Scheduler:
             generator = restore_generator(handoff.rng_state)
         except RuntimeError as e:
             raise ValueError(f"unusable sampler state: {e}") from None
+        grammar = handoff.sampling.grammar
+        matcher = self.grammars.matcher(grammar) if grammar else None  # GrammarError: refused
         cache = LatentCache.from_tensor(handoff.cache.to(self.device, self.lm.lm_head.weight.dtype))
         sequence = Sequence(
             handoff.request_id,
@@ -116,6 +124,7 @@ class Scheduler:
             self.tokenizer,
             self.eos_ids,
             handoff.prompt_ids,
+            matcher,
         )
         output = sequence.accept(handoff.first_token, handoff.first_logprob)
         if sequence.finish_reason is None:

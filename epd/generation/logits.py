@@ -9,17 +9,19 @@ is unchanged). Logprobs are reported from the raw logits, as vLLM does by defaul
 - presence_penalty, frequency_penalty (OpenAI): minus presence for each token in the reply so
   far, minus frequency times its count;
 - logit_bias (OpenAI): added to the named tokens' logits;
-- min_tokens (vLLM): eos and stop token ids are banned (-inf) until the reply has that many.
+- min_tokens (vLLM): eos and stop token ids are banned (-inf) until the reply has that many;
+- a grammar (structured output): every token it does not allow next is banned.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Collection, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
+from epd.generation.grammar import mask_forbidden
 from epd.generation.params import SamplingParams
 
 
@@ -32,6 +34,8 @@ class History(Protocol):
     def prompt_ids(self) -> torch.Tensor: ...  # (T,) int64
     @property
     def tokens(self) -> Sequence[int]: ...  # generated so far
+    @property
+    def matcher(self) -> Any: ...  # the grammar's llguidance matcher, or None
 
 
 def adjust(logits: torch.Tensor, rows: Sequence[History], eos_ids: Collection[int]) -> torch.Tensor:
@@ -42,12 +46,19 @@ def adjust(logits: torch.Tensor, rows: Sequence[History], eos_ids: Collection[in
     penalise(logits, rows)
     add_biases(logits, rows)
     ban_early_stops(logits, rows, eos_ids)
+    if constrained := [i for i, row in enumerate(rows) if row.matcher is not None]:
+        mask_forbidden(logits, constrained, [rows[i].matcher for i in constrained])
     return logits
 
 
 def asks_for_controls(row: History) -> bool:
     sampling = row.sampling
-    return sampling.penalised or bool(sampling.logit_bias) or len(row.tokens) < sampling.min_tokens
+    return (
+        sampling.penalised
+        or bool(sampling.logit_bias)
+        or len(row.tokens) < sampling.min_tokens
+        or row.matcher is not None
+    )
 
 
 def penalise(logits: torch.Tensor, rows: Sequence[History]) -> None:

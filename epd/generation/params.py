@@ -34,6 +34,8 @@ MAX_STOP_TOKEN_IDS = 64
 LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range: ±100 bans or forces a token
 PENALTY_LIMIT = 2.0  # OpenAI's range for presence and frequency penalties
 REPETITION_PENALTY_RANGE = (0.01, 100.0)  # dividing by less could overflow float32 logits
+MAX_GRAMMAR_CHARS = 32 * 1024  # a hand-off's header, grammar included, stays under 64 KiB
+GrammarText = Annotated[str, Meta(max_length=MAX_GRAMMAR_CHARS)]
 LogitBias = Annotated[tuple[tuple[int, float], ...], Meta(max_length=MAX_LOGIT_BIAS)]
 StopTokenIds = Annotated[tuple[int, ...], Meta(max_length=MAX_STOP_TOKEN_IDS)]
 
@@ -73,6 +75,7 @@ class SamplingParams(Record, frozen=True):
     logit_bias: LogitBias = ()  # (token id, bias) pairs, added to the logits
     stop_token_ids: StopTokenIds = ()  # end the reply like an eos id
     skip_special_tokens: bool = True  # leave special tokens out of the text
+    grammar: GrammarText = ""  # llguidance grammar the reply must follow ("": none)
 
     @property
     def penalised(self) -> bool:
@@ -128,6 +131,10 @@ class SamplingParams(Record, frozen=True):
             f"logit_bias maps token ids ≥ 0 to biases in [-{LOGIT_BIAS_LIMIT}, {LOGIT_BIAS_LIMIT}]",
         )
         require(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids must be ≥ 0")
+        require(
+            len(self.grammar) <= MAX_GRAMMAR_CHARS,
+            f"a grammar may have up to {MAX_GRAMMAR_CHARS} characters, not {len(self.grammar)}",
+        )
 
     def token_ids(self) -> tuple[int, ...]:
         """Every token id the request names, for a check against the vocabulary."""

@@ -3,20 +3,22 @@
 A sequence ends on an eos id (the token is counted but adds no text; with `ignore_eos` it goes
 on, as benchmarks ask) or one of its `stop_token_ids`, on a stop string (the reply is cut before
 it, and text that might be the start of a stop string is held back until it cannot be; none is
-looked for before `min_tokens`), or at `max_tokens`. Each accepted token
-gives an `Output`: what the client gets for it. Where the output goes is the decode server's
-business, not the sequence's.
+looked for before `min_tokens`), when its grammar allows nothing more, or at `max_tokens`. Each
+accepted token gives an `Output`: what the client gets for it. Where the output goes is the
+decode server's business, not the sequence's.
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from transformers import PreTrainedTokenizerBase
 
 from epd.generation.detokenizer import Detokenizer
+from epd.generation.grammar import advance
 from epd.generation.params import FinishReason, SamplingParams, TokenLogprob
 from epd.generation.sampling import token_logprob
 from epd.model.latent_cache import LatentCache
@@ -43,12 +45,14 @@ class Sequence:
         tokenizer: PreTrainedTokenizerBase,
         eos_ids: Collection[int],
         prompt_ids: torch.Tensor,
+        matcher: Any = None,
     ) -> None:
         self.request_id = request_id
         self.sampling, self.generator, self.cache = sampling, generator, cache
         self.tokenizer, self.eos_ids = tokenizer, frozenset(eos_ids)
         self.prompt_ids = prompt_ids  # (prompt tokens,) int64, for repetition penalties
         self.stop_ids = frozenset(sampling.stop_token_ids)
+        self.matcher = matcher  # the request's grammar, fed every accepted token
         self.detokenizer = Detokenizer(tokenizer, sampling.skip_special_tokens)
         self.tokens: list[int] = []
         self.text, self.sent = "", 0  # reply text so far; characters already released
@@ -67,6 +71,7 @@ class Sequence:
     def accept(self, token: int, logprob: TokenLogprob | None = None) -> Output:
         """Record a generated token and say what the client gets for it."""
         assert self.finish_reason is None
+        grammar_done = self.matcher is not None and advance(self.matcher, token)
         self.tokens.append(token)
         if (token in self.eos_ids and not self.sampling.ignore_eos) or token in self.stop_ids:
             self.finish_reason = "stop"
@@ -74,6 +79,8 @@ class Sequence:
             self.text += self.detokenizer.add(token)
             if len(self.tokens) >= self.sampling.min_tokens:
                 self._apply_stop_strings()
+        if self.finish_reason is None and grammar_done:
+            self.finish_reason = "stop"  # the grammar allows nothing more
         if self.finish_reason is None and len(self.tokens) >= self.sampling.max_tokens:
             self.finish_reason = "length"
         end = len(self.text) if self.finish_reason else len(self.text) - self._held_back()

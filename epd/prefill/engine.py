@@ -10,10 +10,13 @@ import itertools
 import logging
 from collections.abc import Collection
 from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
 
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from epd.generation.grammar import Grammars
 from epd.generation.logits import adjust
 from epd.generation.params import SamplingParams
 from epd.generation.sampling import make_generator, sample, token_logprob
@@ -39,6 +42,7 @@ class FirstToken:
 
     sampling: SamplingParams
     prompt_ids: torch.Tensor
+    matcher: Any  # the grammar's matcher at its start, or None
     tokens: tuple[int, ...] = ()
 
 
@@ -53,6 +57,10 @@ class PrefillEngine:
         self.lm, self.tokenizer, self.placeholder_id = lm, tokenizer, placeholder_id
         self.eos_ids = eos_ids  # banned from the first token while min_tokens asks for more
         self.device = lm.lm_head.weight.device
+
+    @cached_property
+    def grammars(self) -> Grammars:  # built on first use: a large vocabulary takes a second
+        return Grammars(self.tokenizer, self.lm.config.vocab_size, self.eos_ids)
 
     def run(
         self,
@@ -120,7 +128,10 @@ class PrefillEngine:
         try:
             generator = make_generator(prompt.sampling.seed)
             ids = torch.tensor(prompt.prompt_ids, dtype=torch.int64)
-            adjusted = adjust(logits[None], [FirstToken(prompt.sampling, ids)], self.eos_ids)
+            grammar = prompt.sampling.grammar
+            matcher = self.grammars.matcher(grammar) if grammar else None
+            first = FirstToken(prompt.sampling, ids, matcher)
+            adjusted = adjust(logits[None], [first], self.eos_ids)
             token = sample(adjusted[0], prompt.sampling, generator)
             logprob = None
             if prompt.sampling.logprobs:

@@ -7,6 +7,7 @@ from epd.checkpoint.config import load_generation_config, load_model_config
 from epd.checkpoint.tokenizer import load_tokenizer
 from epd.checkpoint.weights import load_model
 from epd.decode.scheduler import Busy, Scheduler
+from epd.generation.grammar import choice_grammar
 from epd.generation.params import SamplingParams
 from epd.prefill.engine import PrefillEngine
 
@@ -196,6 +197,23 @@ def test_token_ids_outside_the_vocabulary_are_refused(parts):
     with pytest.raises(ValueError, match="prompt token id is outside"):
         scheduler.add(msgspec.structs.replace(good, prompt_ids=ids))
     assert len(scheduler) == 0
+
+
+def test_an_unusable_grammar_is_refused_and_a_good_one_is_followed(parts):
+    lm, tokenizer, engine, eos = parts
+    scheduler = Scheduler(lm, tokenizer, eos)
+    good = handoff(engine, 0, max_tokens=30)
+    bad = msgspec.structs.replace(good.sampling, grammar='{"grammars": [{"lark_grammar": "?"}]}')
+    with pytest.raises(ValueError, match="unusable grammar"):
+        scheduler.add(msgspec.structs.replace(good, sampling=bad))
+    choices = ["circle", "square"]
+    sampling = SamplingParams(30, temperature=0, grammar=choice_grammar(choices))
+    constrained = engine.run("g", PROMPTS[1], None, sampling)
+    scheduler.add(handoff(engine, 2, max_tokens=30))  # a neighbour without a grammar
+    sequence, _ = scheduler.add(constrained)
+    while sequence.finish_reason is None:
+        scheduler.step()
+    assert sequence.text in choices and sequence.finish_reason == "stop"
 
 
 def test_a_failure_after_the_caches_grew_does_not_shift_them(parts):

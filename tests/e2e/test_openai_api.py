@@ -3,8 +3,10 @@ path: routine fields, an earlier reply echoed back, and the sampling controls.""
 
 import asyncio
 import json
+import re
 
 import httpx
+import jsonschema
 import openai
 import pytest
 
@@ -167,3 +169,86 @@ def test_a_model_by_id_through_the_client(client, model_name):
     assert client.models.retrieve(model_name).id == model_name
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("someone/else")
+
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3},
+        "ok": {"type": "boolean"},
+    },
+    "required": ["name", "age", "tags", "ok"],
+    "additionalProperties": False,
+}
+JSON_SCHEMA = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+
+
+@pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 1.0, "seed": 3}])
+def test_json_schema_output_is_valid_on_a_random_model(client, model_name, local, sampling):
+    strict = {**JSON_SCHEMA, "json_schema": {**JSON_SCHEMA["json_schema"], "strict": True}}
+    reply = ask(client, model_name, TEXT, max_tokens=200, response_format=strict, **sampling)
+    text = reply.choices[0].message.content
+    jsonschema.validate(json.loads(text), PERSON)
+    assert reply.choices[0].finish_reason == "stop" and not re.search(r"[\n\t]| [,:{}]", text)
+    expected = local.chat(
+        body(model_name, TEXT, max_tokens=200, response_format=strict, **sampling)
+    )
+    assert text == expected.text
+
+
+def test_vllm_guided_extras(client, model_name, local):
+    choices = ["circle", "square", "triangle"]
+    for extra, check in [
+        ({"guided_choice": choices}, lambda t: t in choices),
+        ({"guided_regex": r"[a-z]{3,8}@[a-z]{2,5}\.com"}, lambda t: "@" in t and t[-4:] == ".com"),
+        ({"guided_json": json.dumps(PERSON)}, lambda t: jsonschema.validate(json.loads(t), PERSON)),
+        (
+            {"guided_grammar": 'start: "x" ("y" | "z")~2..4'},
+            lambda t: re.fullmatch("x[yz]{2,4}", t),
+        ),
+    ]:
+        reply = ask(client, model_name, IMAGE, max_tokens=120, temperature=0, extra_body=extra)
+        text = reply.choices[0].message.content
+        assert check(text) is not False, (extra, text)
+        assert (
+            text == local.chat(body(model_name, IMAGE, max_tokens=120, temperature=0, **extra)).text
+        )
+
+
+def test_json_object_streams_what_it_returns_whole(stack, client, model_name):
+    _, base = stack
+    params = {"max_tokens": 40, "temperature": 0, "response_format": {"type": "json_object"}}
+    whole = ask(client, model_name, TEXT, **params).choices[0].message.content
+    assert whole.startswith("{") and not re.search(r"^\{\s", whole)
+
+    async def stream() -> str:
+        client = openai.AsyncOpenAI(
+            base_url=f"http://127.0.0.1:{base + 20}/v1", api_key="unused", max_retries=0
+        )
+        chunks = await client.chat.completions.create(
+            model=model_name, messages=TEXT, stream=True, **params
+        )
+        text = "".join([c.choices[0].delta.content or "" async for c in chunks if c.choices])
+        await client.close()
+        return text
+
+    assert asyncio.run(stream()) == whole
+
+
+@pytest.mark.parametrize(
+    "extra,fragment",
+    [
+        ({"guided_regex": "(unclosed"}, "unusable grammar"),
+        ({"guided_json": "{not json"}, "invalid guided_json"),
+        ({"guided_choice": ["a"], "guided_regex": "a"}, "give one of"),
+        (
+            {"guided_json": {"type": "object", "properties": {"a": {"type": "nonsense"}}}},
+            "structured output: unusable grammar: Invalid type: nonsense",
+        ),
+    ],
+)
+def test_unusable_structured_output_is_a_400(client, model_name, extra, fragment):
+    with pytest.raises(openai.BadRequestError, match=fragment):
+        ask(client, model_name, TEXT, max_tokens=5, extra_body=extra)

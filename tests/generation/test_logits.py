@@ -17,6 +17,7 @@ class Row:
     sampling: SamplingParams
     prompt_ids: torch.Tensor
     tokens: list[int]
+    matcher: object = None
 
 
 def row(tokens=(), prompt=(1, 2, 3), **params):

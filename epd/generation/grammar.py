@@ -1,0 +1,105 @@
+"""Grammar-constrained decoding with llguidance: which tokens may come next, per request.
+
+A request's grammar travels as llguidance's grammar text (`SamplingParams.grammar`, built by
+the API from a JSON schema, a regex, a choice or a Lark grammar). Each process that samples for
+it (prefill for the first token, decode for the rest) turns it into a matcher over its own
+tokenizer; a compiled matcher is kept per grammar text and copied for each request. The mask
+sets every token the grammar forbids to -inf before sampling; a token the matcher refuses
+anyway fails that request alone. JSON grammars use compact separators and no free whitespace,
+so a small model cannot loop on whitespace.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from collections.abc import Collection, Sequence
+from typing import Any
+
+import llguidance
+import llguidance.hf
+import llguidance.torch
+import torch
+from transformers import PreTrainedTokenizerBase
+
+COMPACT_JSON = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
+CACHED_GRAMMARS = 256
+
+
+class GrammarError(ValueError):
+    """A grammar that cannot be used, or output the grammar does not allow."""
+
+
+def json_schema_grammar(schema: dict[str, Any] | bool) -> str:
+    """llguidance grammar text for output valid against a JSON schema, compact JSON."""
+    return llguidance.LLMatcher.grammar_from_json_schema(
+        json.dumps(schema),
+        overrides=COMPACT_JSON,  # type: ignore[arg-type]
+    )
+
+
+def regex_grammar(pattern: str) -> str:
+    return llguidance.LLMatcher.grammar_from_regex(pattern)
+
+
+def choice_grammar(choices: Sequence[str]) -> str:
+    return llguidance.grammar_from("choice", json.dumps(list(choices)))
+
+
+def lark_grammar(text: str) -> str:
+    return llguidance.grammar_from("grammar", text)
+
+
+class Grammars:
+    """One process's matchers: its tokenizer seen by llguidance, compiled grammars by text."""
+
+    def __init__(
+        self, tokenizer: PreTrainedTokenizerBase, vocab_size: int, eos_ids: Collection[int]
+    ) -> None:
+        self.tokenizer = llguidance.hf.from_tokenizer(
+            tokenizer,  # type: ignore[arg-type]  # a fast (Rust tokenizers) one
+            n_vocab=vocab_size,
+            eos_token=sorted(eos_ids),
+        )
+        self.compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
+        self.lock = threading.Lock()  # the API checks grammars on its loop, prefill on its thread
+
+    def check(self, grammar: str) -> None:
+        """Raise GrammarError naming the problem if `grammar` cannot be used."""
+        self.matcher(grammar)
+
+    def matcher(self, grammar: str) -> llguidance.LLMatcher:
+        """A fresh matcher at the start of `grammar`."""
+        with self.lock:
+            template = self.compiled.get(grammar)
+            if template is None:
+                problem = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer)
+                if problem:
+                    raise GrammarError(f"unusable grammar: {problem}")
+                template = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
+                if template.is_error():
+                    raise GrammarError(f"unusable grammar: {template.get_error()}")
+                self.compiled[grammar] = template
+                if len(self.compiled) > CACHED_GRAMMARS:
+                    self.compiled.popitem(last=False)
+            self.compiled.move_to_end(grammar)
+            return template.deep_copy()
+
+
+def mask_forbidden(logits: torch.Tensor, rows: list[int], matchers: list[Any]) -> None:
+    """Set, in place, the logits (B, vocab) of tokens each matcher forbids to -inf."""
+    bitmask = llguidance.torch.allocate_token_bitmask(len(rows), logits.shape[-1])
+    for i, matcher in enumerate(matchers):
+        llguidance.torch.fill_next_token_bitmask(matcher, bitmask, i)
+    index = torch.tensor(rows, device=logits.device)
+    picked = logits[index]  # (n, vocab), a copy
+    llguidance.torch.apply_token_bitmask_inplace(picked, bitmask.to(logits.device))
+    logits[index] = picked
+
+
+def advance(matcher: llguidance.LLMatcher, token: int) -> bool:
+    """Feed the matcher a sampled token; True once the grammar allows nothing more."""
+    if not matcher.consume_token(token):
+        raise GrammarError(f"the grammar refused token {token}: {matcher.get_error()}")
+    return bool(matcher.is_stopped())

@@ -1,0 +1,102 @@
+"""Grammar-constrained sampling: masks, matchers, the compiled-grammar cache, and random logits
+that must still produce output the grammar accepts."""
+
+import json
+import re
+
+import jsonschema
+import pytest
+import torch
+
+from epd.checkpoint.tokenizer import load_tokenizer
+from epd.generation.grammar import (
+    CACHED_GRAMMARS,
+    GrammarError,
+    Grammars,
+    advance,
+    choice_grammar,
+    json_schema_grammar,
+    mask_forbidden,
+    regex_grammar,
+)
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 8},
+        "size": {"type": "integer", "minimum": 0, "maximum": 99},
+        "tags": {"type": "array", "items": {"enum": ["red", "blue"]}, "maxItems": 2},
+    },
+    "required": ["name", "size", "tags"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_checkpoint):
+    tokenizer = load_tokenizer(tiny_checkpoint)
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    return tokenizer, eos, Grammars(tokenizer, len(tokenizer), [eos])
+
+
+def follow(setup, grammar, seed, steps=80):
+    """Sample from random logits under the grammar until it stops; the text and the ids."""
+    tokenizer, eos, grammars = setup
+    matcher = grammars.matcher(grammar)
+    generator = torch.Generator().manual_seed(seed)
+    ids = []
+    for _ in range(steps):
+        logits = torch.randn(1, len(tokenizer), generator=generator) * 4
+        mask_forbidden(logits, [0], [matcher])
+        token = int(torch.multinomial(logits.softmax(-1), 1, generator=generator))
+        ids.append(token)
+        if advance(matcher, token):
+            break
+    return tokenizer.decode([t for t in ids if t != eos]), ids
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_random_logits_still_give_valid_compact_json(setup, seed):
+    text, _ = follow(setup, json_schema_grammar(SCHEMA), seed)
+    jsonschema.validate(json.loads(text), SCHEMA)
+    assert not re.search(r"\s", text.replace(json.loads(text)["name"], ""))  # compact
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_regex_and_choice(setup, seed):
+    text, _ = follow(setup, regex_grammar(r"[a-c]{2,4}-[0-9]{2}"), seed)
+    assert re.fullmatch(r"[a-c]{2,4}-[0-9]{2}", text)
+    text, _ = follow(setup, choice_grammar(["circle", "square", "triangle"]), seed)
+    assert text in ("circle", "square", "triangle")
+
+
+def test_the_mask_leaves_only_allowed_tokens(setup):
+    tokenizer, _, grammars = setup
+    matcher = grammars.matcher(choice_grammar(["circle", "square"]))
+    logits = torch.zeros(3, len(tokenizer))
+    mask_forbidden(logits, [1], [matcher])
+    allowed = torch.isfinite(logits[1]).nonzero().flatten().tolist()
+    assert allowed and all(
+        any(c.startswith(tokenizer.decode([t])) for c in ("circle", "square")) for t in allowed
+    )
+    assert torch.isfinite(logits[0]).all() and torch.isfinite(logits[2]).all()  # other rows
+
+
+def test_a_refused_token_and_a_bad_grammar_are_errors(setup):
+    tokenizer, _, grammars = setup
+    matcher = grammars.matcher(choice_grammar(["circle"]))
+    with pytest.raises(GrammarError, match="refused token"):
+        advance(matcher, tokenizer.encode("zebra", add_special_tokens=False)[0])
+    with pytest.raises(GrammarError, match="unusable grammar"):
+        grammars.check(regex_grammar("(unclosed"))
+
+
+def test_compiled_grammars_are_cached_and_bounded(setup):
+    _, _, grammars = setup
+    grammar = regex_grammar("[0-9]+")
+    first = grammars.matcher(grammar)
+    assert grammars.matcher(grammar) is not first  # each request gets its own copy
+    assert grammar in grammars.compiled
+    for i in range(CACHED_GRAMMARS + 1):
+        grammars.check(regex_grammar(f"a{{{i + 1}}}"))
+    assert len(grammars.compiled) == CACHED_GRAMMARS and grammar not in grammars.compiled
