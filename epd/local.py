@@ -27,14 +27,45 @@ from epd.prefill.engine import PrefillEngine
 
 
 @dataclass(frozen=True)
-class Completion:
+class Choice:
     text: str
     token_ids: list[int]
     finish_reason: str | None
-    prompt_tokens: int
     deltas: list[Output]
+
+    @classmethod
+    def of(cls, deltas: list[Output]) -> Choice:
+        return cls(
+            text="".join(d.text for d in deltas),
+            token_ids=[t for d in deltas for t in d.token_ids],
+            finish_reason=deltas[-1].finish_reason,
+            deltas=deltas,
+        )
+
+
+@dataclass(frozen=True)
+class Completion:
+    choices: list[Choice]  # one per n
+    prompt_tokens: int
     first_token_s: float  # time to the first token (benchmarks compare the stack with it)
     total_s: float
+
+    # The first choice's, which is the only one unless the request asked for n > 1.
+    @property
+    def text(self) -> str:
+        return self.choices[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.choices[0].token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.choices[0].finish_reason
+
+    @property
+    def deltas(self) -> list[Output]:
+        return self.choices[0].deltas
 
 
 class LocalPipeline:
@@ -47,8 +78,9 @@ class LocalPipeline:
         model = load_model(checkpoint, "all", device, dtype)
         tokenizer = load_tokenizer(checkpoint)
         self.limits = PrefillConfig(model=str(checkpoint))  # the API's default limits
+        limits = self.limits
         self.builder = PromptBuilder.from_checkpoint(
-            checkpoint, tokenizer, self.limits.default_max_tokens, self.limits.max_image_pixels
+            checkpoint, tokenizer, limits.default_max_tokens, limits.max_image_pixels, limits.max_n
         )
         self.encoder = Encoder(model, self.builder.processor, self.builder.max_image_pixels)
         eos_ids = stop_token_ids(checkpoint, tokenizer)
@@ -72,20 +104,19 @@ class LocalPipeline:
         handoff = self.engine.run(
             prepared.request_id, prepared.prompt_ids, embeddings, prepared.sampling
         )
-        _, first = self.scheduler.add(handoff)
+        deltas: dict[int, list[Output]] = {}
+        for sequence, first in self.scheduler.add(handoff):
+            deltas[sequence.index] = [first]
         first_token_s = time.perf_counter() - start
-        deltas = [first]
         while len(self.scheduler):
             step = self.scheduler.step()
             if step.failed:
                 raise RuntimeError(step.failed[0][1])
-            deltas += [delta for _, delta in step.produced]
+            for sequence, delta in step.produced:
+                deltas[sequence.index].append(delta)
         return Completion(
-            text="".join(d.text for d in deltas),
-            token_ids=[t for d in deltas for t in d.token_ids],
-            finish_reason=deltas[-1].finish_reason,
+            choices=[Choice.of(deltas[i]) for i in sorted(deltas)],
             prompt_tokens=handoff.prompt_tokens,
-            deltas=deltas,
             first_token_s=first_token_s,
             total_s=time.perf_counter() - start,
         )

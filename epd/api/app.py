@@ -153,7 +153,8 @@ async def complete(service: Service, chat: ChatCompletionRequest, request: Reque
     )
     deltas = coordinator.deltas(await coordinator.hand_off(handoff))
     if chat.stream:
-        return StreamingResponse(stream(reply, deltas, usage), media_type="text/event-stream")
+        events = stream(reply, deltas, usage, chat.n)
+        return StreamingResponse(events, media_type="text/event-stream")
     collected = await until_disconnected(request, collect(deltas))
     if collected is None:
         return Response(status_code=499)  # nobody is listening any more
@@ -177,18 +178,20 @@ async def until_disconnected(request: Request, work: Any) -> list[TokenDelta] | 
 
 
 async def stream(
-    reply: Reply, deltas: AsyncIterator[TokenDelta], usage: bool
+    reply: Reply, deltas: AsyncIterator[TokenDelta], usage: bool, choices: int
 ) -> AsyncIterator[str]:
-    """SSE: a role chunk, content chunks, the finish, optional usage, then [DONE]."""
-    yield reply.first_chunk()
-    completion_tokens = 0
+    """SSE: a role chunk per choice, content chunks, each choice's finish, optional usage (of
+    every choice), then [DONE]."""
+    for index in range(choices):
+        yield reply.first_chunk(index)
+    completion_tokens: dict[int, int] = {}
     try:
         async for delta in deltas:
-            completion_tokens = delta.completion_tokens
+            completion_tokens[delta.index] = delta.completion_tokens
             if delta.text or delta.logprobs or delta.finish_reason:
                 yield reply.delta_chunk(delta)
         if usage:
-            yield reply.usage_chunk(completion_tokens)
+            yield reply.usage_chunk(sum(completion_tokens.values()))
     except Exception as error:  # headers are sent: report in-band, as OpenAI does
         if not isinstance(error, (APIError, PrefillError)):
             log.exception("streaming %s failed", reply.request_id)

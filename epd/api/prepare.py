@@ -34,6 +34,8 @@ from epd.multimodal.images import ImageError, open_image
 from epd.multimodal.prompt import expand_placeholders, image_parts, render_prompt
 from epd.prefill.request import PreparedRequest
 
+MAX_FIRST_LOGPROBS = 256  # logprob entries of the first tokens of all choices
+
 
 @dataclass(frozen=True)
 class Conversation:
@@ -53,6 +55,7 @@ class PromptBuilder:
     vocab_size: int
     default_max_tokens: int
     max_image_pixels: int = 50_000_000
+    max_n: int = 16
     defaults: dict[str, float] = field(default_factory=dict)  # generation_config.json's
 
     def __post_init__(self) -> None:
@@ -72,6 +75,7 @@ class PromptBuilder:
         tokenizer: PreTrainedTokenizerBase,
         default_max_tokens: int,
         max_image_pixels: int = 50_000_000,
+        max_n: int = 16,
     ) -> PromptBuilder:
         config = load_model_config(checkpoint)
         return cls(
@@ -82,6 +86,7 @@ class PromptBuilder:
             vocab_size=config.text.vocab_size,
             default_max_tokens=default_max_tokens,
             max_image_pixels=max_image_pixels,
+            max_n=max_n,
             defaults=load_generation_config(checkpoint).sampling_defaults,
         )
 
@@ -165,6 +170,7 @@ class PromptBuilder:
         }
         chosen = self.defaults | given
         self.check_token_ids(request)
+        self.check_choices(request)
         try:
             return SamplingParams(
                 max_tokens=asked or min(room, default_max),
@@ -185,9 +191,21 @@ class PromptBuilder:
                 top_logprobs=request.top_logprobs or 0,
                 ignore_eos=request.ignore_eos,
                 grammar=output_grammar(request),
+                n=request.n,
             )
         except ValueError as e:  # e.g. min_tokens over max_tokens, a schema too large
             raise bad_request(str(e)) from None
+
+    def check_choices(self, request: ChatCompletionRequest) -> None:
+        if request.n > self.max_n:
+            raise bad_request(
+                f"n={request.n} is over this server's limit of {self.max_n} (max_n)", param="n"
+            )
+        logprobs = request.n * ((request.top_logprobs or 0) + 1) if request.logprobs else 0
+        if logprobs > MAX_FIRST_LOGPROBS:  # they travel in one hand-off header
+            raise bad_request(
+                f"n × (top_logprobs + 1) is {logprobs}, over {MAX_FIRST_LOGPROBS}", param="n"
+            )
 
     def check_token_ids(self, request: ChatCompletionRequest) -> None:
         for param, ids in (

@@ -47,21 +47,26 @@ class Reply:
         return {"content": [logprob_json(e) for d in deltas for e in d.logprobs]}
 
     def completion(self, deltas: list[TokenDelta]) -> dict[str, Any]:
-        last = deltas[-1]
+        by_choice: dict[int, list[TokenDelta]] = {}
+        for delta in deltas:
+            by_choice.setdefault(delta.index, []).append(delta)
+        choices = [
+            {
+                "index": index,
+                "message": {"role": "assistant", "content": "".join(d.text for d in mine)},
+                "logprobs": self.logprobs(mine),
+                "finish_reason": mine[-1].finish_reason,
+            }
+            for index, mine in sorted(by_choice.items())
+        ]
+        completion_tokens = sum(mine[-1].completion_tokens for mine in by_choice.values())
         return {
             "id": self.request_id,
             "object": "chat.completion",
             "created": self.created,
             "model": self.model,
-            "choices": [
-                {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": "".join(d.text for d in deltas)},
-                    "logprobs": self.logprobs(deltas),
-                    "finish_reason": last.finish_reason,
-                }
-            ],
-            "usage": self.usage(last.completion_tokens),
+            "choices": choices,
+            "usage": self.usage(completion_tokens),
         }
 
     def chunk(self, choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> str:
@@ -76,14 +81,15 @@ class Reply:
             body["usage"] = usage
         return f"data: {json.dumps(body)}\n\n"
 
-    def first_chunk(self) -> str:
+    def first_chunk(self, index: int = 0) -> str:
         delta = {"role": "assistant", "content": ""}
-        return self.chunk([{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}])
+        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
+        return self.chunk([choice])
 
     def delta_chunk(self, delta: TokenDelta) -> str:
         content = {"content": delta.text} if delta.text else {}
         choice = {
-            "index": 0,
+            "index": delta.index,
             "delta": content,
             "logprobs": self.logprobs([delta]),
             "finish_reason": delta.finish_reason,

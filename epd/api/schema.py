@@ -184,8 +184,6 @@ class ChatCompletionRequest(BaseModel):
 
     def unsupported(self) -> tuple[str, str] | None:
         """(field, why) for a field that asks for what this server does not do (yet)."""
-        if self.n > 1:
-            return "n", "n > 1 is not supported yet"
         if self.tools:
             return "tools", "tools are not supported yet"
         if self.tool_choice not in (None, "none", "auto"):

@@ -23,7 +23,7 @@ PREFILL_ACTIVITIES = ("loop", "wire", "prefill")
 def build_service(config: PrefillConfig) -> Service:
     tokenizer = load_tokenizer(config.model, config.trust_remote_code)
     builder = PromptBuilder.from_checkpoint(
-        config.model, tokenizer, config.default_max_tokens, config.max_image_pixels
+        config.model, tokenizer, config.default_max_tokens, config.max_image_pixels, config.max_n
     )
     lm = load_model(
         config.model, "language", config.device, model_dtype(config.dtype)

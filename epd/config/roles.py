@@ -120,6 +120,7 @@ class PrefillConfig(ModelOptions):
     max_image_pixels: int = option(50_000_000, "refuse images larger than this (from their header)")
     max_images: int = option(16, "most images in one request")
     default_max_tokens: int = option(1024, "max_tokens when a request gives none")
+    max_n: int = option(16, "most choices (n) one request may ask for, up to 128")
     max_prefill_tokens: int = option(
         4096, "prompt tokens prefilled in one forward: waiting prompts are packed up to it"
     )

@@ -61,7 +61,7 @@ class Scheduler:
         self.max_batch_size = max_batch_size
         self.max_waiting = 4 * max_batch_size  # each holds its cache: bound what one peer can park
         self.device = lm.lm_head.weight.device
-        self.running: dict[str, Sequence] = {}
+        self.running: dict[tuple[str, int], Sequence] = {}  # by (request id, choice)
         self.waiting: deque[Sequence] = deque()
 
     @cached_property
@@ -72,7 +72,7 @@ class Scheduler:
         return len(self.running) + len(self.waiting)
 
     def __contains__(self, request_id: str) -> bool:
-        return request_id in self.running or any(s.request_id == request_id for s in self.waiting)
+        return any(s.request_id == request_id for s in self.sequences())
 
     def sequences(self) -> list[Sequence]:
         return [*self.running.values(), *self.waiting]
@@ -87,8 +87,8 @@ class Scheduler:
         expected = (config.num_hidden_layers, handoff.prompt_tokens, config.latent_dim)
         if tuple(handoff.cache.shape) != expected:
             raise ValueError(f"KV cache of shape {tuple(handoff.cache.shape)}, expected {expected}")
-        if not 0 <= handoff.first_token < config.vocab_size:
-            raise ValueError(f"first token {handoff.first_token} is outside the vocabulary")
+        if any(not 0 <= t < config.vocab_size for t in handoff.first_tokens):
+            raise ValueError(f"a first token of {handoff.first_tokens} is outside the vocabulary")
         ids = handoff.prompt_ids
         if int(ids.min()) < 0 or int(ids.max()) >= config.vocab_size:
             raise ValueError("a prompt token id is outside the vocabulary")
@@ -103,40 +103,44 @@ class Scheduler:
             )
         if handoff.request_id in self:
             raise ValueError(f"request {handoff.request_id} is already decoding")
-        if len(self.waiting) >= self.max_waiting:
-            raise Busy(f"decode is full: {len(self.waiting)} requests wait for a batch slot")
+        if len(self.waiting) + handoff.sampling.n > self.max_waiting:
+            raise Busy(f"decode is full: {len(self.waiting)} sequences wait for a batch slot")
 
-    def add(self, handoff: KVHandoff) -> tuple[Sequence, Output]:
-        """Admit a prefilled request; its first token is accepted (and may already finish it)."""
+    def add(self, handoff: KVHandoff) -> list[tuple[Sequence, Output]]:
+        """Admit a prefilled request, a sequence per choice, each with its own copy of the
+        prompt's cache; each first token is accepted (and may already finish its choice)."""
         self.check(handoff)
         try:
-            generator = restore_generator(handoff.rng_state)
+            generators = [restore_generator(state) for state in handoff.rng_states]
         except RuntimeError as e:
             raise ValueError(f"unusable sampler state: {e}") from None
         grammar = handoff.sampling.grammar
-        matcher = self.grammars.matcher(grammar) if grammar else None  # GrammarError: refused
-        cache = LatentCache.from_tensor(handoff.cache.to(self.device, self.lm.lm_head.weight.dtype))
-        sequence = Sequence(
-            handoff.request_id,
-            handoff.sampling,
-            generator,
-            cache,
-            self.tokenizer,
-            self.eos_ids,
-            handoff.prompt_ids,
-            matcher,
-        )
-        output = sequence.accept(handoff.first_token, handoff.first_logprob)
-        if sequence.finish_reason is None:
-            self.waiting.append(sequence)
-        return sequence, output
+        cache = handoff.cache.to(self.device, self.lm.lm_head.weight.dtype)
+        added = []
+        for index, generator in enumerate(generators):
+            sequence = Sequence(
+                handoff.request_id,
+                handoff.sampling,
+                generator,
+                LatentCache.from_tensor(cache if index == 0 else cache.clone()),
+                self.tokenizer,
+                self.eos_ids,
+                handoff.prompt_ids,
+                self.grammars.matcher(grammar) if grammar else None,  # GrammarError: refused
+                index,
+            )
+            first = handoff.first_tokens[index], handoff.first_logprobs[index]
+            added.append((sequence, sequence.accept(*first)))
+        self.waiting.extend(s for s, _ in added if s.finish_reason is None)
+        return added
 
     def abort(self, request_id: str) -> bool:
-        """Drop a request wherever it is; its cache goes with it."""
-        if self.running.pop(request_id, None) is not None:
-            return True
+        """Drop a request, every choice of it, wherever it is; its caches go with it."""
+        keys = [key for key in self.running if key[0] == request_id]
+        for key in keys:
+            del self.running[key]
         kept = [s for s in self.waiting if s.request_id != request_id]
-        found = len(kept) != len(self.waiting)
+        found = bool(keys) or len(kept) != len(self.waiting)
         self.waiting = deque(kept)
         return found
 
@@ -152,7 +156,7 @@ class Scheduler:
         """Advance every running sequence by one token; say what each produced or why it failed."""
         while self.waiting and len(self.running) < self.max_batch_size:
             sequence = self.waiting.popleft()
-            self.running[sequence.request_id] = sequence
+            self.running[sequence.key] = sequence
         step = Step()
         good: list[tuple[Sequence, torch.Tensor]] = []
         for sequence, row in self._logits(list(self.running.values())):
@@ -173,13 +177,13 @@ class Scheduler:
                 continue
             step.produced.append((sequence, output))
             if sequence.finish_reason is not None:
-                del self.running[sequence.request_id]
+                del self.running[sequence.key]
         return step
 
     def _fail(self, step: Step, sequence: Sequence, error: Exception) -> None:
         log.error("request %s failed in a decode step", sequence.request_id, exc_info=error)
         step.failed.append((sequence, f"decode failed: {type(error).__name__}: {error}"))
-        del self.running[sequence.request_id]
+        del self.running[sequence.key]
 
     def _sample(
         self, batch: list[tuple[Sequence, torch.Tensor]], logits: torch.Tensor

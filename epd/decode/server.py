@@ -19,7 +19,7 @@ from epd.checkpoint.weights import load_model
 from epd.config.roles import DecodeConfig
 from epd.decode.scheduler import Busy, Scheduler
 from epd.dtypes import model_dtype
-from epd.generation.sequence import Output
+from epd.generation.sequence import Output, Sequence
 from epd.runtime.role import run_role
 from epd.runtime.watchdog import Watchdog
 from epd.wire.addresses import Prefills
@@ -40,6 +40,7 @@ class DecodeServer:
     ) -> None:
         self.scheduler, self.inbox, self.outbox, self.prefills = scheduler, inbox, outbox, prefills
         self.reply_to: dict[str, str] = {}  # request id → its prefill, while decode holds it
+        self.open_choices: dict[str, int] = {}  # request id → its choices not finished yet
 
     def take_messages(self) -> None:
         """Take what arrived, for at most INTAKE_S; wait briefly only when there is nothing to do.
@@ -70,7 +71,7 @@ class DecodeServer:
             log.error("ignored a second hand-off of %s", request_id)
             return
         try:
-            _, output = self.scheduler.add(handoff)
+            added = self.scheduler.add(handoff)
         except Exception as e:  # a bad hand-off fails its own request, never the server
             log.warning("refused the hand-off of %s: %s", request_id, e)
             code = "unavailable" if isinstance(e, Busy) else "bad_handoff"
@@ -78,13 +79,19 @@ class DecodeServer:
             self.outbox.send(reply_to, Failure(request_id, code, why))
             return
         self.reply_to[request_id] = reply_to
-        self.send(request_id, output)
+        self.open_choices[request_id] = len(added)
+        for sequence, output in added:
+            self.send(sequence, output)
 
-    def send(self, request_id: str, output: Output) -> None:
-        """Send a request's output to its prefill; if that fails, the request fails alone."""
-        last = output.finish_reason is not None
+    def send(self, sequence: Sequence, output: Output) -> None:
+        """Send a choice's output to its prefill; the request ends with its last choice. If that
+        fails, the request fails alone."""
+        request_id = sequence.request_id
+        if output.finish_reason is not None:
+            self.open_choices[request_id] = self.open_choices.get(request_id, 1) - 1
+        last = self.open_choices.get(request_id, 0) <= 0
         try:
-            self.deliver(request_id, token_delta(request_id, output), last)
+            self.deliver(request_id, token_delta(sequence, output), last)
         except Exception as e:
             log.exception("could not send the output of %s", request_id)
             self.fail_request(request_id, "internal", f"decode failed: {type(e).__name__}: {e}")
@@ -102,6 +109,7 @@ class DecodeServer:
             return
         if last:
             del self.reply_to[request_id]
+            self.open_choices.pop(request_id, None)
         if not self.outbox.send(address, message):
             log.warning("%s is unreachable: dropping %s", address, request_id)
             self.drop(request_id)
@@ -109,6 +117,7 @@ class DecodeServer:
     def drop(self, request_id: str) -> bool:
         """Forget a request without a word (its client or prefill is gone)."""
         self.reply_to.pop(request_id, None)
+        self.open_choices.pop(request_id, None)
         return self.scheduler.abort(request_id)
 
     def fail_all(self, code: str, message: str) -> None:
@@ -154,19 +163,20 @@ class DecodeServer:
             self.fail_all("internal", f"decode failed: {type(e).__name__}: {e}")
             return
         for sequence, output in step.produced:
-            self.send(sequence.request_id, output)
+            self.send(sequence, output)
         for sequence, problem in step.failed:
             self.fail_request(sequence.request_id, "internal", problem)
 
 
-def token_delta(request_id: str, output: Output) -> TokenDelta:
+def token_delta(sequence: Sequence, output: Output) -> TokenDelta:
     return TokenDelta(
-        request_id,
+        sequence.request_id,
         output.token_ids,
         output.text,
         output.completion_tokens,
         output.finish_reason,
         output.logprobs,
+        sequence.index,
     )
 
 

@@ -34,6 +34,7 @@ MAX_STOP_TOKEN_IDS = 64
 LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range: ±100 bans or forces a token
 PENALTY_LIMIT = 2.0  # OpenAI's range for presence and frequency penalties
 REPETITION_PENALTY_RANGE = (0.01, 100.0)  # dividing by less could overflow float32 logits
+MAX_CHOICES = 128  # n: choices of one request
 MAX_GRAMMAR_CHARS = 32 * 1024  # a hand-off's header, grammar included, stays under 64 KiB
 GrammarText = Annotated[str, Meta(max_length=MAX_GRAMMAR_CHARS)]
 LogitBias = Annotated[tuple[tuple[int, float], ...], Meta(max_length=MAX_LOGIT_BIAS)]
@@ -76,6 +77,14 @@ class SamplingParams(Record, frozen=True):
     stop_token_ids: StopTokenIds = ()  # end the reply like an eos id
     skip_special_tokens: bool = True  # leave special tokens out of the text
     grammar: GrammarText = ""  # llguidance grammar the reply must follow ("": none)
+    n: int = 1  # choices, each sampled on its own from the same prompt
+
+    def choice_seed(self, index: int) -> int | None:
+        """Choice `index`'s seed: the request's for the first, then the next ones (a seeded
+        request with n > 1 is reproducible, its choices still differ)."""
+        if self.seed is None or index == 0:
+            return self.seed
+        return (self.seed + index) % 2**63
 
     @property
     def penalised(self) -> bool:
@@ -131,6 +140,7 @@ class SamplingParams(Record, frozen=True):
             f"logit_bias maps token ids ≥ 0 to biases in [-{LOGIT_BIAS_LIMIT}, {LOGIT_BIAS_LIMIT}]",
         )
         require(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids must be ≥ 0")
+        require(1 <= self.n <= MAX_CHOICES, f"n must be 1 to {MAX_CHOICES}, not {self.n}")
         require(
             len(self.grammar) <= MAX_GRAMMAR_CHARS,
             f"a grammar may have up to {MAX_GRAMMAR_CHARS} characters, not {len(self.grammar)}",

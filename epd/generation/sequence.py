@@ -46,8 +46,9 @@ class Sequence:
         eos_ids: Collection[int],
         prompt_ids: torch.Tensor,
         matcher: Any = None,
+        index: int = 0,
     ) -> None:
-        self.request_id = request_id
+        self.request_id, self.index = request_id, index  # index: the choice (n > 1)
         self.sampling, self.generator, self.cache = sampling, generator, cache
         self.tokenizer, self.eos_ids = tokenizer, frozenset(eos_ids)
         self.prompt_ids = prompt_ids  # (prompt tokens,) int64, for repetition penalties
@@ -57,6 +58,10 @@ class Sequence:
         self.tokens: list[int] = []
         self.text, self.sent = "", 0  # reply text so far; characters already released
         self.finish_reason: FinishReason | None = None
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return self.request_id, self.index
 
     @property
     def last_token(self) -> int:

@@ -52,6 +52,7 @@ class EncodeWait:
 class Stream:
     request_id: str
     decoder: str
+    choices: int  # the request's n: it ends once each choice has had its last delta
     queue: asyncio.Queue[TokenDelta | PrefillError] = field(default_factory=asyncio.Queue)
 
 
@@ -224,14 +225,16 @@ class Coordinator:
     async def hand_off(self, handoff: KVHandoff) -> Stream:
         """Hand the request to a decoder; raises (before any reply is sent) if none can take it."""
         decoder = (await self.pick(self.config.decoders, "decode"))[0]
-        stream = self.streams[handoff.request_id] = Stream(handoff.request_id, decoder)
+        stream = Stream(handoff.request_id, decoder, handoff.sampling.n)
+        self.streams[handoff.request_id] = stream
         if not self.outbox.send(decoder, handoff):
             del self.streams[handoff.request_id]
             raise Unavailable(f"decode server {decoder} is not reachable")
         return stream
 
     async def deltas(self, stream: Stream) -> AsyncIterator[TokenDelta]:
-        """The request's deltas until the last one; leaving early aborts it in decode."""
+        """The request's deltas until each choice's last one; leaving early aborts it in decode."""
+        open_choices = set(range(stream.choices))
         finished = False
         try:
             while not finished:
@@ -241,7 +244,11 @@ class Coordinator:
                 )
                 if isinstance(item, PrefillError):
                     raise item
-                finished = item.finish_reason is not None
+                if item.index not in open_choices:
+                    raise Internal(f"decode sent choice {item.index} of {stream.choices} again")
+                if item.finish_reason is not None:
+                    open_choices.discard(item.index)
+                finished = not open_choices
                 yield item
         finally:
             del self.streams[stream.request_id]

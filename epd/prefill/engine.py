@@ -19,7 +19,7 @@ from transformers import PreTrainedTokenizerBase
 from epd.generation.grammar import Grammars
 from epd.generation.logits import adjust
 from epd.generation.params import SamplingParams
-from epd.generation.sampling import make_generator, sample, token_logprob
+from epd.generation.sampling import make_generator, sample_batch, token_logprob
 from epd.model.deepseek import DeepseekV3ForCausalLM
 from epd.model.latent_cache import LatentCache
 from epd.multimodal.prompt import scatter_image_embeddings
@@ -124,27 +124,32 @@ class PrefillEngine:
     def hand_off(
         self, prompt: Prompt, logits: torch.Tensor, cache: LatentCache, reply_to: str
     ) -> KVHandoff | Exception:
-        """Sample the first token and pack everything decode needs."""
+        """Sample each choice's first token and pack everything decode needs."""
         try:
-            generator = make_generator(prompt.sampling.seed)
+            sampling = prompt.sampling
+            generators = [make_generator(sampling.choice_seed(i)) for i in range(sampling.n)]
             ids = torch.tensor(prompt.prompt_ids, dtype=torch.int64)
-            grammar = prompt.sampling.grammar
-            matcher = self.grammars.matcher(grammar) if grammar else None
-            first = FirstToken(prompt.sampling, ids, matcher)
-            adjusted = adjust(logits[None], [first], self.eos_ids)
-            token = sample(adjusted[0], prompt.sampling, generator)
-            logprob = None
-            if prompt.sampling.logprobs:
-                top = prompt.sampling.top_logprobs
-                logprob = token_logprob(logits, token, top, self.tokenizer)
+            grammar = sampling.grammar
+            firsts = [
+                FirstToken(sampling, ids, self.grammars.matcher(grammar) if grammar else None)
+                for _ in generators
+            ]
+            rows = logits[None].expand(sampling.n, -1)  # (n, vocab): one prompt, n choices
+            adjusted = adjust(rows, firsts, self.eos_ids)
+            tokens = sample_batch(adjusted, [sampling] * sampling.n, generators).tolist()
+            top = sampling.top_logprobs
+            logprobs = tuple(
+                token_logprob(logits, t, top, self.tokenizer) if sampling.logprobs else None
+                for t in tokens
+            )
             return KVHandoff(
                 request_id=prompt.request_id,
                 reply_to=reply_to,
                 prompt_tokens=len(prompt.prompt_ids),
-                first_token=token,
-                first_logprob=logprob,
-                sampling=prompt.sampling,
-                rng_state=generator.get_state(),
+                first_tokens=tuple(tokens),
+                first_logprobs=logprobs,
+                sampling=sampling,
+                rng_states=torch.stack([g.get_state() for g in generators]),
                 cache=cache.tensor().contiguous().cpu(),  # its own memory, copied off the loop
                 prompt_ids=ids,
             )

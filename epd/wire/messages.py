@@ -17,6 +17,7 @@ from msgspec import Meta
 
 from epd.generation.params import (
     FINISH_REASONS,
+    MAX_CHOICES,
     FinishReason,
     Record,
     SamplingParams,
@@ -96,20 +97,27 @@ class KVHandoff(WireMessage, frozen=True):
 
     reply_to: Address
     prompt_tokens: int
-    first_token: int
-    first_logprob: TokenLogprob | None
+    first_tokens: Annotated[tuple[int, ...], Meta(max_length=MAX_CHOICES)]  # one per choice
+    first_logprobs: Annotated[tuple[TokenLogprob | None, ...], Meta(max_length=MAX_CHOICES)]
     sampling: SamplingParams
-    rng_state: torch.Tensor  # the request's generator state after sampling the first token
+    rng_states: torch.Tensor  # (n, state) uint8: each choice's generator after its first token
     cache: torch.Tensor  # latent KV (layers, prompt_tokens, kv_lora_rank + qk_rope_head_dim)
     prompt_ids: torch.Tensor  # (prompt_tokens,) int64, for penalties on the prompt's tokens
 
     def __post_init__(self) -> None:
         super().__post_init__()
         check_address(self.reply_to, "reply_to", optional=True)  # empty: served in-process
-        require(self.first_token >= 0, "first_token must be ≥ 0")
+        n = self.sampling.n
         require(
-            self.rng_state.dtype == torch.uint8 and self.rng_state.dim() == 1,
-            "rng_state must be a 1-D uint8 tensor",
+            len(self.first_tokens) == len(self.first_logprobs) == n,
+            f"first_tokens and first_logprobs must have one entry for each of the {n} choices",
+        )
+        require(all(t >= 0 for t in self.first_tokens), "first_tokens must be ≥ 0")
+        require(
+            self.rng_states.dtype == torch.uint8
+            and self.rng_states.dim() == 2
+            and self.rng_states.shape[0] == n,
+            f"rng_states must be a ({n}, state) uint8 tensor",
         )
         check_tensor(self.cache, "cache", rank=3)
         require(
@@ -128,9 +136,10 @@ class TokenDelta(WireMessage, frozen=True):
 
     token_ids: Annotated[tuple[int, ...], Meta(max_length=MAX_ITEMS)]
     text: Text
-    completion_tokens: int  # total so far
-    finish_reason: FinishReason | None = None  # on the last delta
+    completion_tokens: int  # total so far, of this choice
+    finish_reason: FinishReason | None = None  # on the choice's last delta
     logprobs: Annotated[tuple[TokenLogprob, ...], Meta(max_length=MAX_ITEMS)] = ()
+    index: int = 0  # the choice (n > 1)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -138,6 +147,7 @@ class TokenDelta(WireMessage, frozen=True):
         require(all(t >= 0 for t in self.token_ids), "token ids must be ≥ 0")
         require(self.completion_tokens >= len(self.token_ids), "completion_tokens is too small")
         require(len(self.logprobs) <= len(self.token_ids), "more logprobs than tokens")
+        require(0 <= self.index < MAX_CHOICES, f"index must be 0 to {MAX_CHOICES - 1}")
         require(self.finish_reason in FINISH_REASONS, f"finish_reason {self.finish_reason!r}")
 
 

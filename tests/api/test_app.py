@@ -55,7 +55,9 @@ def test_models_and_health(client):
 @pytest.mark.parametrize(
     "body,status,fragment",
     [
-        ({"messages": USER, "n": 2}, 400, "n > 1 is not supported"),
+        ({"messages": USER, "n": 17}, 400, "over this server's limit of 16 (max_n)"),
+        ({"messages": USER, "n": 129}, 400, "invalid n"),
+        ({"messages": USER, "n": 16, "logprobs": True, "top_logprobs": 20}, 400, "n × (top"),
         (
             {"messages": USER, "response_format": {"type": "json_schema"}},
             400,

@@ -34,7 +34,7 @@ def handoff(engine, i, max_tokens=12, seeded=False):
 def run_alone(parts, i, max_tokens=12, seeded=False):
     lm, tokenizer, engine, eos = parts
     scheduler = Scheduler(lm, tokenizer, eos)
-    tokens = list(scheduler.add(handoff(engine, i, max_tokens, seeded))[1].token_ids)
+    tokens = list(scheduler.add(handoff(engine, i, max_tokens, seeded))[0][1].token_ids)
     while len(scheduler):
         tokens += [t for _, d in scheduler.step().produced for t in d.token_ids]
     return tokens
@@ -49,10 +49,10 @@ def test_requests_joining_mid_flight_match_running_alone(parts):
         for sequence, delta in pairs:
             produced.setdefault(sequence.request_id, []).extend(delta.token_ids)
 
-    record([scheduler.add(handoff(engine, 0))])
+    record(scheduler.add(handoff(engine, 0)))
     record(scheduler.step().produced)
     record(scheduler.step().produced)
-    record([scheduler.add(handoff(engine, 1)), scheduler.add(handoff(engine, 2, max_tokens=3))])
+    record(scheduler.add(handoff(engine, 1)) + scheduler.add(handoff(engine, 2, max_tokens=3)))
     sizes = []
     while len(scheduler):
         sizes.append(len(scheduler.running) + len(scheduler.waiting))
@@ -69,7 +69,7 @@ def test_abort_frees_the_request(parts):
     scheduler.add(handoff(engine, 1))
     scheduler.step()
     assert scheduler.abort("r0") and not scheduler.abort("r0")
-    assert list(scheduler.running) == ["r1"]
+    assert list(scheduler.running) == [("r1", 0)]
     assert all(s.request_id == "r1" for s, _ in scheduler.step().produced)
 
 
@@ -86,7 +86,7 @@ def test_batch_size_limit_queues_the_rest(parts):
 def test_first_token_can_finish_a_request(parts):
     lm, tokenizer, engine, eos = parts
     scheduler = Scheduler(lm, tokenizer, eos)
-    _, delta = scheduler.add(handoff(engine, 0, max_tokens=1))
+    ((_, delta),) = scheduler.add(handoff(engine, 0, max_tokens=1))
     assert delta.finish_reason == "length" and len(scheduler) == 0
 
 
@@ -109,7 +109,7 @@ def test_a_row_that_cannot_be_sampled_fails_alone(parts, row):
     lm, tokenizer, engine, eos = parts
     scheduler = Scheduler(lm, tokenizer, eos)
     expected = {i: run_alone(parts, i) for i in (0, 2)}
-    produced = {f"r{i}": list(scheduler.add(handoff(engine, i))[1].token_ids) for i in range(3)}
+    produced = {f"r{i}": list(scheduler.add(handoff(engine, i))[0][1].token_ids) for i in range(3)}
     poison(scheduler, "r1", row)
     step = scheduler.step()
     assert [(s.request_id, "not finite" in why) for s, why in step.failed] == [("r1", True)]
@@ -125,7 +125,7 @@ def test_a_failing_batched_forward_fails_only_the_request_that_fails_alone(parts
     lm, tokenizer, engine, eos = parts
     scheduler = Scheduler(lm, tokenizer, eos)
     expected = {i: run_alone(parts, i) for i in (0, 2)}
-    produced = {f"r{i}": list(scheduler.add(handoff(engine, i))[1].token_ids) for i in range(3)}
+    produced = {f"r{i}": list(scheduler.add(handoff(engine, i))[0][1].token_ids) for i in range(3)}
     forward = scheduler._forward
 
     def breaks_with_r1(batch):
@@ -150,7 +150,8 @@ def test_a_row_that_fails_to_sample_fails_alone_and_seeds_still_hold(parts, monk
     scheduler = Scheduler(lm, tokenizer, eos)
     expected = {i: run_alone(parts, i, seeded=True) for i in (0, 2)}
     produced = {
-        f"r{i}": list(scheduler.add(handoff(engine, i, seeded=True))[1].token_ids) for i in range(3)
+        f"r{i}": list(scheduler.add(handoff(engine, i, seeded=True))[0][1].token_ids)
+        for i in range(3)
     }
     assert expected[0] != run_alone(parts, 0)  # the seeded draws are not the greedy tokens
     real = scheduler_module.sample_batch
@@ -210,7 +211,7 @@ def test_an_unusable_grammar_is_refused_and_a_good_one_is_followed(parts):
     sampling = SamplingParams(30, temperature=0, grammar=choice_grammar(choices))
     constrained = engine.run("g", PROMPTS[1], None, sampling)
     scheduler.add(handoff(engine, 2, max_tokens=30))  # a neighbour without a grammar
-    sequence, _ = scheduler.add(constrained)
+    ((sequence, _),) = scheduler.add(constrained)
     while sequence.finish_reason is None:
         scheduler.step()
     assert sequence.text in choices and sequence.finish_reason == "stop"
@@ -221,7 +222,7 @@ def test_a_failure_after_the_caches_grew_does_not_shift_them(parts):
     lm, tokenizer, engine, eos = parts
     scheduler = Scheduler(lm, tokenizer, eos)
     expected = {i: run_alone(parts, i) for i in range(2)}
-    produced = {f"r{i}": list(scheduler.add(handoff(engine, i))[1].token_ids) for i in range(2)}
+    produced = {f"r{i}": list(scheduler.add(handoff(engine, i))[0][1].token_ids) for i in range(2)}
     logits, failed = lm.logits, []
 
     def fails_once_batched(hidden):
@@ -247,3 +248,15 @@ def test_decode_refuses_what_it_has_no_room_to_park(parts):
         scheduler.add(engine.run(f"w{i}", PROMPTS[0], None, SamplingParams(8, temperature=0)))
     with pytest.raises(Busy, match="decode is full"):
         scheduler.add(handoff(engine, 1))
+
+
+def test_n_choices_decode_apart_and_abort_together(parts):
+    lm, tokenizer, engine, eos = parts
+    scheduler = Scheduler(lm, tokenizer, eos)
+    sampling = SamplingParams(6, temperature=1.5, top_k=50, seed=4, n=3)
+    added = scheduler.add(engine.run("many", PROMPTS[1], None, sampling))
+    assert [s.index for s, _ in added] == [0, 1, 2]
+    assert len({id(s.cache) for s, _ in added}) == 3  # each grows its own copy
+    scheduler.step()
+    assert sorted(scheduler.running) == [("many", 0), ("many", 1), ("many", 2)]
+    assert scheduler.abort("many") and len(scheduler) == 0

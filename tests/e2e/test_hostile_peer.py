@@ -168,10 +168,10 @@ def handoff(checkpoint, request_id: str, reply_to: str, max_tokens: int = 300) -
         request_id,
         reply_to,
         prompt_tokens=4,
-        first_token=7,
-        first_logprob=None,
+        first_tokens=(7,),
+        first_logprobs=(None,),
         sampling=SamplingParams(max_tokens, temperature=0),
-        rng_state=torch.Generator().manual_seed(0).get_state(),
+        rng_states=torch.Generator().manual_seed(0).get_state()[None],
         cache=torch.randn(text.num_hidden_layers, 4, text.latent_dim),
         prompt_ids=torch.tensor([5, 6, 7, 8]),
     )

@@ -107,9 +107,11 @@ def test_routine_fields_and_an_echoed_reply_are_accepted(client, model_name, loc
 
 
 def test_asking_for_what_is_not_there_names_the_field(client, model_name):
-    with pytest.raises(openai.BadRequestError, match="n > 1") as error:
-        ask(client, model_name, TEXT, n=2)
-    assert error.value.body["param"] == "n"
+    with pytest.raises(openai.BadRequestError, match="tools are not supported") as error:
+        ask(client, model_name, TEXT, tools=[{"type": "function", "function": {"name": "f"}}])
+    assert error.value.body["param"] == "tools"
+    with pytest.raises(openai.BadRequestError, match="max_n"):
+        ask(client, model_name, TEXT, n=17)
     with pytest.raises(openai.BadRequestError, match="outside the vocabulary"):
         ask(client, model_name, TEXT, logit_bias={"10000000": 5})
 
@@ -252,3 +254,34 @@ def test_json_object_streams_what_it_returns_whole(stack, client, model_name):
 def test_unusable_structured_output_is_a_400(client, model_name, extra, fragment):
     with pytest.raises(openai.BadRequestError, match=fragment):
         ask(client, model_name, TEXT, max_tokens=5, extra_body=extra)
+
+
+def test_n_choices_are_each_sampled_on_their_own_and_reproducible(client, model_name, local):
+    params = {"max_tokens": 12, "temperature": 1.2, "seed": 21}
+    reply = ask(client, model_name, IMAGE, n=3, **params)
+    texts = [c.message.content for c in reply.choices]
+    assert [c.index for c in reply.choices] == [0, 1, 2] and len(set(texts)) > 1
+    together = local.chat(body(model_name, IMAGE, n=3, **params))
+    assert texts == [c.text for c in together.choices]
+    for i, text in enumerate(texts):  # choice i is the request seeded with seed + i
+        alone = local.chat(body(model_name, IMAGE, **(params | {"seed": 21 + i})))
+        assert text == alone.text
+    assert reply.usage.completion_tokens == sum(len(c.token_ids) for c in together.choices)
+    assert reply.usage.prompt_tokens == together.prompt_tokens  # the prompt counted once
+
+
+def test_n_choices_stream_with_their_index(client, model_name):
+    params = {"max_tokens": 6, "temperature": 0, "n": 2}
+    whole = ask(client, model_name, TEXT, **params)
+    assert whole.choices[0].message.content == whole.choices[1].message.content  # greedy
+    chunks = list(
+        ask(client, model_name, TEXT, stream=True, stream_options={"include_usage": True}, **params)
+    )
+    texts, finishes = ["", ""], [None, None]
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+            finishes[choice.index] = choice.finish_reason or finishes[choice.index]
+    assert texts == [c.message.content for c in whole.choices]
+    assert finishes == [c.finish_reason for c in whole.choices]
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens

@@ -33,8 +33,9 @@ def test_a_packed_batch_gives_each_prompt_what_it_gets_alone(engine):
     together = engine.run_batch([prompt(i) for i in range(4)])
     for i, handoff in enumerate(together):
         alone = engine.run(f"r{i}", PROMPTS[i], None, prompt(i).sampling)
-        assert handoff.first_token == alone.first_token
-        assert handoff.first_logprob.logprob == pytest.approx(alone.first_logprob.logprob, abs=1e-5)
+        assert handoff.first_tokens == alone.first_tokens
+        (mine,), (its,) = handoff.first_logprobs, alone.first_logprobs
+        assert mine.logprob == pytest.approx(its.logprob, abs=1e-5)
         torch.testing.assert_close(handoff.cache, alone.cache, atol=1e-5, rtol=1e-5)
 
 

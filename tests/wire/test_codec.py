@@ -26,17 +26,34 @@ MESSAGES = [
         "r1",
         "tcp://127.0.0.1:1",
         13,
-        7,
-        LOGPROB,
+        (7, 9),
+        (LOGPROB, None),
         SamplingParams(
-            32, 0.7, 0.9, 5, 1234, ("\n\n",), True, 1, False, 0.5, -1.0, 1.2, 0.1, 2, ((3, -5.0),)
+            32,
+            0.7,
+            0.9,
+            5,
+            1234,
+            ("\n\n",),
+            True,
+            1,
+            False,
+            0.5,
+            -1.0,
+            1.2,
+            0.1,
+            2,
+            ((3, -5.0),),
+            grammar='{"grammars": []}',
+            n=2,
         ),
-        RNG,
+        torch.stack([RNG, RNG]),
         torch.randn(3, 13, 40).to(torch.bfloat16),
         torch.arange(13),
     ),
     TokenDelta("r1", (7,), "hi", 1, None, (LOGPROB,)),
     TokenDelta("r1", (8,), "", 2, "stop"),
+    TokenDelta("r1", (8,), "x", 3, None, (), 1),
     Abort("r1"),
 ]
 
@@ -103,7 +120,7 @@ def test_extra_and_missing_fields_are_refused():
 def test_nested_values_are_checked():
     sampling = ["many", 1.0, 1.0, 0, None, [], False, 0]
     with pytest.raises(WireError, match=r"at `\$\[6\]\[0\]`"):
-        decode([header("KVHandoff", "r", "tcp://a:1", 1, 0, None, sampling, None, None, None)])
+        decode([header("KVHandoff", "r", "tcp://a:1", 1, [0], [None], sampling, None, None, None)])
 
 
 @pytest.mark.parametrize(
@@ -130,6 +147,6 @@ def test_every_frame_belongs_to_exactly_one_tensor():
     with pytest.raises(WireError, match="2 frames for 1 tensors"):
         decode([*good, bytes(8)])
     ref = [1, "uint8", [4]]
-    both = header("KVHandoff", "r", "", 1, 0, None, [4], ref, ref, [2, "int64", [1]])
+    both = header("KVHandoff", "r", "", 1, [0], [None], [4], ref, ref, [2, "int64", [1]])
     with pytest.raises(WireError, match="bad tensor reference"):
         decode([both, bytes(4), bytes(8)])

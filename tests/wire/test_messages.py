@@ -27,10 +27,10 @@ def handoff(**changes):
         "request_id": "r",
         "reply_to": "tcp://127.0.0.1:7102",
         "prompt_tokens": 3,
-        "first_token": 5,
-        "first_logprob": None,
+        "first_tokens": (5,),
+        "first_logprobs": (None,),
         "sampling": SamplingParams(8),
-        "rng_state": RNG,
+        "rng_states": RNG[None],
         "cache": torch.zeros(2, 3, 8),
         "prompt_ids": torch.tensor([1, 2, 3]),
     }
@@ -115,8 +115,11 @@ def test_embeddings_holding_nan_are_refused():
         ({"cache": torch.zeros(2, 4, 8)}, "a cache of 4 tokens for a prompt of 3"),
         ({"cache": torch.zeros(3, 8)}, "cache must have 3 dimensions"),
         ({"cache": torch.zeros(2, 3, 8, dtype=torch.int64)}, "cache must hold floats"),
-        ({"rng_state": torch.zeros(4)}, "rng_state"),
-        ({"first_token": -1}, "first_token"),
+        ({"rng_states": torch.zeros(4)}, "rng_states"),
+        ({"rng_states": RNG}, "rng_states"),  # not one row per choice
+        ({"first_tokens": (-1,)}, "first_tokens"),
+        ({"first_tokens": (1, 2)}, "first_tokens"),  # two first tokens for one choice
+        ({"sampling": SamplingParams(8, n=2)}, "first_tokens"),
         ({"reply_to": "http://example.com"}, "reply_to must be a ZeroMQ address"),
         ({"request_id": ""}, "request_id"),
         ({"request_id": "r" * 1000}, "request_id"),
