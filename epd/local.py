@@ -16,7 +16,7 @@ import torch
 
 from epd.api.images import load_image_bytes
 from epd.api.prepare import PromptBuilder, check_grammar
-from epd.api.schema import parse_request
+from epd.api.schema import parse_completion, parse_request
 from epd.checkpoint.tokenizer import load_tokenizer, stop_token_ids
 from epd.checkpoint.weights import load_model
 from epd.config.roles import PrefillConfig
@@ -24,6 +24,7 @@ from epd.decode.scheduler import Scheduler
 from epd.encode.encoder import Encoder
 from epd.generation.sequence import Output
 from epd.prefill.engine import PrefillEngine
+from epd.prefill.request import PreparedRequest
 
 
 @dataclass(frozen=True)
@@ -90,6 +91,7 @@ class LocalPipeline:
         self.scheduler = Scheduler(model.language_model, tokenizer, eos_ids)
 
     def chat(self, body: dict[str, Any]) -> Completion:
+        """A /v1/chat/completions body, served here."""
         start = time.perf_counter()
         request = parse_request(body)
         conversation = self.builder.read(request)
@@ -98,8 +100,16 @@ class LocalPipeline:
             load_image_bytes(url, i, limits.max_image_bytes, limits.image_fetch_timeout_s)
             for i, url in enumerate(conversation.image_urls)
         ]
-        prepared = self.builder.prepare(conversation, images)
+        return self.run(self.builder.prepare(conversation, images), start)
+
+    def complete(self, body: dict[str, Any]) -> Completion:
+        """A /v1/completions body, served here."""
+        start = time.perf_counter()
+        return self.run(self.builder.prepare_completion(parse_completion(body)), start)
+
+    def run(self, prepared: PreparedRequest, start: float) -> Completion:
         check_grammar(self.engine.grammars, prepared.sampling)
+        images = prepared.images
         embeddings = self.encoder.encode(images)[1] if images else None
         handoff = self.engine.run(
             prepared.request_id, prepared.prompt_ids, embeddings, prepared.sampling

@@ -1,4 +1,5 @@
-"""The FastAPI app: /v1/chat/completions, /v1/models (and /v1/models/{id}) and /health."""
+"""The FastAPI app: /v1/chat/completions, /v1/completions, /v1/models (and /v1/models/{id}) and
+/health."""
 
 from __future__ import annotations
 
@@ -17,16 +18,22 @@ from epd.api.errors import APIError, as_api_error, bad_request
 from epd.api.images import load_image_bytes
 from epd.api.middleware import add_middleware, request_id
 from epd.api.prepare import PromptBuilder, check_grammar
-from epd.api.responses import Reply
-from epd.api.schema import ChatCompletionRequest, parse_request
+from epd.api.responses import Reply, TextReply
+from epd.api.schema import (
+    ChatCompletionRequest,
+    GenerationRequest,
+    parse_completion,
+    parse_request,
+)
 from epd.config.roles import PrefillConfig
 from epd.prefill.coordinator import Coordinator
 from epd.prefill.engine import PrefillEngine
 from epd.prefill.errors import PrefillError
+from epd.prefill.request import PreparedRequest
 from epd.runtime.health import health_router
 from epd.runtime.role import probe_wire
 from epd.runtime.watchdog import Watchdog
-from epd.wire.messages import TokenDelta
+from epd.wire.messages import KVHandoff, TokenDelta
 
 log = logging.getLogger(__name__)
 DISCONNECT_POLL_S = 0.25
@@ -114,16 +121,35 @@ def create_app(service: Service, on_started: Callable[[], Any] | None = None) ->
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise bad_request("the request body is not valid JSON") from None
-        chat = parse_request(body)
+        chat = parse_request(await json_body(request))
         if chat.model != service.model_name:
             raise unknown_model(chat.model, service.model_name)
         return await complete(service, chat, request)
 
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        legacy = parse_completion(await json_body(request))
+        if legacy.model != service.model_name:
+            raise unknown_model(legacy.model, service.model_name)
+        prepared = service.builder.prepare_completion(legacy, request_id(request))
+        handoff, deltas = await generate(service, prepared)
+        reply = TextReply(
+            prepared.request_id,
+            service.model_name,
+            handoff.prompt_tokens,
+            legacy.wants_logprobs,
+            legacy.include_usage,
+        )
+        return await respond(request, reply, deltas, legacy)
+
     return app
+
+
+async def json_body(request: Request) -> Any:
+    try:
+        return await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise bad_request("the request body is not valid JSON") from None
 
 
 def unknown_model(asked: str, served: str) -> APIError:
@@ -136,24 +162,44 @@ def unknown_model(asked: str, served: str) -> APIError:
 
 
 async def complete(service: Service, chat: ChatCompletionRequest, request: Request) -> Response:
-    coordinator = service.coordinator
-    assert coordinator is not None
     conversation = service.builder.read(chat)
     images = await service.load_images(conversation.image_urls)
     try:
         prepared = service.builder.prepare(conversation, images, request_id(request))
     except ValueError as e:  # e.g. more images than the prompt has placeholders
         raise bad_request(str(e)) from None
+    handoff, deltas = await generate(service, prepared)
+    reply = Reply(
+        prepared.request_id,
+        service.model_name,
+        handoff.prompt_tokens,
+        chat.logprobs,
+        chat.include_usage,
+    )
+    return await respond(request, reply, deltas, chat)
+
+
+async def generate(
+    service: Service, prepared: PreparedRequest
+) -> tuple[KVHandoff, AsyncIterator[TokenDelta]]:
+    """Encode, prefill and hand a prepared request to decode; its deltas to come."""
+    coordinator = service.coordinator
+    assert coordinator is not None
     await asyncio.to_thread(check_grammar, service.engine.grammars, prepared.sampling)
     embeddings = await coordinator.encode(prepared)
     handoff = await coordinator.prefill(prepared, embeddings)
-    usage = chat.stream_options is not None and chat.stream_options.include_usage
-    reply = Reply(
-        prepared.request_id, service.model_name, handoff.prompt_tokens, chat.logprobs, usage
-    )
-    deltas = coordinator.deltas(await coordinator.hand_off(handoff))
-    if chat.stream:
-        events = stream(reply, deltas, usage, chat.n)
+    return handoff, coordinator.deltas(await coordinator.hand_off(handoff))
+
+
+async def respond(
+    request: Request,
+    reply: Reply,
+    deltas: AsyncIterator[TokenDelta],
+    asked: GenerationRequest,
+) -> Response:
+    """A stream of chunks, or the whole reply once every choice has ended."""
+    if asked.stream:
+        events = stream(reply, deltas, asked.include_usage, asked.n)
         return StreamingResponse(events, media_type="text/event-stream")
     collected = await until_disconnected(request, collect(deltas))
     if collected is None:
@@ -182,8 +228,8 @@ async def stream(
 ) -> AsyncIterator[str]:
     """SSE: a role chunk per choice, content chunks, each choice's finish, optional usage (of
     every choice), then [DONE]."""
-    for index in range(choices):
-        yield reply.first_chunk(index)
+    for chunk in reply.opening(choices):
+        yield chunk
     completion_tokens: dict[int, int] = {}
     try:
         async for delta in deltas:

@@ -12,7 +12,7 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from epd.api.errors import APIError, bad_request
-from epd.api.schema import ChatCompletionRequest
+from epd.api.schema import ChatCompletionRequest, CompletionRequest, GenerationRequest
 from epd.checkpoint.config import (
     CheckpointError,
     load_generation_config,
@@ -140,9 +140,7 @@ class PromptBuilder:
         ids = expand_placeholders(prompt, self.placeholder_id, counts)
         request = conversation.request
         return PreparedRequest(
-            request_id=f"chatcmpl-{request_id}-{uuid.uuid4().hex[:8]}"
-            if request_id
-            else f"chatcmpl-{uuid.uuid4().hex}",
+            request_id=unique_id("chatcmpl", request_id),
             prompt_ids=ids,
             images=images,
             grids=grids,
@@ -150,10 +148,38 @@ class PromptBuilder:
             sampling=self.sampling(request, len(ids)),
         )
 
-    def sampling(self, request: ChatCompletionRequest, prompt_tokens: int) -> SamplingParams:
+    def prepare_completion(
+        self, request: CompletionRequest, request_id: str = ""
+    ) -> PreparedRequest:
+        """A legacy completion's prompt, text (tokenised as it is, no chat template) or token
+        ids; neither may hold the image placeholder, which would claim image rows."""
+        prompt = request.single_prompt
+        if isinstance(prompt, str):
+            ids = list(self.tokenizer.encode(prompt))
+        else:
+            if outside := [t for t in prompt if t >= self.vocab_size]:
+                raise bad_request(
+                    f"prompt token id {outside[0]} is outside the vocabulary of {self.vocab_size}",
+                    param="prompt",
+                )
+            ids = list(prompt)
+        if not ids:
+            raise bad_request("the prompt is empty", param="prompt")
+        if self.placeholder_id in ids:
+            raise bad_request("the prompt holds the image placeholder token", param="prompt")
+        return PreparedRequest(
+            request_id=unique_id("cmpl", request_id),
+            prompt_ids=ids,
+            images=[],
+            grids=(),
+            image_tokens=(),
+            sampling=self.sampling(request, len(ids)),
+        )
+
+    def sampling(self, request: GenerationRequest, prompt_tokens: int) -> SamplingParams:
         """The request's sampling; a field it leaves out takes the checkpoint's default."""
         room = self.context_length - prompt_tokens
-        asked = request.max_completion_tokens or request.max_tokens
+        asked = request.asked_tokens
         if room < 1 or (asked is not None and asked > room):
             raise APIError(
                 400,
@@ -187,8 +213,8 @@ class PromptBuilder:
                 skip_special_tokens=request.skip_special_tokens,
                 seed=request.seed,
                 stop=request.stop_list,
-                logprobs=request.logprobs,
-                top_logprobs=request.top_logprobs or 0,
+                logprobs=request.wants_logprobs,
+                top_logprobs=request.top_logprob_count,
                 ignore_eos=request.ignore_eos,
                 grammar=output_grammar(request),
                 n=request.n,
@@ -196,18 +222,18 @@ class PromptBuilder:
         except ValueError as e:  # e.g. min_tokens over max_tokens, a schema too large
             raise bad_request(str(e)) from None
 
-    def check_choices(self, request: ChatCompletionRequest) -> None:
+    def check_choices(self, request: GenerationRequest) -> None:
         if request.n > self.max_n:
             raise bad_request(
                 f"n={request.n} is over this server's limit of {self.max_n} (max_n)", param="n"
             )
-        logprobs = request.n * ((request.top_logprobs or 0) + 1) if request.logprobs else 0
+        logprobs = request.n * (request.top_logprob_count + 1) if request.wants_logprobs else 0
         if logprobs > MAX_FIRST_LOGPROBS:  # they travel in one hand-off header
             raise bad_request(
                 f"n × (top_logprobs + 1) is {logprobs}, over {MAX_FIRST_LOGPROBS}", param="n"
             )
 
-    def check_token_ids(self, request: ChatCompletionRequest) -> None:
+    def check_token_ids(self, request: GenerationRequest) -> None:
         for param, ids in (
             ("logit_bias", [t for t, _ in request.bias_pairs]),
             ("stop_token_ids", request.stop_token_ids or []),
@@ -220,9 +246,18 @@ class PromptBuilder:
                 )
 
 
-def output_grammar(request: ChatCompletionRequest) -> str:
+def unique_id(kind: str, request_id: str) -> str:
+    """A reply id holding the client's request id, made unique: clients reuse theirs."""
+    return (
+        f"{kind}-{request_id}-{uuid.uuid4().hex[:8]}"
+        if request_id
+        else f"{kind}-{uuid.uuid4().hex}"
+    )
+
+
+def output_grammar(request: GenerationRequest) -> str:
     """llguidance grammar text for the request's structured output ("": none)."""
-    fmt = request.response_format
+    fmt = request.response_format if isinstance(request, ChatCompletionRequest) else None
     param = (request.output_constraints() or [""])[0]
     try:
         if fmt is not None and fmt.type == "json_object":

@@ -1,4 +1,4 @@
-"""OpenAI chat-completion bodies and stream chunks built from TokenDeltas."""
+"""OpenAI chat-completion and legacy completion bodies and stream chunks, from TokenDeltas."""
 
 from __future__ import annotations
 
@@ -33,6 +33,7 @@ class Reply:
     want_logprobs: bool
     stream_usage: bool = False  # every chunk has `usage`: null but in the last (OpenAI's rule)
     created: int = field(default_factory=lambda: int(time.time()))
+    chunk_object = "chat.completion.chunk"
 
     def usage(self, completion_tokens: int) -> dict[str, int]:
         return {
@@ -47,9 +48,7 @@ class Reply:
         return {"content": [logprob_json(e) for d in deltas for e in d.logprobs]}
 
     def completion(self, deltas: list[TokenDelta]) -> dict[str, Any]:
-        by_choice: dict[int, list[TokenDelta]] = {}
-        for delta in deltas:
-            by_choice.setdefault(delta.index, []).append(delta)
+        groups = by_choice(deltas)
         choices = [
             {
                 "index": index,
@@ -57,9 +56,9 @@ class Reply:
                 "logprobs": self.logprobs(mine),
                 "finish_reason": mine[-1].finish_reason,
             }
-            for index, mine in sorted(by_choice.items())
+            for index, mine in groups
         ]
-        completion_tokens = sum(mine[-1].completion_tokens for mine in by_choice.values())
+        completion_tokens = sum(mine[-1].completion_tokens for _, mine in groups)
         return {
             "id": self.request_id,
             "object": "chat.completion",
@@ -69,10 +68,14 @@ class Reply:
             "usage": self.usage(completion_tokens),
         }
 
+    def opening(self, choices: int) -> list[str]:
+        """The chunks a stream starts with: each choice's role."""
+        return [self.first_chunk(index) for index in range(choices)]
+
     def chunk(self, choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> str:
         body: dict[str, Any] = {
             "id": self.request_id,
-            "object": "chat.completion.chunk",
+            "object": self.chunk_object,
             "created": self.created,
             "model": self.model,
             "choices": choices,
@@ -98,3 +101,69 @@ class Reply:
 
     def usage_chunk(self, completion_tokens: int) -> str:
         return self.chunk([], self.usage(completion_tokens))
+
+
+def by_choice(deltas: list[TokenDelta]) -> list[tuple[int, list[TokenDelta]]]:
+    grouped: dict[int, list[TokenDelta]] = {}
+    for delta in deltas:
+        grouped.setdefault(delta.index, []).append(delta)
+    return sorted(grouped.items())
+
+
+@dataclass
+class TextReply(Reply):
+    """The legacy /v1/completions shapes: text choices, logprobs as that API lays them out."""
+
+    chunk_object = "text_completion"
+    offsets: dict[int, int] = field(default_factory=dict)  # streamed: each choice's text so far
+
+    def opening(self, choices: int) -> list[str]:
+        return []  # no role chunk in this API
+
+    def text_logprobs(self, deltas: list[TokenDelta], offset: int = 0) -> dict[str, Any] | None:
+        """tokens, token_logprobs, top_logprobs (token → logprob) and each token's offset in
+        the choice's text."""
+        if not self.want_logprobs:
+            return None
+        entries = [e for d in deltas for e in d.logprobs]
+        offsets = []
+        for entry in entries:
+            offsets.append(offset)
+            offset += len(entry.token)
+        return {
+            "tokens": [e.token for e in entries],
+            "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{t.token: t.logprob for t in e.top_logprobs} for e in entries],
+            "text_offset": offsets,
+        }
+
+    def completion(self, deltas: list[TokenDelta]) -> dict[str, Any]:
+        groups = by_choice(deltas)
+        choices = [
+            {
+                "index": index,
+                "text": "".join(d.text for d in mine),
+                "logprobs": self.text_logprobs(mine),
+                "finish_reason": mine[-1].finish_reason,
+            }
+            for index, mine in groups
+        ]
+        return {
+            "id": self.request_id,
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            "usage": self.usage(sum(mine[-1].completion_tokens for _, mine in groups)),
+        }
+
+    def delta_chunk(self, delta: TokenDelta) -> str:
+        offset = self.offsets.get(delta.index, 0)
+        self.offsets[delta.index] = offset + sum(len(e.token) for e in delta.logprobs)
+        choice = {
+            "index": delta.index,
+            "text": delta.text,
+            "logprobs": self.text_logprobs([delta], offset),
+            "finish_reason": delta.finish_reason,
+        }
+        return self.chunk([choice])

@@ -8,7 +8,7 @@ value is checked (a NaN is a float).
 from __future__ import annotations
 
 import logging
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -93,15 +93,14 @@ class ResponseFormat(Strict):
         return self
 
 
-class ChatCompletionRequest(BaseModel):
-    """OpenAI's fields and vLLM's sampling extras; unknown fields are ignored (and logged)."""
+class GenerationRequest(BaseModel):
+    """What chat and legacy completions share: OpenAI's sampling fields and vLLM's extras;
+    unknown fields are ignored (and logged)."""
 
     model_config = ConfigDict(extra="allow")
 
     model: str
-    messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
     # None: the checkpoint's generation_config.json default, else the usual one.
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
@@ -119,23 +118,13 @@ class ChatCompletionRequest(BaseModel):
     skip_special_tokens: bool = True
     stream: bool = False
     stream_options: StreamOptions | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
     n: int = Field(1, ge=1, le=128)
-    response_format: ResponseFormat | None = None
-    # vLLM's structured-output extras; at most one of them, or a JSON response_format.
+    # vLLM's structured-output extras; at most one of them (or a JSON response_format).
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = Field(None, max_length=MAX_GRAMMAR_CHARS)
     guided_choice: list[str] | None = Field(None, min_length=1, max_length=1024)
     guided_grammar: str | None = Field(None, max_length=MAX_GRAMMAR_CHARS)
-    tools: list[Any] | None = None
-    tool_choice: Any = None
-    # Accepted and without effect here: bookkeeping for OpenAI's platform.
-    user: str | None = None
-    metadata: dict[str, str] | None = None
-    store: bool | None = None
-    parallel_tool_calls: bool | None = None
-    service_tier: str | None = None
+    user: str | None = None  # accepted without effect
 
     @field_validator("stop")
     @classmethod
@@ -167,9 +156,7 @@ class ChatCompletionRequest(BaseModel):
         return ids
 
     @model_validator(mode="after")
-    def consistent(self) -> ChatCompletionRequest:
-        if self.top_logprobs and not self.logprobs:
-            raise ValueError("top_logprobs requires logprobs=true")
+    def streaming_options(self) -> GenerationRequest:
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options requires stream=true")
         return self
@@ -182,8 +169,75 @@ class ChatCompletionRequest(BaseModel):
     def bias_pairs(self) -> tuple[tuple[int, float], ...]:
         return tuple(sorted((int(k), v) for k, v in (self.logit_bias or {}).items()))
 
+    @property
+    def asked_tokens(self) -> int | None:
+        return self.max_tokens
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return False
+
+    @property
+    def top_logprob_count(self) -> int:
+        return 0
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
     def unsupported(self) -> tuple[str, str] | None:
         """(field, why) for a field that asks for what this server does not do (yet)."""
+        extra = self.model_extra or {}
+        if extra.get("structured_outputs") is not None:
+            return "structured_outputs", "structured_outputs is not supported: use guided_*"
+        if len(self.output_constraints()) > 1:
+            return "response_format", (
+                "give one of response_format, guided_json, guided_regex, guided_choice, "
+                "guided_grammar"
+            )
+        return None
+
+    def output_constraints(self) -> list[str]:
+        """The structured-output fields the request sets."""
+        named = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+        return [n for n in named if getattr(self, n) is not None]
+
+
+class ChatCompletionRequest(GenerationRequest):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    response_format: ResponseFormat | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    # Accepted and without effect here: bookkeeping for OpenAI's platform.
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    parallel_tool_calls: bool | None = None
+    service_tier: str | None = None
+
+    @model_validator(mode="after")
+    def consistent(self) -> ChatCompletionRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs=true")
+        return self
+
+    @property
+    def asked_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.logprobs
+
+    @property
+    def top_logprob_count(self) -> int:
+        return self.top_logprobs or 0
+
+    def unsupported(self) -> tuple[str, str] | None:
         if self.tools:
             return "tools", "tools are not supported yet"
         if self.tool_choice not in (None, "none", "auto"):
@@ -196,30 +250,72 @@ class ChatCompletionRequest(BaseModel):
         extra = self.model_extra or {}
         if extra.get("audio") is not None or "audio" in (extra.get("modalities") or ()):
             return "audio", "audio output is not supported"
-        if extra.get("structured_outputs") is not None:
-            return "structured_outputs", "structured_outputs is not supported: use guided_*"
-        if len(self.output_constraints()) > 1:
-            return "response_format", (
-                "give one of response_format, guided_json, guided_regex, guided_choice, "
-                "guided_grammar"
-            )
-        return None
+        return super().unsupported()
 
     def output_constraints(self) -> list[str]:
-        """The structured-output fields the request sets."""
         json_format = self.response_format is not None and self.response_format.type != "text"
-        named = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
-        return ["response_format"] * json_format + [
-            n for n in named if getattr(self, n) is not None
-        ]
+        return ["response_format"] * json_format + super().output_constraints()
+
+
+TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+
+
+class CompletionRequest(GenerationRequest):
+    """POST /v1/completions: a raw prompt (text or token ids) continued, no chat template."""
+
+    prompt: str | TokenIds | list[str] | list[TokenIds]
+    max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for this endpoint
+    logprobs: int | None = Field(None, ge=0, le=20)  # the top alternatives to report
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = Field(None, ge=1, le=128)
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.logprobs is not None
+
+    @property
+    def top_logprob_count(self) -> int:
+        return self.logprobs or 0
+
+    @property
+    def single_prompt(self) -> str | list[int]:
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+            return prompt[0]  # type: ignore[return-value]  # one, checked in unsupported()
+        return prompt  # type: ignore[return-value]
+
+    def unsupported(self) -> tuple[str, str] | None:
+        prompt = self.prompt
+        batch = isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list)
+        if batch and len(prompt) != 1:
+            return "prompt", "one prompt per request (send the others as their own requests)"
+        if self.echo:
+            return "echo", "echo is not supported"
+        if self.suffix:
+            return "suffix", "suffix is not supported"
+        if self.best_of is not None and self.best_of != self.n:
+            return "best_of", "best_of other than n is not supported"
+        return super().unsupported()
 
 
 def parse_request(body: Any) -> ChatCompletionRequest:
-    """Validate a JSON body; the first problem becomes an OpenAI-style 400 naming the field."""
+    """A chat request from a JSON body; the first problem is an OpenAI-style 400 naming it."""
+    return parse(body, ChatCompletionRequest)
+
+
+def parse_completion(body: Any) -> CompletionRequest:
+    return parse(body, CompletionRequest)
+
+
+R = TypeVar("R", bound=GenerationRequest)
+
+
+def parse(body: Any, kind: type[R]) -> R:
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
     try:
-        request = ChatCompletionRequest.model_validate(body)
+        request = kind.model_validate(body)
     except ValidationError as e:
         raise _as_api_error(e) from None
     if (refused := request.unsupported()) is not None:

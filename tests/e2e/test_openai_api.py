@@ -285,3 +285,72 @@ def test_n_choices_stream_with_their_index(client, model_name):
     assert texts == [c.message.content for c in whole.choices]
     assert finishes == [c.finish_reason for c in whole.choices]
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_legacy_completions_equal_the_one_process_path(client, model_name, local):
+    params = {"max_tokens": 12, "temperature": 0, "logprobs": 2}
+    prompt = "The red circle and the blue square"
+    reply = client.completions.create(model=model_name, prompt=prompt, **params)
+    expected = local.complete({"model": model_name, "prompt": prompt, **params})
+    choice = reply.choices[0]
+    assert reply.object == "text_completion" and choice.text == expected.text
+    assert choice.logprobs.tokens == [e.token for d in expected.deltas for e in d.logprobs]
+    assert len(choice.logprobs.top_logprobs[0]) == 2
+    assert choice.logprobs.text_offset[1] == len(choice.logprobs.tokens[0])
+    assert reply.usage.prompt_tokens == expected.prompt_tokens
+    assert reply.usage.completion_tokens == len(expected.token_ids)
+    ids = local.builder.tokenizer.encode(prompt)
+    by_ids = client.completions.create(model=model_name, prompt=ids, **params)
+    assert by_ids.choices[0].text == choice.text  # token ids are the same prompt
+
+
+def test_legacy_completions_stream_and_default_to_16_tokens(client, model_name):
+    whole = client.completions.create(
+        model=model_name, prompt="Once upon a time", temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert whole.usage.completion_tokens == 16  # this API's default max_tokens
+    chunks = list(
+        client.completions.create(
+            model=model_name,
+            prompt="Once upon a time",
+            temperature=0,
+            n=2,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+    )
+    texts = ["", ""]
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+    assert texts == [whole.choices[0].text] * 2
+    assert chunks[-1].usage.completion_tokens == 32
+
+
+@pytest.mark.parametrize(
+    "params,fragment",
+    [
+        ({"prompt": "x", "echo": True}, "echo is not supported"),
+        ({"prompt": "x", "suffix": "y"}, "suffix is not supported"),
+        ({"prompt": ["a", "b"]}, "one prompt per request"),
+        ({"prompt": [10**7]}, "outside the vocabulary"),
+        ({"prompt": ""}, "the prompt is empty"),
+        ({"prompt": "<|media_pad|>"}, "image placeholder"),
+        ({"prompt": "x", "logprobs": 21}, "invalid logprobs"),
+    ],
+)
+def test_legacy_completions_refuse_what_they_cannot_do(client, model_name, params, fragment):
+    with pytest.raises(openai.BadRequestError, match=re.escape(fragment)):
+        client.completions.create(model=model_name, **params)
+
+
+def test_legacy_completions_follow_a_grammar(client, model_name):
+    reply = client.completions.create(
+        model=model_name,
+        prompt="Pick one:",
+        max_tokens=20,
+        temperature=0,
+        extra_body={"guided_choice": ["circle", "square"]},
+    )
+    assert reply.choices[0].text in ("circle", "square")
