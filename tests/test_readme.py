@@ -150,3 +150,17 @@ def test_python_structured_output_example(make_serve):
     reply = ast.literal_eval(result.stdout)
     assert reply["shape"] in ("circle", "square", "triangle") and len(reply["colour"]) <= 10
     assert f"prints `{result.stdout.strip()}`" in README
+
+
+def test_python_tool_call_example(make_serve):
+    result = subprocess.run(
+        [sys.executable, "-c", with_port(block("python-tools"), make_serve)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    finish, name, arguments = result.stdout.split(" ", 2)
+    assert (finish, name) == ("tool_calls", "count_shapes")
+    assert json.loads(arguments)["shape"] in ("circle", "square", "triangle")
+    assert f"prints `{result.stdout.strip()}`" in README

@@ -25,6 +25,7 @@ from epd.api.schema import (
     parse_completion,
     parse_request,
 )
+from epd.api.tools import ForcedTools, ToolReply
 from epd.config.roles import PrefillConfig
 from epd.prefill.coordinator import Coordinator
 from epd.prefill.engine import PrefillEngine
@@ -169,12 +170,12 @@ async def complete(service: Service, chat: ChatCompletionRequest, request: Reque
     except ValueError as e:  # e.g. more images than the prompt has placeholders
         raise bad_request(str(e)) from None
     handoff, deltas = await generate(service, prepared)
-    reply = Reply(
-        prepared.request_id,
-        service.model_name,
-        handoff.prompt_tokens,
-        chat.logprobs,
-        chat.include_usage,
+    names = (prepared.request_id, service.model_name, handoff.prompt_tokens)
+    forced = ForcedTools.of(chat)
+    reply = (
+        Reply(*names, chat.logprobs, chat.include_usage)
+        if forced is None
+        else ToolReply(*names, False, chat.include_usage, forced=forced)
     )
     return await respond(request, reply, deltas, chat)
 
@@ -234,8 +235,10 @@ async def stream(
     try:
         async for delta in deltas:
             completion_tokens[delta.index] = delta.completion_tokens
-            if delta.text or delta.logprobs or delta.finish_reason:
-                yield reply.delta_chunk(delta)
+            if (delta.text or delta.logprobs or delta.finish_reason) and (
+                chunk := reply.delta_chunk(delta)
+            ):
+                yield chunk
         if usage:
             yield reply.usage_chunk(sum(completion_tokens.values()))
     except Exception as error:  # headers are sent: report in-band, as OpenAI does

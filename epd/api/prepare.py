@@ -13,6 +13,7 @@ from transformers import PreTrainedTokenizerBase
 
 from epd.api.errors import APIError, bad_request
 from epd.api.schema import ChatCompletionRequest, CompletionRequest, GenerationRequest
+from epd.api.tools import ForcedTools, describe_tools
 from epd.checkpoint.config import (
     CheckpointError,
     load_generation_config,
@@ -39,11 +40,12 @@ MAX_FIRST_LOGPROBS = 256  # logprob entries of the first tokens of all choices
 
 @dataclass(frozen=True)
 class Conversation:
-    """A chat request read once: its messages for the chat template and its image URLs."""
+    """A chat request read once: its messages and tools for the chat template, its image URLs."""
 
     request: ChatCompletionRequest
     messages: list[dict[str, Any]]
     image_urls: list[str]
+    tools: list[dict[str, Any]] | None = None
 
 
 @dataclass(frozen=True)
@@ -94,18 +96,32 @@ class PromptBuilder:
         """The request's chat messages, built once, and the image URLs they hold."""
         messages = self.messages(request)
         urls = [part["image_url"]["url"] for part in image_parts(messages)]
-        return Conversation(request, messages, urls)
+        tools = [t.model_dump(exclude_none=True) for t in request.tools or ()] or None
+        if tools and not self.template_shows_tools:
+            note = {"role": "system", "content": describe_tools(request.tools or [])}
+            return Conversation(request, [note, *messages], urls)
+        return Conversation(request, messages, urls, tools)
+
+    @cached_property
+    def template_shows_tools(self) -> bool:
+        """Whether the chat template renders a request's tools (Kimi-VL's does not)."""
+        probe = [{"role": "user", "content": "hi"}]
+        tool = {"type": "function", "function": {"name": "probe_tool_name", "parameters": {}}}
+        return render_prompt(self.tokenizer, probe, [tool]) != render_prompt(self.tokenizer, probe)
 
     def messages(self, request: ChatCompletionRequest) -> list[dict[str, Any]]:
         """Messages for the chat template; a `developer` message is Kimi's `system` turn, and an
         assistant turn echoed without content (`content: null`) is an empty one."""
         messages = []
         for m in request.messages:
-            message = m.model_dump(include={"role", "content", "name"}, exclude_none=True)
+            fields = {"role", "content", "name", "tool_calls", "tool_call_id"}
+            message = m.model_dump(include=fields, exclude_none=True)
             message.setdefault("content", "")
             if message["role"] == "developer":
                 message["role"] = "system"
             self.refuse_special_tokens(message["content"])
+            for call in message.get("tool_calls", ()):
+                self.refuse_special_tokens(call["function"]["arguments"])
             messages.append(message)
         return messages
 
@@ -136,7 +152,7 @@ class PromptBuilder:
         client's `x-request-id` where one was given (made unique: clients reuse theirs)."""
         grids = self.grids(images)
         counts = [self.processor.tokens(grid) for grid in grids]
-        prompt = render_prompt(self.tokenizer, conversation.messages)
+        prompt = render_prompt(self.tokenizer, conversation.messages, conversation.tools)
         ids = expand_placeholders(prompt, self.placeholder_id, counts)
         request = conversation.request
         return PreparedRequest(
@@ -259,7 +275,10 @@ def output_grammar(request: GenerationRequest) -> str:
     """llguidance grammar text for the request's structured output ("": none)."""
     fmt = request.response_format if isinstance(request, ChatCompletionRequest) else None
     param = (request.output_constraints() or [""])[0]
+    forced = ForcedTools.of(request) if isinstance(request, ChatCompletionRequest) else None
     try:
+        if forced is not None:
+            return json_schema_grammar(forced.schema())
         if fmt is not None and fmt.type == "json_object":
             return json_schema_grammar({"type": "object"})
         if fmt is not None and fmt.json_schema is not None:

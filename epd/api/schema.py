@@ -51,13 +51,49 @@ class ImagePart(Strict):
 Part = Annotated[TextPart | ImagePart, Field(discriminator="type")]
 
 
+FunctionName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
+
+
+class FunctionSpec(Lenient):
+    name: FunctionName
+    description: str | None = None
+    parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
+    strict: bool | None = None
+
+
+class Tool(Lenient):
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class CalledFunction(Lenient):
+    name: FunctionName
+    arguments: str
+
+
+class ToolCall(Lenient):
+    id: str = Field(max_length=256)
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
+class FunctionChoice(Lenient):
+    name: FunctionName
+
+
+class NamedToolChoice(Lenient):
+    type: Literal["function"]
+    function: FunctionChoice
+
+
 class ChatMessage(Lenient):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[Part] | None = None
     name: str | None = None
-    # What the openai client sends back of an earlier reply (`message.model_dump()`).
+    tool_calls: list[ToolCall] | None = None  # an earlier assistant turn's calls
+    tool_call_id: str | None = Field(None, max_length=256)  # a tool turn: which call it answers
+    # What else the openai client sends back of an earlier reply (`message.model_dump()`).
     refusal: str | None = None
-    tool_calls: list[Any] | None = None
     function_call: Any = None
     audio: Any = None
 
@@ -68,6 +104,10 @@ class ChatMessage(Lenient):
             raise ValueError(f"{self.role} messages cannot hold images")
         if self.content is None and self.role != "assistant":
             raise ValueError(f"{self.role} messages need content")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("tool messages need the tool_call_id they answer")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages hold tool_calls")
         return self
 
 
@@ -191,9 +231,9 @@ class GenerationRequest(BaseModel):
         if extra.get("structured_outputs") is not None:
             return "structured_outputs", "structured_outputs is not supported: use guided_*"
         if len(self.output_constraints()) > 1:
-            return "response_format", (
-                "give one of response_format, guided_json, guided_regex, guided_choice, "
-                "guided_grammar"
+            return self.output_constraints()[0], (
+                "give one of tool_choice (required or a function), response_format, guided_json, "
+                "guided_regex, guided_choice, guided_grammar"
             )
         return None
 
@@ -211,12 +251,12 @@ class ChatCompletionRequest(GenerationRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     response_format: ResponseFormat | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: list[Tool] | None = Field(None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     # Accepted and without effect here: bookkeeping for OpenAI's platform.
     metadata: dict[str, str] | None = None
     store: bool | None = None
-    parallel_tool_calls: bool | None = None
     service_tier: str | None = None
 
     @model_validator(mode="after")
@@ -230,6 +270,15 @@ class ChatCompletionRequest(GenerationRequest):
         return self.max_completion_tokens or self.max_tokens
 
     @property
+    def named_tool(self) -> str | None:
+        choice = self.tool_choice
+        return choice.function.name if isinstance(choice, NamedToolChoice) else None
+
+    @property
+    def forces_tools(self) -> bool:
+        return self.tool_choice == "required" or self.named_tool is not None
+
+    @property
     def wants_logprobs(self) -> bool:
         return self.logprobs
 
@@ -238,13 +287,16 @@ class ChatCompletionRequest(GenerationRequest):
         return self.top_logprobs or 0
 
     def unsupported(self) -> tuple[str, str] | None:
-        if self.tools:
-            return "tools", "tools are not supported yet"
-        if self.tool_choice not in (None, "none", "auto"):
-            return "tool_choice", "tool_choice needs tools, which are not supported yet"
+        names = [t.function.name for t in self.tools or ()]
+        if len(set(names)) != len(names):
+            return "tools", "tool names must be unique"
+        if self.forces_tools and not names:
+            return "tool_choice", f"tool_choice {self.tool_choice!r} needs tools"
+        if self.named_tool is not None and self.named_tool not in names:
+            return "tool_choice", f"tool_choice names {self.named_tool!r}, which is not in tools"
         for i, message in enumerate(self.messages):
-            if message.tool_calls or message.function_call:
-                return f"messages.{i}.tool_calls", "tool calls are not supported yet"
+            if message.function_call:
+                return f"messages.{i}.function_call", "function_call is replaced by tool_calls"
             if message.audio is not None:
                 return f"messages.{i}.audio", "audio is not supported"
         extra = self.model_extra or {}
@@ -254,7 +306,8 @@ class ChatCompletionRequest(GenerationRequest):
 
     def output_constraints(self) -> list[str]:
         json_format = self.response_format is not None and self.response_format.type != "text"
-        return ["response_format"] * json_format + super().output_constraints()
+        forced = ["tool_choice"] * self.forces_tools
+        return forced + ["response_format"] * json_format + super().output_constraints()
 
 
 TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]

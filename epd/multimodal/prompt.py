@@ -26,10 +26,18 @@ def image_parts(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def render_prompt(
-    tokenizer: PreTrainedTokenizerBase, messages: Sequence[dict[str, Any]]
+    tokenizer: PreTrainedTokenizerBase,
+    messages: Sequence[dict[str, Any]],
+    tools: Sequence[dict[str, Any]] | None = None,
 ) -> list[int]:
-    """Token ids of the chat-templated conversation, ending in the assistant generation prompt."""
-    text = tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+    """Token ids of the chat-templated conversation, ending in the assistant generation prompt;
+    `tools` (OpenAI's function specs) go to the template, which may show them or not."""
+    text = tokenizer.apply_chat_template(
+        list(messages),
+        tools=list(tools) if tools else None,
+        tokenize=False,
+        add_generation_prompt=True,
+    )
     return tokenizer.encode(text, add_special_tokens=False)
 
 

@@ -107,9 +107,9 @@ def test_routine_fields_and_an_echoed_reply_are_accepted(client, model_name, loc
 
 
 def test_asking_for_what_is_not_there_names_the_field(client, model_name):
-    with pytest.raises(openai.BadRequestError, match="tools are not supported") as error:
-        ask(client, model_name, TEXT, tools=[{"type": "function", "function": {"name": "f"}}])
-    assert error.value.body["param"] == "tools"
+    with pytest.raises(openai.BadRequestError, match="audio output") as error:
+        ask(client, model_name, TEXT, extra_body={"modalities": ["text", "audio"]})
+    assert error.value.body["param"] == "audio"
     with pytest.raises(openai.BadRequestError, match="max_n"):
         ask(client, model_name, TEXT, n=17)
     with pytest.raises(openai.BadRequestError, match="outside the vocabulary"):
@@ -354,3 +354,115 @@ def test_legacy_completions_follow_a_grammar(client, model_name):
         extra_body={"guided_choice": ["circle", "square"]},
     )
     assert reply.choices[0].text in ("circle", "square")
+
+
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 20},
+        "unit": {"enum": ["celsius", "fahrenheit"]},
+    },
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+TIME = {
+    "type": "object",
+    "properties": {"zone": {"enum": ["UTC", "CET"]}},
+    "required": ["zone"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
+    {"type": "function", "function": {"name": "get_time", "parameters": TIME}},
+]
+ASK_WEATHER = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def test_a_named_tool_choice_gives_a_call_with_valid_arguments(client, model_name, local):
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    params = {"max_tokens": 60, "temperature": 0, "tools": TOOLS, "tool_choice": named}
+    reply = ask(client, model_name, ASK_WEATHER, **params)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.id.startswith("call_") and call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER)
+    assert call.function.arguments == local.chat(body(model_name, ASK_WEATHER, **params)).text
+
+    chunks = list(ask(client, model_name, ASK_WEATHER, stream=True, **params))
+    deltas = [
+        c.choices[0].delta.tool_calls for c in chunks if c.choices and c.choices[0].delta.tool_calls
+    ]
+    assert deltas[0][0].id.startswith("call_") and deltas[0][0].function.name == "get_weather"
+    assert "".join(d[0].function.arguments for d in deltas) == call.function.arguments
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+
+
+@pytest.mark.parametrize("parallel", [False, True])
+def test_required_gives_calls_of_the_given_tools(client, model_name, parallel):
+    params = {"max_tokens": 400, "temperature": 0, "tools": TOOLS, "tool_choice": "required"}
+    reply = ask(client, model_name, ASK_WEATHER, parallel_tool_calls=parallel, **params)
+    calls = reply.choices[0].message.tool_calls
+    assert reply.choices[0].finish_reason == "tool_calls" and calls
+    assert len(calls) == 1 or parallel
+    schemas = {"get_weather": WEATHER, "get_time": TIME}
+    for call in calls:
+        jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+    streamed = list(
+        ask(client, model_name, ASK_WEATHER, parallel_tool_calls=parallel, stream=True, **params)
+    )
+    got = [t for c in streamed if c.choices for t in c.choices[0].delta.tool_calls or ()]
+    assert [(t.function.name, t.function.arguments) for t in got] == [
+        (c.function.name, c.function.arguments) for c in calls
+    ]
+
+
+def test_a_tool_round_trip_and_auto(client, model_name, local):
+    named = {"type": "function", "function": {"name": "get_time"}}
+    first = ask(
+        client,
+        model_name,
+        ASK_WEATHER,
+        max_tokens=30,
+        temperature=0,
+        tools=TOOLS,
+        tool_choice=named,
+    )
+    call = first.choices[0].message.tool_calls[0]
+    conversation = [
+        *ASK_WEATHER,
+        first.choices[0].message.model_dump(),  # content None, tool_calls as the client got them
+        {"role": "tool", "tool_call_id": call.id, "content": '{"time": "12:00"}'},
+    ]
+    params = {"max_tokens": 12, "temperature": 0, "tools": TOOLS, "tool_choice": "auto"}
+    reply = ask(client, model_name, conversation, **params)
+    assert reply.choices[0].message.tool_calls is None  # Kimi-VL's template has no call markup
+    assert (
+        reply.choices[0].message.content
+        == local.chat(body(model_name, conversation, **params)).text
+    )
+
+
+@pytest.mark.parametrize(
+    "params,fragment",
+    [
+        (
+            {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+            "not in tools",
+        ),
+        ({"tool_choice": "required"}, "needs tools"),
+        ({"tools": TOOLS * 2}, "unique"),
+        (
+            {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
+            "give one of",
+        ),
+    ],
+)
+def test_unusable_tool_requests_are_400(client, model_name, params, fragment):
+    with pytest.raises(openai.BadRequestError, match=fragment):
+        ask(client, model_name, ASK_WEATHER, max_tokens=5, **params)
+
+
+def test_a_tool_message_needs_its_call_id(client, model_name):
+    with pytest.raises(openai.BadRequestError, match="tool_call_id"):
+        ask(client, model_name, [*ASK_WEATHER, {"role": "tool", "content": "x"}], max_tokens=5)

@@ -1,0 +1,128 @@
+"""Tool calls: forced ones by constrained decoding, and the replies that carry them.
+
+`tool_choice: "required"` or a named function makes the reply a grammar: a named function's
+arguments are its parameters schema; `required` is a JSON array of one or more
+`{"name": ..., "parameters": {...}}` objects, one of the tools' each (at most one unless
+`parallel_tool_calls`, at most MAX_PARALLEL_CALLS then). The reply then holds
+`message.tool_calls` (ids `call_…`, arguments a JSON string) and finishes with `tool_calls`.
+`auto` needs tool-call markup in the model's chat template to parse; Kimi-VL's has none, so
+`auto` replies are text. A template that does not show the tools gets them described in a
+system message, so the model can see what it may call.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from epd.api.responses import Reply
+from epd.api.schema import ChatCompletionRequest, Tool
+from epd.wire.messages import TokenDelta
+
+MAX_PARALLEL_CALLS = 8
+
+
+@dataclass(frozen=True)
+class ForcedTools:
+    """The calls a reply must be: one named function's arguments, or a list of calls."""
+
+    tools: tuple[Tool, ...]
+    name: str = ""  # a named function; "" for `required`
+    parallel: bool = True
+
+    @classmethod
+    def of(cls, request: ChatCompletionRequest) -> ForcedTools | None:
+        tools, parallel = tuple(request.tools or ()), request.parallel_tool_calls is not False
+        if request.named_tool is not None:
+            return cls(tools, request.named_tool, parallel)
+        return cls(tools, parallel=parallel) if request.tool_choice == "required" else None
+
+    def schema(self) -> dict[str, Any]:
+        """The JSON schema the reply's text must follow."""
+        if self.name:
+            return next(t.function.parameters for t in self.tools if t.function.name == self.name)
+        calls = [
+            {
+                "type": "object",
+                "properties": {
+                    "name": {"const": t.function.name},
+                    "parameters": t.function.parameters,
+                },
+                "required": ["name", "parameters"],
+                "additionalProperties": False,
+            }
+            for t in self.tools
+        ]
+        most = MAX_PARALLEL_CALLS if self.parallel else 1  # a bound, so any model ends the list
+        return {"type": "array", "minItems": 1, "maxItems": most, "items": {"anyOf": calls}}
+
+    def calls(self, text: str) -> list[dict[str, Any]]:
+        """The tool calls a complete reply's text holds."""
+        if self.name:
+            named = [(self.name, text)]
+        else:
+            named = [(c["name"], json.dumps(c["parameters"])) for c in json.loads(text)]
+        return [
+            {
+                "id": f"call_{uuid.uuid4().hex[:24]}",
+                "type": "function",
+                "function": {"name": name, "arguments": arguments},
+            }
+            for name, arguments in named
+        ]
+
+
+@dataclass
+class ToolReply(Reply):
+    """A chat reply whose choices are tool calls. A choice cut short by max_tokens cannot be
+    parsed into calls: it stays text, with finish_reason `length`."""
+
+    forced: ForcedTools = field(default_factory=lambda: ForcedTools(()))
+    texts: dict[int, str] = field(default_factory=dict)  # streamed text so far, by choice
+    opened: set[int] = field(default_factory=set)  # named: choices whose call header went out
+
+    def message(self, text: str, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
+        if finish_reason != "stop":
+            return {"role": "assistant", "content": text}, finish_reason
+        calls = self.forced.calls(text)
+        return {"role": "assistant", "content": None, "tool_calls": calls}, "tool_calls"
+
+    def completion(self, deltas: list[TokenDelta]) -> dict[str, Any]:
+        body = super().completion(deltas)
+        for choice in body["choices"]:
+            text = choice["message"]["content"]
+            choice["message"], choice["finish_reason"] = self.message(text, choice["finish_reason"])
+        return body
+
+    def delta_chunk(self, delta: TokenDelta) -> str:
+        """Named: the call's header once, then pieces of its arguments as they come. Required:
+        the whole list of calls when the choice ends (it is one JSON array until then)."""
+        index = delta.index
+        self.texts[index] = self.texts.get(index, "") + delta.text
+        finish = delta.finish_reason
+        content: dict[str, Any] = {}
+        if self.forced.name and finish in (None, "stop"):
+            call: dict[str, Any] = {"index": 0, "function": {"arguments": delta.text}}
+            if index not in self.opened:
+                self.opened.add(index)
+                call |= {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function"}
+                call["function"]["name"] = self.forced.name
+            content = {"tool_calls": [call]}
+        elif finish == "stop":
+            calls = self.forced.calls(self.texts[index])
+            content = {"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]}
+        elif finish is not None:  # cut short: what there is, as text
+            content = {"content": self.texts[index]}
+        else:
+            return ""  # a list of calls is not a call until it is complete
+        reason = "tool_calls" if finish == "stop" else finish
+        choice = {"index": index, "delta": content, "logprobs": None, "finish_reason": reason}
+        return self.chunk([choice])
+
+
+def describe_tools(tools: list[Tool]) -> str:
+    """A system message for a template that does not show tools itself."""
+    specs = [t.function.model_dump(exclude_none=True) for t in tools]
+    return "You may call these functions (JSON schemas of their parameters):\n" + json.dumps(specs)
