@@ -108,7 +108,7 @@ class LocalPipeline:
         return self.run(self.builder.prepare_completion(parse_completion(body)), start)
 
     def run(self, prepared: PreparedRequest, start: float) -> Completion:
-        check_grammar(self.engine.grammars, prepared.sampling)
+        check_grammar(self.engine, prepared.sampling)
         images = prepared.images
         embeddings = self.encoder.encode(images)[1] if images else None
         handoff = self.engine.run(
@@ -120,8 +120,8 @@ class LocalPipeline:
         first_token_s = time.perf_counter() - start
         while len(self.scheduler):
             step = self.scheduler.step()
-            if step.failed:
-                raise RuntimeError(step.failed[0][1])
+            if step.failed or step.refused:
+                raise RuntimeError([*step.refused, *step.failed][0][1])
             for sequence, delta in step.produced:
                 deltas[sequence.index].append(delta)
         return Completion(

@@ -175,7 +175,7 @@ async def complete(service: Service, chat: ChatCompletionRequest, request: Reque
     reply = (
         Reply(*names, chat.logprobs, chat.include_usage)
         if forced is None
-        else ToolReply(*names, False, chat.include_usage, forced=forced)
+        else ToolReply(*names, chat.logprobs, chat.include_usage, forced=forced)
     )
     return await respond(request, reply, deltas, chat)
 
@@ -186,7 +186,8 @@ async def generate(
     """Encode, prefill and hand a prepared request to decode; its deltas to come."""
     coordinator = service.coordinator
     assert coordinator is not None
-    await asyncio.to_thread(check_grammar, service.engine.grammars, prepared.sampling)
+    if prepared.sampling.grammar:  # off the loop: the first one builds llguidance's tokenizer
+        await asyncio.to_thread(check_grammar, service.engine, prepared.sampling)
     embeddings = await coordinator.encode(prepared)
     handoff = await coordinator.prefill(prepared, embeddings)
     return handoff, coordinator.deltas(await coordinator.hand_off(handoff))

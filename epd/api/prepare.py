@@ -7,7 +7,7 @@ import uuid
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from transformers import PreTrainedTokenizerBase
 
@@ -35,7 +35,7 @@ from epd.multimodal.images import ImageError, open_image
 from epd.multimodal.prompt import expand_placeholders, image_parts, render_prompt
 from epd.prefill.request import PreparedRequest
 
-MAX_FIRST_LOGPROBS = 256  # logprob entries of the first tokens of all choices
+MAX_FIRST_LOGPROBS = 128  # logprob entries of the first tokens of all choices
 
 
 @dataclass(frozen=True)
@@ -97,6 +97,8 @@ class PromptBuilder:
         messages = self.messages(request)
         urls = [part["image_url"]["url"] for part in image_parts(messages)]
         tools = [t.model_dump(exclude_none=True) for t in request.tools or ()] or None
+        if tools:  # names, descriptions and schemas reach the prompt too
+            self.refuse_special_tokens(json.dumps(tools, ensure_ascii=False))
         if tools and not self.template_shows_tools:
             note = {"role": "system", "content": describe_tools(request.tools or [])}
             return Conversation(request, [note, *messages], urls)
@@ -292,16 +294,22 @@ def output_grammar(request: GenerationRequest) -> str:
             return choice_grammar(request.guided_choice)
         if request.guided_grammar is not None:
             return lark_grammar(request.guided_grammar)
-    except ValueError as e:  # not JSON, or not a schema llguidance can read
-        raise bad_request(f"invalid {param}: {e}", param=param) from None
+    except (ValueError, RecursionError) as e:  # not JSON, or not a schema llguidance reads
+        raise bad_request(f"invalid {param}: {str(e)[:500]}", param=param) from None
     return ""
 
 
-def check_grammar(grammars: Grammars, sampling: SamplingParams) -> None:
-    """A 400 naming the problem for a grammar this tokenizer cannot follow."""
+class HasGrammars(Protocol):
+    @property
+    def grammars(self) -> Grammars: ...  # built on first use (a second for a large vocabulary)
+
+
+def check_grammar(engine: HasGrammars, sampling: SamplingParams) -> None:
+    """A 400 naming the problem for a grammar this tokenizer cannot follow (or for a tokenizer
+    llguidance cannot read). Call it off the event loop: it may compile."""
     if not sampling.grammar:
         return
     try:
-        grammars.check(sampling.grammar)
+        engine.grammars.check(sampling.grammar)
     except GrammarError as e:
         raise bad_request(f"structured output: {e}", code="invalid_grammar") from None

@@ -294,6 +294,8 @@ class ChatCompletionRequest(GenerationRequest):
             return "tool_choice", f"tool_choice {self.tool_choice!r} needs tools"
         if self.named_tool is not None and self.named_tool not in names:
             return "tool_choice", f"tool_choice names {self.named_tool!r}, which is not in tools"
+        if self.forces_tools and (self.stop or self.stop_token_ids):
+            return "stop", "stop and stop_token_ids would cut a forced tool call short"
         for i, message in enumerate(self.messages):
             if message.function_call:
                 return f"messages.{i}.function_call", "function_call is replaced by tool_calls"

@@ -58,12 +58,17 @@ class ForcedTools:
         most = MAX_PARALLEL_CALLS if self.parallel else 1  # a bound, so any model ends the list
         return {"type": "array", "minItems": 1, "maxItems": most, "items": {"anyOf": calls}}
 
-    def calls(self, text: str) -> list[dict[str, Any]]:
-        """The tool calls a complete reply's text holds."""
-        if self.name:
-            named = [(self.name, text)]
-        else:
-            named = [(c["name"], json.dumps(c["parameters"])) for c in json.loads(text)]
+    def calls(self, text: str) -> list[dict[str, Any]] | None:
+        """The tool calls a complete reply's text holds (None if it is not one: the grammar
+        makes that a bug, but a bug must not cost the reply)."""
+        try:
+            if self.name:
+                json.loads(text)
+                named = [(self.name, text)]
+            else:
+                named = [(c["name"], json.dumps(c["parameters"])) for c in json.loads(text)]
+        except (ValueError, TypeError, KeyError):
+            return None
         return [
             {
                 "id": f"call_{uuid.uuid4().hex[:24]}",
@@ -84,9 +89,9 @@ class ToolReply(Reply):
     opened: set[int] = field(default_factory=set)  # named: choices whose call header went out
 
     def message(self, text: str, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
-        if finish_reason != "stop":
+        calls = self.forced.calls(text) if finish_reason == "stop" else None
+        if calls is None:  # cut short: what there is, as text
             return {"role": "assistant", "content": text}, finish_reason
-        calls = self.forced.calls(text)
         return {"role": "assistant", "content": None, "tool_calls": calls}, "tool_calls"
 
     def completion(self, deltas: list[TokenDelta]) -> dict[str, Any]:
@@ -110,14 +115,13 @@ class ToolReply(Reply):
                 call |= {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function"}
                 call["function"]["name"] = self.forced.name
             content = {"tool_calls": [call]}
-        elif finish == "stop":
-            calls = self.forced.calls(self.texts[index])
+        elif finish == "stop" and (calls := self.forced.calls(self.texts[index])) is not None:
             content = {"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]}
         elif finish is not None:  # cut short: what there is, as text
             content = {"content": self.texts[index]}
         else:
             return ""  # a list of calls is not a call until it is complete
-        reason = "tool_calls" if finish == "stop" else finish
+        reason = "tool_calls" if "tool_calls" in content and finish else finish
         choice = {"index": index, "delta": content, "logprobs": None, "finish_reason": reason}
         return self.chunk([choice])
 

@@ -22,8 +22,8 @@ from functools import cached_property
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from epd.generation.grammar import Grammars
-from epd.generation.logits import adjust
+from epd.generation.grammar import GrammarError, Grammars
+from epd.generation.logits import NoTokenAllowed, adjust, require_a_token
 from epd.generation.sampling import restore_generator, sample_batch
 from epd.generation.sequence import Output, Sequence
 from epd.model.deepseek import DeepseekV3ForCausalLM
@@ -47,6 +47,7 @@ class Step:
 
     produced: list[tuple[Sequence, Output]] = field(default_factory=list)
     failed: list[tuple[Sequence, str]] = field(default_factory=list)
+    refused: list[tuple[Sequence, str]] = field(default_factory=list)  # the request's own doing
 
 
 class Scheduler:
@@ -181,8 +182,12 @@ class Scheduler:
         return step
 
     def _fail(self, step: Step, sequence: Sequence, error: Exception) -> None:
-        log.error("request %s failed in a decode step", sequence.request_id, exc_info=error)
-        step.failed.append((sequence, f"decode failed: {type(error).__name__}: {error}"))
+        if isinstance(error, NoTokenAllowed | GrammarError):  # what it asked for, not a fault
+            log.warning("request %s cannot go on: %s", sequence.request_id, error)
+            step.refused.append((sequence, str(error)))
+        else:
+            log.error("request %s failed in a decode step", sequence.request_id, exc_info=error)
+            step.failed.append((sequence, f"decode failed: {type(error).__name__}: {error}"))
         del self.running[sequence.key]
 
     def _sample(
@@ -199,6 +204,7 @@ class Scheduler:
         states = [s.generator.get_state() for s in sequences]
         try:
             adjusted = adjust(logits[rows], sequences, self.eos_ids)
+            require_a_token(adjusted)  # one row that cannot go on: it is found alone, below
             tokens = sample_batch(
                 adjusted, [s.sampling for s in sequences], [s.generator for s in sequences]
             ).tolist()

@@ -8,6 +8,7 @@ Only a request aborted by its prefill, whose client left, ends without a word.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 
@@ -19,6 +20,7 @@ from epd.checkpoint.weights import load_model
 from epd.config.roles import DecodeConfig
 from epd.decode.scheduler import Busy, Scheduler
 from epd.dtypes import model_dtype
+from epd.generation.grammar import GrammarError
 from epd.generation.sequence import Output, Sequence
 from epd.runtime.role import run_role
 from epd.runtime.watchdog import Watchdog
@@ -87,8 +89,8 @@ class DecodeServer:
         """Send a choice's output to its prefill; the request ends with its last choice. If that
         fails, the request fails alone."""
         request_id = sequence.request_id
-        if output.finish_reason is not None:
-            self.open_choices[request_id] = self.open_choices.get(request_id, 1) - 1
+        if output.finish_reason is not None and request_id in self.open_choices:
+            self.open_choices[request_id] -= 1
         last = self.open_choices.get(request_id, 0) <= 0
         try:
             self.deliver(request_id, token_delta(sequence, output), last)
@@ -164,6 +166,8 @@ class DecodeServer:
             return
         for sequence, output in step.produced:
             self.send(sequence, output)
+        for sequence, problem in step.refused:
+            self.fail_request(sequence.request_id, "bad_request", problem)
         for sequence, problem in step.failed:
             self.fail_request(sequence.request_id, "internal", problem)
 
@@ -193,6 +197,8 @@ def run(config: DecodeConfig) -> None:
         tokenizer = load_tokenizer(config.model, config.trust_remote_code)
         eos_ids = stop_token_ids(config.model, tokenizer)
         scheduler = Scheduler(model.language_model, tokenizer, eos_ids, config.max_batch_size)
+        with contextlib.suppress(GrammarError):  # built now, not on the loop at the first grammar
+            scheduler.grammars  # noqa: B018
         context: zmq.Context = zmq.Context.instance()
         inbox = Inbox(context, config.bind, largest_frame(config.model))
         return DecodeServer(scheduler, inbox, Outbox(context), prefills)

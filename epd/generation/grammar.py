@@ -11,7 +11,9 @@ so a small model cannot loop on whitespace.
 
 from __future__ import annotations
 
+import importlib
 import json
+import math
 import threading
 from collections import OrderedDict
 from collections.abc import Collection, Sequence
@@ -57,11 +59,7 @@ class Grammars:
     def __init__(
         self, tokenizer: PreTrainedTokenizerBase, vocab_size: int, eos_ids: Collection[int]
     ) -> None:
-        self.tokenizer = llguidance.hf.from_tokenizer(
-            tokenizer,  # type: ignore[arg-type]  # a fast (Rust tokenizers) one
-            n_vocab=vocab_size,
-            eos_token=sorted(eos_ids),
-        )
+        self.tokenizer = llguidance_tokenizer(tokenizer, vocab_size, sorted(eos_ids))
         self.compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
         self.lock = threading.Lock()  # the API checks grammars on its loop, prefill on its thread
 
@@ -87,15 +85,38 @@ class Grammars:
             return template.deep_copy()
 
 
+def llguidance_tokenizer(
+    tokenizer: PreTrainedTokenizerBase, vocab_size: int, eos_ids: list[int]
+) -> llguidance.LLTokenizer:
+    """The tokenizer as llguidance sees it: a fast (Rust) one, or the tiktoken encoding that
+    Kimi-VL's own tokenizer code wraps (`tokenizer.model`)."""
+    if getattr(tokenizer, "backend_tokenizer", None) is not None:
+        return llguidance.hf.from_tokenizer(
+            tokenizer,  # type: ignore[arg-type]
+            n_vocab=vocab_size,
+            eos_token=eos_ids,
+        )
+    encoding = getattr(tokenizer, "model", None)
+    if type(encoding).__module__.startswith("tiktoken"):
+        from_tiktoken = importlib.import_module("llguidance.tiktoken")  # needs tiktoken
+        return from_tiktoken.lltokenizer_from_encoding(  # type: ignore[no-any-return]
+            encoding, n_vocab=vocab_size, eos_token=eos_ids
+        )
+    raise GrammarError(
+        f"structured outputs need a fast or a tiktoken tokenizer, not {type(tokenizer).__name__}"
+    )
+
+
 def mask_forbidden(logits: torch.Tensor, rows: list[int], matchers: list[Any]) -> None:
     """Set, in place, the logits (B, vocab) of tokens each matcher forbids to -inf."""
-    bitmask = llguidance.torch.allocate_token_bitmask(len(rows), logits.shape[-1])
+    bitmask = llguidance.torch.allocate_token_bitmask(len(rows), logits.shape[-1])  # (n, words)
     for i, matcher in enumerate(matchers):
         llguidance.torch.fill_next_token_bitmask(matcher, bitmask, i)
     index = torch.tensor(rows, device=logits.device)
-    picked = logits[index]  # (n, vocab), a copy
-    llguidance.torch.apply_token_bitmask_inplace(picked, bitmask.to(logits.device))
-    logits[index] = picked
+    bits = torch.arange(32, dtype=torch.int32, device=logits.device)
+    words = bitmask.to(logits.device)[:, :, None]  # (n, words, 1): bit j of word w is token 32w+j
+    allowed = ((words >> bits) & 1).bool().flatten(1)[:, : logits.shape[-1]]  # (n, vocab)
+    logits[index] = logits[index].masked_fill(~allowed, -math.inf)
 
 
 def advance(matcher: llguidance.LLMatcher, token: int) -> bool:

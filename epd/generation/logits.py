@@ -30,8 +30,10 @@ class History(Protocol):
 
     @property
     def sampling(self) -> SamplingParams: ...
-    @property
-    def prompt_ids(self) -> torch.Tensor: ...  # (T,) int64
+    def prompt_presence(self, vocab: int, device: torch.device) -> torch.Tensor:
+        """(vocab,) bool: which tokens the prompt holds."""
+        ...
+
     @property
     def tokens(self) -> Sequence[int]: ...  # generated so far
     @property
@@ -49,6 +51,17 @@ def adjust(logits: torch.Tensor, rows: Sequence[History], eos_ids: Collection[in
     if constrained := [i for i, row in enumerate(rows) if row.matcher is not None]:
         mask_forbidden(logits, constrained, [rows[i].matcher for i in constrained])
     return logits
+
+
+class NoTokenAllowed(ValueError):
+    """A request's controls rule out every token (say, a grammar that allows only a stop token
+    that min_tokens bans): the request asked for the impossible."""
+
+
+def require_a_token(adjusted: torch.Tensor) -> None:
+    """Raise NoTokenAllowed if a row of adjusted logits (B, vocab) is -inf throughout."""
+    if not bool(torch.isfinite(adjusted).any(-1).all()):
+        raise NoTokenAllowed("the request's grammar, bans and biases leave no token to sample")
 
 
 def asks_for_controls(row: History) -> bool:
@@ -74,7 +87,7 @@ def penalise(logits: torch.Tensor, rows: Sequence[History]) -> None:
         return torch.tensor(values, dtype=torch.float32, device=device)[:, None]
 
     counts = token_counts([row.tokens for row in picked], vocab, device)  # (n, vocab)
-    in_prompt = token_counts([row.prompt_ids for row in picked], vocab, device) > 0
+    in_prompt = torch.stack([row.prompt_presence(vocab, device) for row in picked])
     sub = logits[index]  # (n, vocab)
     repetition = column([row.sampling.repetition_penalty for row in picked])
     seen = in_prompt | (counts > 0)
@@ -84,9 +97,7 @@ def penalise(logits: torch.Tensor, rows: Sequence[History]) -> None:
     logits[index] = sub
 
 
-def token_counts(
-    ids: Sequence[Sequence[int] | torch.Tensor], vocab: int, device: torch.device
-) -> torch.Tensor:
+def token_counts(ids: Sequence[Sequence[int]], vocab: int, device: torch.device) -> torch.Tensor:
     """How often each token id occurs in each row's ids: (rows, vocab) float32."""
     lengths = [len(row) for row in ids]
     width = max(lengths, default=0)
@@ -132,3 +143,9 @@ def ban_early_stops(
     device = logits.device
     index = (torch.tensor(row_ids, device=device), torch.tensor(token_ids, device=device))
     logits.index_put_(index, torch.tensor(-math.inf, device=device))
+
+
+def presence(ids: torch.Tensor, vocab: int, device: torch.device) -> torch.Tensor:
+    """(vocab,) bool: True at each id in `ids`."""
+    mask = torch.zeros(vocab, dtype=torch.bool, device=device)
+    return mask.index_fill_(0, ids.to(device), True)

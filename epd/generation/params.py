@@ -35,7 +35,7 @@ LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range: ±100 bans or forces a token
 PENALTY_LIMIT = 2.0  # OpenAI's range for presence and frequency penalties
 REPETITION_PENALTY_RANGE = (0.01, 100.0)  # dividing by less could overflow float32 logits
 MAX_CHOICES = 128  # n: choices of one request
-MAX_GRAMMAR_CHARS = 32 * 1024  # a hand-off's header, grammar included, stays under 64 KiB
+MAX_GRAMMAR_CHARS = 24 * 1024  # in UTF-8 bytes too: a hand-off's header stays under 64 KiB
 GrammarText = Annotated[str, Meta(max_length=MAX_GRAMMAR_CHARS)]
 LogitBias = Annotated[tuple[tuple[int, float], ...], Meta(max_length=MAX_LOGIT_BIAS)]
 StopTokenIds = Annotated[tuple[int, ...], Meta(max_length=MAX_STOP_TOKEN_IDS)]
@@ -141,9 +141,10 @@ class SamplingParams(Record, frozen=True):
         )
         require(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids must be ≥ 0")
         require(1 <= self.n <= MAX_CHOICES, f"n must be 1 to {MAX_CHOICES}, not {self.n}")
+        size = len(self.grammar.encode())
         require(
-            len(self.grammar) <= MAX_GRAMMAR_CHARS,
-            f"a grammar may have up to {MAX_GRAMMAR_CHARS} characters, not {len(self.grammar)}",
+            size <= MAX_GRAMMAR_CHARS,
+            f"a grammar may have up to {MAX_GRAMMAR_CHARS} bytes, not {size}",
         )
 
     def token_ids(self) -> tuple[int, ...]:

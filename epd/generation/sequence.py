@@ -19,6 +19,7 @@ from transformers import PreTrainedTokenizerBase
 
 from epd.generation.detokenizer import Detokenizer
 from epd.generation.grammar import advance
+from epd.generation.logits import presence
 from epd.generation.params import FinishReason, SamplingParams, TokenLogprob
 from epd.generation.sampling import token_logprob
 from epd.model.latent_cache import LatentCache
@@ -52,12 +53,19 @@ class Sequence:
         self.sampling, self.generator, self.cache = sampling, generator, cache
         self.tokenizer, self.eos_ids = tokenizer, frozenset(eos_ids)
         self.prompt_ids = prompt_ids  # (prompt tokens,) int64, for repetition penalties
+        self._prompt_presence: torch.Tensor | None = None
         self.stop_ids = frozenset(sampling.stop_token_ids)
         self.matcher = matcher  # the request's grammar, fed every accepted token
         self.detokenizer = Detokenizer(tokenizer, sampling.skip_special_tokens)
         self.tokens: list[int] = []
         self.text, self.sent = "", 0  # reply text so far; characters already released
         self.finish_reason: FinishReason | None = None
+
+    def prompt_presence(self, vocab: int, device: torch.device) -> torch.Tensor:
+        """(vocab,) bool: the prompt's tokens, for repetition penalties; made once."""
+        if self._prompt_presence is None:
+            self._prompt_presence = presence(self.prompt_ids, vocab, device)
+        return self._prompt_presence
 
     @property
     def key(self) -> tuple[str, int]:

@@ -16,13 +16,14 @@ from typing import Any
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from epd.generation.grammar import Grammars
-from epd.generation.logits import adjust
+from epd.generation.grammar import GrammarError, Grammars
+from epd.generation.logits import NoTokenAllowed, adjust, presence, require_a_token
 from epd.generation.params import SamplingParams
 from epd.generation.sampling import make_generator, sample_batch, token_logprob
 from epd.model.deepseek import DeepseekV3ForCausalLM
 from epd.model.latent_cache import LatentCache
 from epd.multimodal.prompt import scatter_image_embeddings
+from epd.prefill.errors import BadRequest
 from epd.wire.messages import KVHandoff
 
 log = logging.getLogger(__name__)
@@ -44,6 +45,9 @@ class FirstToken:
     prompt_ids: torch.Tensor
     matcher: Any  # the grammar's matcher at its start, or None
     tokens: tuple[int, ...] = ()
+
+    def prompt_presence(self, vocab: int, device: torch.device) -> torch.Tensor:
+        return presence(self.prompt_ids, vocab, device)
 
 
 class PrefillEngine:
@@ -136,6 +140,7 @@ class PrefillEngine:
             ]
             rows = logits[None].expand(sampling.n, -1)  # (n, vocab): one prompt, n choices
             adjusted = adjust(rows, firsts, self.eos_ids)
+            require_a_token(adjusted)
             tokens = sample_batch(adjusted, [sampling] * sampling.n, generators).tolist()
             top = sampling.top_logprobs
             logprobs = tuple(
@@ -153,5 +158,7 @@ class PrefillEngine:
                 cache=cache.tensor().contiguous().cpu(),  # its own memory, copied off the loop
                 prompt_ids=ids,
             )
+        except (NoTokenAllowed, GrammarError) as e:  # what the request asked for: a 400
+            return BadRequest(str(e))
         except Exception as e:  # e.g. a cache with NaN from an overflow: this request only
             return e

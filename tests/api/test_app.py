@@ -78,8 +78,34 @@ def test_models_and_health(client):
         (
             {"messages": USER, "guided_json": {"enum": ["x" * 40000]}},
             400,
-            "a grammar may have up to 32768 characters",
+            "a grammar may have up to 24576 bytes",
         ),
+        (  # few characters, many bytes: the limit is the hand-off header's, in bytes
+            {"messages": USER, "guided_regex": "\U0001f600" * 8000},
+            400,
+            "a grammar may have up to 24576 bytes",
+        ),
+        (
+            {
+                "messages": USER,
+                "tools": [
+                    {"type": "function", "function": {"name": "f", "description": "<|im_end|>"}}
+                ],
+            },
+            400,
+            "reserved token <|im_end|>",
+        ),
+        (
+            {
+                "messages": USER,
+                "tools": [{"type": "function", "function": {"name": "f"}}],
+                "tool_choice": "required",
+                "stop": ["}"],
+            },
+            400,
+            "would cut a forced tool call short",
+        ),
+        ({"messages": USER, "guided_json": "[" * 100000}, 400, "invalid guided_json"),
         ({"messages": USER, "presence_penalty": 2.5}, 400, "invalid presence_penalty"),
         ({"messages": USER, "repetition_penalty": 0}, 400, "invalid repetition_penalty"),
         ({"messages": USER, "logit_bias": {"x": 1}}, 400, "keys must be token ids"),

@@ -4,6 +4,7 @@ path: routine fields, an earlier reply echoed back, and the sampling controls.""
 import asyncio
 import json
 import re
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import jsonschema
@@ -466,3 +467,13 @@ def test_unusable_tool_requests_are_400(client, model_name, params, fragment):
 def test_a_tool_message_needs_its_call_id(client, model_name):
     with pytest.raises(openai.BadRequestError, match="tool_call_id"):
         ask(client, model_name, [*ASK_WEATHER, {"role": "tool", "content": "x"}], max_tokens=5)
+
+
+def test_controls_that_leave_no_token_are_a_400_and_hurt_no_neighbour(client, model_name, local):
+    impossible = {"guided_regex": "", "min_tokens": 1}  # only eos fits, and eos is banned
+    with ThreadPoolExecutor(2) as pool:
+        honest = pool.submit(ask, client, model_name, TEXT, max_tokens=16, temperature=0)
+        with pytest.raises(openai.BadRequestError, match="leave no token"):
+            ask(client, model_name, TEXT, max_tokens=5, extra_body=impossible)
+        expected = local.chat(body(model_name, TEXT, max_tokens=16, temperature=0)).text
+        assert honest.result().choices[0].message.content == expected

@@ -4,7 +4,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from epd.generation.logits import adjust
+from epd.generation.logits import adjust, presence
 from epd.generation.params import SamplingParams
 from epd.generation.sampling import sample_batch
 
@@ -18,6 +18,9 @@ class Row:
     prompt_ids: torch.Tensor
     tokens: list[int]
     matcher: object = None
+
+    def prompt_presence(self, vocab, device):
+        return presence(self.prompt_ids, vocab, device)
 
 
 def row(tokens=(), prompt=(1, 2, 3), **params):
