@@ -20,7 +20,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from epd.config.roles import ROLES, ServeConfig
-from epd.config.sources import SHARED, build, flag_values, read_config_file, role_values, to_flags
+from epd.config.sources import (
+    SHARED,
+    build,
+    flag_values,
+    read_config_file,
+    role_values,
+    secret_env,
+    to_flags,
+)
 from epd.runtime.process import SUPERVISOR_ENV, available_cores, stop_event, torch_threads
 
 CHILDREN = ("encode", "decode", "prefill")
@@ -33,6 +41,7 @@ STOP_TIMEOUT_S = 10.0  # children still running this long after SIGTERM are kill
 class Child:
     role: str
     argv: list[str]
+    secrets: dict[str, str] = field(default_factory=dict)  # environment, not argv
     process: subprocess.Popen[str] | None = None
     ready: threading.Event = field(default_factory=threading.Event)
     tail: collections.deque[str] = field(default_factory=lambda: collections.deque(maxlen=40))
@@ -48,7 +57,8 @@ class Child:
             stderr=subprocess.STDOUT,
             text=True,
             bufsize=1,
-            env=os.environ | {SUPERVISOR_ENV: str(os.getpid())},  # it ends when serve does
+            # It ends when serve does; secrets go in its environment, which only it can read.
+            env=os.environ | self.secrets | {SUPERVISOR_ENV: str(os.getpid())},
         )
         self.started_at, self.restart_at = time.monotonic(), None
         threading.Thread(target=self.relay, args=(self.process,), daemon=True).start()
@@ -180,7 +190,9 @@ def announce(config: ServeConfig, model_name: str) -> None:
 def run(config: ServeConfig, child_configs: dict[str, Any]) -> None:
     stop = stop_event()
     base = [sys.executable, "-m", "epd.cli"]
-    children = [Child(role, [*base, role, *to_flags(c)]) for role, c in child_configs.items()]
+    children = [
+        Child(role, [*base, role, *to_flags(c)], secret_env(c)) for role, c in child_configs.items()
+    ]
     start_all(children, stop)
     announce(config, child_configs["prefill"].model_name)
     try:

@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from epd.api.errors import APIError, as_api_error, bad_request
 from epd.api.images import load_image_bytes
-from epd.api.middleware import add_middleware, request_id
+from epd.api.middleware import add_middleware, api_key, request_id
 from epd.api.prepare import PromptBuilder, check_grammar
 from epd.api.responses import Reply, TextReply
 from epd.api.schema import (
@@ -106,7 +106,7 @@ def create_app(service: Service, on_started: Callable[[], Any] | None = None) ->
 
     app = FastAPI(title="epd", lifespan=lifespan)
     handle_errors(app)
-    add_middleware(app, service.config.allowed_origins)
+    add_middleware(app, service.config.allowed_origins, api_key(service.config.api_key))
     app.include_router(health_router("prefill", service.watchdog, service.status))
     card = {"id": service.model_name, "object": "model", "created": 0, "owned_by": "epd"}
 
@@ -151,6 +151,8 @@ async def json_body(request: Request) -> Any:
         return await request.json()
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise bad_request("the request body is not valid JSON") from None
+    except RecursionError:  # the parser's own depth limit: arrays nested 100 000 deep
+        raise bad_request("the request body is nested too deeply") from None
 
 
 def unknown_model(asked: str, served: str) -> APIError:

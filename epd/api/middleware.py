@@ -1,7 +1,10 @@
-"""What every HTTP response gets, whatever the route: a request id, OpenAI-style errors, CORS."""
+"""What every HTTP response gets, whatever the route: a request id, OpenAI-style errors, CORS,
+and the API key check."""
 
 from __future__ import annotations
 
+import hmac
+import os
 import re
 import uuid
 from typing import Any
@@ -46,7 +49,35 @@ def request_id(request: Request) -> str:
     return str(getattr(request.state, "request_id", "")) or uuid.uuid4().hex
 
 
-def add_middleware(app: FastAPI, allowed_origins: tuple[str, ...]) -> None:
+class BearerKey:
+    """Every /v1 request must send `Authorization: Bearer <key>` (compared in constant time);
+    /health stays open for probes. A missing or wrong key is a 401 before anything is read."""
+
+    def __init__(self, app: ASGIApp, key: str) -> None:
+        self.app, self.expected = app, f"Bearer {key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                body = APIError(
+                    401,
+                    "a valid API key is needed: send 'Authorization: Bearer <key>'",
+                    code="invalid_api_key",
+                ).body()
+                await JSONResponse(body, status_code=401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def api_key(configured: str) -> str:
+    """The key from the config, else from EPD_API_KEY (how `epd serve` passes it on)."""
+    return configured or os.environ.get("EPD_API_KEY", "")
+
+
+def add_middleware(app: FastAPI, allowed_origins: tuple[str, ...], key: str = "") -> None:
+    if key:  # innermost: CORS preflights and request ids come before it
+        app.add_middleware(BearerKey, key=key)
     if allowed_origins:  # none by default: browsers on other origins get no answer to read
         app.add_middleware(
             CORSMiddleware,

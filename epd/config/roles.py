@@ -127,6 +127,9 @@ class PrefillConfig(ModelOptions):
     image_cache_bytes: int = option(
         512 * 1024 * 1024, "memory for embeddings of images seen before (0: no cache)"
     )
+    api_key: str = option(
+        "", "key every /v1 request must send as 'Authorization: Bearer' (or set EPD_API_KEY)"
+    )
     allowed_origins: tuple[str, ...] = option(
         (), "origins browsers may call the API from (CORS), e.g. https://app.example; * for any"
     )

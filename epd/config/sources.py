@@ -127,10 +127,16 @@ def resolve(cls: type[T], role: str, args: argparse.Namespace) -> T:
     return build(cls, file | flag_values(args, cls))
 
 
+SECRETS = {"api_key": "EPD_API_KEY"}  # passed to children in the environment, not in argv
+
+
 def to_flags(config: Any) -> list[str]:
-    """The command line that reproduces `config` exactly (used by `epd serve` for its children)."""
+    """The command line that reproduces `config` exactly (used by `epd serve` for its children),
+    secrets left out: anyone on the machine can read a command line (see `secret_env`)."""
     argv = []
     for f in dataclasses.fields(config):
+        if f.name in SECRETS:
+            continue
         value, flag = getattr(config, f.name), f"--{f.name.replace('_', '-')}"
         if isinstance(value, bool):
             argv.append(flag if value else f"--no-{flag[2:]}")
@@ -139,3 +145,8 @@ def to_flags(config: Any) -> list[str]:
         else:
             argv += [flag, str(value)]
     return argv
+
+
+def secret_env(config: Any) -> dict[str, str]:
+    """The environment that carries `config`'s secrets to a child."""
+    return {env: value for name, env in SECRETS.items() if (value := getattr(config, name, ""))}

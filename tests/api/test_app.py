@@ -212,6 +212,16 @@ def test_unknown_model_is_404(client):
     assert response.status_code == 404 and response.json()["error"]["code"] == "model_not_found"
 
 
+def test_a_body_nested_too_deeply_is_a_400(client):
+    body = '{"model": "tiny", "messages": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    response = client.post(
+        "/v1/chat/completions", content=body, headers={"Content-Type": "application/json"}
+    )
+    assert (
+        response.status_code == 400 and "nested too deeply" in response.json()["error"]["message"]
+    )
+
+
 def test_body_that_is_not_json(client):
     response = client.post(
         "/v1/chat/completions", content=b"{nope", headers={"content-type": "application/json"}
@@ -361,3 +371,46 @@ def test_allowed_origins_get_cors_answers(tiny_checkpoint, tmp_path):
         assert answer.headers["access-control-allow-origin"] == "https://app.example"
         other = client.get("/v1/models", headers={"Origin": "https://evil.example"})
         assert "access-control-allow-origin" not in other.headers
+
+
+@pytest.fixture(scope="module")
+def locked(tiny_checkpoint, tmp_path_factory):
+    sockets = tmp_path_factory.mktemp("locked")
+    config = PrefillConfig(
+        model=str(tiny_checkpoint),
+        bind=f"ipc://{sockets}/prefill",
+        served_model_name="tiny",
+        api_key="s3cret",
+        allowed_origins=("https://app.example",),
+    )
+    with TestClient(create_app(build_service(config))) as client:
+        yield client
+
+
+@pytest.mark.parametrize("header", [None, "Bearer nope", "Bearer s3cret2", "s3cret", "Bearer "])
+def test_without_the_api_key_v1_is_401(locked, header):
+    headers = {"Authorization": header} if header is not None else {}
+    for response in (
+        locked.get("/v1/models", headers=headers),
+        locked.post("/v1/chat/completions", json={"messages": []}, headers=headers),
+        locked.get("/v1/nowhere", headers=headers),
+    ):
+        assert response.status_code == 401
+        assert response.json()["error"]["code"] == "invalid_api_key"
+        assert response.headers["x-request-id"]
+
+
+def test_with_the_api_key_v1_answers_and_health_is_open(locked):
+    ok = locked.get("/v1/models", headers={"Authorization": "Bearer s3cret"})
+    assert ok.status_code == 200 and ok.json()["data"][0]["id"] == "tiny"
+    assert locked.get("/health").status_code == 200
+    assert preflight(locked).status_code == 200  # a browser's preflight carries no key
+
+
+def test_the_api_key_can_come_from_the_environment(tiny_checkpoint, tmp_path, monkeypatch):
+    monkeypatch.setenv("EPD_API_KEY", "from-env")
+    config = PrefillConfig(model=str(tiny_checkpoint), bind=f"ipc://{tmp_path}/p")
+    with TestClient(create_app(build_service(config))) as client:
+        assert client.get("/v1/models").status_code == 401
+        headers = {"Authorization": "Bearer from-env"}
+        assert client.get("/v1/models", headers=headers).status_code == 200

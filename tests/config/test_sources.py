@@ -10,7 +10,7 @@ import pytest
 
 from epd.cli import parser
 from epd.config.roles import ROLES, DecodeConfig, EncodeConfig, PrefillConfig
-from epd.config.sources import read_config_file, resolve, role_values, to_flags
+from epd.config.sources import read_config_file, resolve, role_values, secret_env, to_flags
 from epd.runtime.process import available_cores
 from epd.serve import core_shares, plan
 
@@ -190,3 +190,11 @@ def test_wildcard_bind_needs_an_advertised_address():
         ),
     )
     assert config.reply_address == "tcp://node2:7102"
+
+
+def test_secrets_travel_in_the_environment_not_on_the_command_line(tmp_path):
+    path = write(tmp_path, "model: /m\nprefill:\n  api_key: hush\n")
+    _, children = plan(args("serve", "--config", path))
+    assert "hush" not in " ".join(to_flags(children["prefill"]))
+    assert secret_env(children["prefill"]) == {"EPD_API_KEY": "hush"}
+    assert secret_env(children["decode"]) == {}
