@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -16,7 +17,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from epd.api.errors import APIError, as_api_error, bad_request
 from epd.api.images import load_image_bytes
-from epd.api.middleware import add_middleware, api_key, request_id
+from epd.api.middleware import add_middleware, api_key, arrived, request_id
 from epd.api.prepare import PromptBuilder, check_grammar
 from epd.api.responses import Reply, TextReply
 from epd.api.schema import (
@@ -76,10 +77,17 @@ class Service:
 def handle_errors(app: FastAPI) -> None:
     """Every error a route raises becomes an OpenAI-style body with its status."""
 
-    async def as_json(_: Request, error: Exception) -> JSONResponse:
+    async def as_json(request: Request, error: Exception) -> JSONResponse:
         api_error = as_api_error(error)
         if api_error.status >= 500 and not isinstance(error, (APIError, PrefillError)):
             log.exception("unhandled error", exc_info=error)
+        log.info(
+            "request %s: %d after %.0f ms: %s",
+            request_id(request),
+            api_error.status,
+            (time.perf_counter() - arrived(request)) * 1000,
+            api_error.message[:200],
+        )
         return JSONResponse(api_error.body(), status_code=api_error.status)
 
     for kind in (APIError, PrefillError, Exception):
@@ -179,7 +187,7 @@ async def complete(service: Service, chat: ChatCompletionRequest, request: Reque
         if forced is None
         else ToolReply(*names, chat.logprobs, chat.include_usage, forced=forced)
     )
-    return await respond(request, reply, deltas, chat)
+    return await respond(request, reply, deltas, chat, len(prepared.images))
 
 
 async def generate(
@@ -200,8 +208,10 @@ async def respond(
     reply: Reply,
     deltas: AsyncIterator[TokenDelta],
     asked: GenerationRequest,
+    images: int = 0,
 ) -> Response:
     """A stream of chunks, or the whole reply once every choice has ended."""
+    deltas = logged(deltas, reply, arrived(request), images)
     if asked.stream:
         events = stream(reply, deltas, asked.include_usage, asked.n)
         return StreamingResponse(events, media_type="text/event-stream")
@@ -209,6 +219,36 @@ async def respond(
     if collected is None:
         return Response(status_code=499)  # nobody is listening any more
     return JSONResponse(reply.completion(collected))
+
+
+async def logged(
+    deltas: AsyncIterator[TokenDelta], reply: Reply, arrived: float, images: int
+) -> AsyncIterator[TokenDelta]:
+    """The deltas, passed on; one log line when the request ends, however it ends."""
+    first: float | None = None
+    tokens: dict[int, int] = {}  # each choice's tokens so far
+    outcome = "ended early (client gone)"
+    try:
+        async for delta in deltas:
+            first = first or time.perf_counter()
+            tokens[delta.index] = delta.completion_tokens
+            yield delta
+        outcome = "done"
+    except Exception as error:
+        outcome = f"failed ({as_api_error(error).status})"
+        raise
+    finally:
+        ttft = f"{(first - arrived) * 1000:.0f} ms" if first else "-"
+        log.info(
+            "request %s %s: %d prompt + %d output tokens, %d images, TTFT %s, %.0f ms in all",
+            reply.request_id,
+            outcome,
+            reply.prompt_tokens,
+            sum(tokens.values()),
+            images,
+            ttft,
+            (time.perf_counter() - arrived) * 1000,
+        )
 
 
 async def collect(deltas: AsyncIterator[TokenDelta]) -> list[TokenDelta]:

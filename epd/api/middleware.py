@@ -6,6 +6,7 @@ from __future__ import annotations
 import hmac
 import os
 import re
+import time
 import uuid
 from typing import Any
 
@@ -34,7 +35,8 @@ class RequestIds:
             return
         given = dict(scope["headers"]).get(b"x-request-id", b"").decode("latin-1")
         request_id = given if REQUEST_ID.fullmatch(given) else uuid.uuid4().hex
-        scope.setdefault("state", {})["request_id"] = request_id
+        state = scope.setdefault("state", {})
+        state["request_id"], state["arrived"] = request_id, time.perf_counter()
 
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":
@@ -47,6 +49,11 @@ class RequestIds:
 
 def request_id(request: Request) -> str:
     return str(getattr(request.state, "request_id", "")) or uuid.uuid4().hex
+
+
+def arrived(request: Request) -> float:
+    """When the request reached the server (perf_counter seconds)."""
+    return float(getattr(request.state, "arrived", 0.0)) or time.perf_counter()
 
 
 class BearerKey:

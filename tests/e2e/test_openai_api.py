@@ -4,6 +4,7 @@ path: routine fields, an earlier reply echoed back, and the sampling controls.""
 import asyncio
 import json
 import re
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -477,3 +478,20 @@ def test_controls_that_leave_no_token_are_a_400_and_hurt_no_neighbour(client, mo
             ask(client, model_name, TEXT, max_tokens=5, extra_body=impossible)
         expected = local.chat(body(model_name, TEXT, max_tokens=16, temperature=0)).text
         assert honest.result().choices[0].message.content == expected
+
+
+def test_each_request_ends_with_one_log_line(stack, model_name):
+    process, base = stack
+    url = f"http://127.0.0.1:{base + 20}/v1/chat/completions"
+    done = {"model": model_name, "messages": TEXT, "max_tokens": 5, "ignore_eos": True}
+    assert httpx.post(url, json=done, headers={"x-request-id": "log-1"}, timeout=60).is_success
+    refused = httpx.post(url, json={**done, "top_p": 7}, headers={"x-request-id": "log-2"})
+    assert refused.status_code == 400
+    deadline = time.monotonic() + 10
+    while "request log-2: 400" not in process.output and time.monotonic() < deadline:
+        time.sleep(0.1)
+    lines = process.output.splitlines()
+    (ok,) = [line for line in lines if "request chatcmpl-log-1-" in line]
+    assert " done: " in ok and "+ 5 output tokens, 0 images, TTFT" in ok
+    (bad,) = [line for line in lines if "request log-2: 400 after" in line]
+    assert "top_p" in bad
