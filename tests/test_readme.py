@@ -79,14 +79,20 @@ def test_curl_examples(make_serve, name):
         assert '`{"role": "assistant", "content": "red"}`' in README
 
 
-def test_python_streaming_example(make_serve):
+def run_example(name: str, port: int) -> subprocess.CompletedProcess[str]:
+    """Run a README Python block against the served demo; it must exit cleanly."""
     result = subprocess.run(
-        [sys.executable, "-c", with_port(block("python-stream"), make_serve)],
+        [sys.executable, "-c", with_port(block(name), port)],
         capture_output=True,
         text=True,
         timeout=60,
     )
     assert result.returncode == 0, result.stderr
+    return result
+
+
+def test_python_streaming_example(make_serve):
+    result = run_example("python-stream", make_serve)
     assert result.stdout.startswith("triangle") and "prints `triangle`" in README
 
 
@@ -140,26 +146,14 @@ def test_local_launch_commands(make_serve):
 
 
 def test_python_structured_output_example(make_serve):
-    result = subprocess.run(
-        [sys.executable, "-c", with_port(block("python-structured"), make_serve)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert result.returncode == 0, result.stderr
+    result = run_example("python-structured", make_serve)
     reply = ast.literal_eval(result.stdout)
     assert reply["shape"] in ("circle", "square", "triangle") and len(reply["colour"]) <= 10
     assert f"prints `{result.stdout.strip()}`" in README
 
 
 def test_python_tool_call_example(make_serve):
-    result = subprocess.run(
-        [sys.executable, "-c", with_port(block("python-tools"), make_serve)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert result.returncode == 0, result.stderr
+    result = run_example("python-tools", make_serve)
     finish, name, arguments = result.stdout.split(" ", 2)
     assert (finish, name) == ("tool_calls", "count_shapes")
     assert json.loads(arguments)["shape"] in ("circle", "square", "triangle")

@@ -334,16 +334,19 @@ class CompletionRequest(GenerationRequest):
         return self.logprobs or 0
 
     @property
-    def single_prompt(self) -> str | list[int]:
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts the request holds: one text or token list, or a list of them."""
         prompt = self.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
-            return prompt[0]  # type: ignore[return-value]  # one, checked in unsupported()
-        return prompt  # type: ignore[return-value]
+            return list(prompt)  # type: ignore[arg-type]
+        return [prompt]  # type: ignore[list-item]
+
+    @property
+    def single_prompt(self) -> str | list[int]:
+        return self.prompts[0]  # one: unsupported() refuses more
 
     def unsupported(self) -> tuple[str, str] | None:
-        prompt = self.prompt
-        batch = isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list)
-        if batch and len(prompt) != 1:
+        if len(self.prompts) != 1:
             return "prompt", "one prompt per request (send the others as their own requests)"
         if self.echo:
             return "echo", "echo is not supported"

@@ -203,8 +203,10 @@ class Scheduler:
         sequences = [batch[i][0] for i in rows]
         states = [s.generator.get_state() for s in sequences]
         try:
-            adjusted = adjust(logits[rows], sequences, self.eos_ids)
-            require_a_token(adjusted)  # one row that cannot go on: it is found alone, below
+            picked = logits[rows]
+            adjusted = adjust(picked, sequences, self.eos_ids)
+            if adjusted is not picked:  # controls ran: one row may have no token left
+                require_a_token(adjusted)  # it is then found alone, below
             tokens = sample_batch(
                 adjusted, [s.sampling for s in sequences], [s.generator for s in sequences]
             ).tolist()

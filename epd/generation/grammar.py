@@ -65,10 +65,14 @@ class Grammars:
 
     def check(self, grammar: str) -> None:
         """Raise GrammarError naming the problem if `grammar` cannot be used."""
-        self.matcher(grammar)
+        self.compile(grammar)
 
     def matcher(self, grammar: str) -> llguidance.LLMatcher:
         """A fresh matcher at the start of `grammar`."""
+        return self.compile(grammar).deep_copy()
+
+    def compile(self, grammar: str) -> llguidance.LLMatcher:
+        """The cached matcher at the start of `grammar` (not to be fed tokens: copy it)."""
         with self.lock:
             template = self.compiled.get(grammar)
             if template is None:
@@ -82,7 +86,7 @@ class Grammars:
                 if len(self.compiled) > CACHED_GRAMMARS:
                     self.compiled.popitem(last=False)
             self.compiled.move_to_end(grammar)
-            return template.deep_copy()
+            return template
 
 
 def llguidance_tokenizer(

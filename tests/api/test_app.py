@@ -10,19 +10,23 @@ from epd.api.server import build_service
 from epd.config.roles import PrefillConfig
 
 
-@pytest.fixture(scope="module")
-def client(tiny_checkpoint, tmp_path_factory):
-    sockets = tmp_path_factory.mktemp("sockets")
+def api(checkpoint, sockets, **settings):
+    """The API in-process, its peers' sockets unserved."""
     config = PrefillConfig(
-        model=str(tiny_checkpoint),
+        model=str(checkpoint),
         bind=f"ipc://{sockets}/prefill",
         encoders=(f"ipc://{sockets}/encode",),
         decoders=(f"ipc://{sockets}/decode",),
         served_model_name="tiny",
-        max_images=2,
-        image_fetch_timeout_s=1.0,
+        **settings,
     )
-    with TestClient(create_app(build_service(config))) as client:
+    return TestClient(create_app(build_service(config)))
+
+
+@pytest.fixture(scope="module")
+def client(tiny_checkpoint, tmp_path_factory):
+    sockets = tmp_path_factory.mktemp("sockets")
+    with api(tiny_checkpoint, sockets, max_images=2, image_fetch_timeout_s=1.0) as client:
         yield client
 
 
@@ -359,13 +363,7 @@ def test_no_origin_is_allowed_by_default(client):
 
 
 def test_allowed_origins_get_cors_answers(tiny_checkpoint, tmp_path):
-    config = PrefillConfig(
-        model=str(tiny_checkpoint),
-        bind=f"ipc://{tmp_path}/prefill",
-        served_model_name="tiny",
-        allowed_origins=("https://app.example",),
-    )
-    with TestClient(create_app(build_service(config))) as client:
+    with api(tiny_checkpoint, tmp_path, allowed_origins=("https://app.example",)) as client:
         answer = preflight(client)
         assert answer.status_code == 200
         assert answer.headers["access-control-allow-origin"] == "https://app.example"
@@ -376,14 +374,9 @@ def test_allowed_origins_get_cors_answers(tiny_checkpoint, tmp_path):
 @pytest.fixture(scope="module")
 def locked(tiny_checkpoint, tmp_path_factory):
     sockets = tmp_path_factory.mktemp("locked")
-    config = PrefillConfig(
-        model=str(tiny_checkpoint),
-        bind=f"ipc://{sockets}/prefill",
-        served_model_name="tiny",
-        api_key="s3cret",
-        allowed_origins=("https://app.example",),
-    )
-    with TestClient(create_app(build_service(config))) as client:
+    with api(
+        tiny_checkpoint, sockets, api_key="s3cret", allowed_origins=("https://app.example",)
+    ) as client:
         yield client
 
 
@@ -409,8 +402,7 @@ def test_with_the_api_key_v1_answers_and_health_is_open(locked):
 
 def test_the_api_key_can_come_from_the_environment(tiny_checkpoint, tmp_path, monkeypatch):
     monkeypatch.setenv("EPD_API_KEY", "from-env")
-    config = PrefillConfig(model=str(tiny_checkpoint), bind=f"ipc://{tmp_path}/p")
-    with TestClient(create_app(build_service(config))) as client:
+    with api(tiny_checkpoint, tmp_path) as client:
         assert client.get("/v1/models").status_code == 401
         headers = {"Authorization": "Bearer from-env"}
         assert client.get("/v1/models", headers=headers).status_code == 200

@@ -143,9 +143,10 @@ def usage(pid: int) -> tuple[int, int]:
     return rss_kib * 1024, len(os.listdir(f"/proc/{pid}/fd"))
 
 
-def serve(checkpoint: Path, base: int) -> Process:
+def serve(checkpoint: Path, base: int, *flags: str) -> Process:
     return Process(
         "serve",
+        *flags,
         "--model",
         str(checkpoint),
         "--port",

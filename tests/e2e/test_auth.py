@@ -6,7 +6,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from .stack import Process, free_base
+from .stack import free_base, serve
 
 
 @pytest.fixture(scope="module")
@@ -14,18 +14,7 @@ def locked_stack(tiny_checkpoint, tmp_path_factory):
     config = tmp_path_factory.mktemp("auth") / "epd.yaml"
     config.write_text("prefill:\n  api_key: k-7f3a\n")
     base = free_base()
-    stack = Process(
-        "serve",
-        "--config",
-        str(config),
-        "--model",
-        str(tiny_checkpoint),
-        "--port",
-        str(base + 20),
-        "--internal-base-port",
-        str(base),
-        ready="epd serve ready",
-    ).wait_ready()
+    stack = serve(tiny_checkpoint, base, "--config", str(config))
     yield stack, base
     assert stack.stop() == 0, stack.output
 
