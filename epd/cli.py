@@ -9,7 +9,7 @@ from typing import Any
 
 from epd.checkpoint.config import CheckpointError
 from epd.config.roles import ROLES
-from epd.config.sources import add_flags, build, flag_values, resolve
+from epd.config.sources import add_child_flags, add_flags, build, flag_values, resolve
 from epd.dtypes import MODEL_DTYPES, TENSOR_DTYPES
 
 HELP = {
@@ -82,6 +82,8 @@ def parser() -> argparse.ArgumentParser:
     for role, config_class in ROLES.items():
         sub = commands.add_parser(role, help=HELP[role])
         add_flags(sub, config_class)
+        if role == "serve":
+            add_child_flags(sub)
         sub.set_defaults(run=role_command)
     from epd.bench.config import BenchConfig
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from epd.api.images import load_image_bytes
+from epd.api.images import MediaPolicy, load_images_now
 from epd.api.prepare import PromptBuilder, check_grammar
 from epd.api.schema import parse_completion, parse_request
 from epd.checkpoint.tokenizer import load_tokenizer, stop_token_ids
@@ -75,10 +75,14 @@ class LocalPipeline:
         checkpoint: str | Path,
         device: str = "cpu",
         dtype: torch.dtype | None = None,
+        allowed_media_domains: tuple[str, ...] = (),
     ) -> None:
         model = load_model(checkpoint, "all", device, dtype)
         tokenizer = load_tokenizer(checkpoint)
-        self.limits = PrefillConfig(model=str(checkpoint))  # the API's default limits
+        # The API's default limits, and the hosts image URLs may name as in `epd prefill`.
+        self.limits = PrefillConfig(
+            model=str(checkpoint), allowed_media_domains=allowed_media_domains
+        )
         limits = self.limits
         self.builder = PromptBuilder.from_checkpoint(
             checkpoint, tokenizer, limits.default_max_tokens, limits.max_image_pixels, limits.max_n
@@ -95,11 +99,7 @@ class LocalPipeline:
         start = time.perf_counter()
         request = parse_request(body)
         conversation = self.builder.read(request)
-        limits = self.limits
-        images = [
-            load_image_bytes(url, i, limits.max_image_bytes, limits.image_fetch_timeout_s)
-            for i, url in enumerate(conversation.image_urls)
-        ]
+        images = load_images_now(MediaPolicy.of(self.limits), conversation.image_urls)
         return self.run(self.builder.prepare(conversation, images), start)
 
     def complete(self, body: dict[str, Any]) -> Completion:

@@ -12,6 +12,7 @@ import argparse
 import collections
 import dataclasses
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -23,6 +24,7 @@ from epd.config.roles import ROLES, ServeConfig
 from epd.config.sources import (
     SHARED,
     build,
+    child_settings,
     flag_values,
     read_config_file,
     role_values,
@@ -141,8 +143,10 @@ def plan(args: argparse.Namespace) -> tuple[ServeConfig, dict[str, Any]]:
     """`serve`'s own config and each child's, from one config file and serve's flags.
 
     A child gets its role's settings from the file, then the shared settings (model, device,
-    dtype, ...) given to `serve` itself, then the loopback addresses `serve` owns, and, unless
-    its threads are set, its share of this machine's cores (`core_shares`).
+    dtype, ...) given to `serve` itself, then serve's flags for its role's settings (e.g.
+    `--max-batch-size` for decode, `--max-image-bytes` for encode and prefill), then the
+    loopback addresses `serve` owns, and, unless its threads are set, its share of this
+    machine's cores (`core_shares`).
     """
     raw = read_config_file(args.config) if args.config else {}
     flags = flag_values(args, ServeConfig)
@@ -150,9 +154,12 @@ def plan(args: argparse.Namespace) -> tuple[ServeConfig, dict[str, Any]]:
     # The file's top-level keys reach each child through role_values, under its own section;
     # what serve's section or flags say wins over both.
     shared = {k: v for k, v in (raw.get("serve", {}) | flags).items() if k in SHARED}
+    given = {k: v for k, v in vars(args).items() if k in child_settings()}
+    given = {k: tuple(v) if isinstance(v, list) else v for k, v in given.items()}
     children = {}
     for role in CHILDREN:
-        values = role_values(raw, role) | shared | config.addresses(role)
+        passed = {k: v for k, v in given.items() if role in child_settings()[k]}
+        values = role_values(raw, role) | shared | passed | config.addresses(role)
         child = build(ROLES[role], values)
         share = torch_threads(child.threads, child.device, core_shares(CORES)[role])
         children[role] = dataclasses.replace(child, threads=share)
@@ -187,7 +194,32 @@ def announce(config: ServeConfig, model_name: str) -> None:
     )
 
 
+def taken_port(config: ServeConfig) -> str | None:
+    """Why serve cannot start on its ports, if one is already in use."""
+    n = config.internal_base_port
+    ports = {n: "internal", n + 1: "internal", n + 2: "internal", n + 10: "internal"}
+    ports |= {n + 12: "internal", config.port: "API"}
+    for port, kind in ports.items():
+        host = config.host if kind == "API" else "127.0.0.1"
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+            # As the children will bind: a port left in TIME_WAIT is free, a listener is not.
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind((host, port))
+            except OSError:
+                if kind == "API":
+                    return f"the API port {port} is in use: pass another --port"
+                return (
+                    f"internal port {port} is in use (epd serve uses --internal-base-port {n} "
+                    f"and the ports after it: {n}-{n + 2}, {n + 10}, {n + 12}): pass another "
+                    "--internal-base-port"
+                )
+    return None
+
+
 def run(config: ServeConfig, child_configs: dict[str, Any]) -> None:
+    if problem := taken_port(config):
+        sys.exit(f"epd serve: {problem}")
     stop = stop_event()
     base = [sys.executable, "-m", "epd.cli"]
     children = [

@@ -39,3 +39,18 @@ def test_seed_makes_checkpoints_reproducible(tmp_path):
 def test_bad_preset_is_refused(tmp_path):
     result = epd("make-checkpoint", str(tmp_path / "x"), "--preset", "huge")
     assert result.returncode == 2 and "invalid choice" in result.stderr
+
+
+def test_serve_names_a_taken_internal_port_in_one_line(tiny_checkpoint):
+    import socket
+
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen()
+        taken = squatter.getsockname()[1]
+        result = epd(
+            "serve", "--model", str(tiny_checkpoint), "--internal-base-port", str(taken - 1)
+        )
+    assert result.returncode != 0 and "Traceback" not in result.stderr
+    assert f"internal port {taken} is in use" in result.stderr
+    assert "--internal-base-port" in result.stderr.strip().splitlines()[-1]

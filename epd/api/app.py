@@ -9,14 +9,14 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from epd.api.errors import APIError, as_api_error, bad_request
-from epd.api.images import load_image_bytes
+from epd.api.images import ImageLoader, MediaPolicy
 from epd.api.middleware import add_middleware, api_key, arrived, request_id
 from epd.api.prepare import PromptBuilder, check_grammar
 from epd.api.responses import Reply, TextReply
@@ -58,20 +58,15 @@ class Service:
         refused = {"refused_messages": coordinator.inbox.refusals.total}
         return refused | coordinator.images.status() | coordinator.batcher.status()
 
+    media: ImageLoader = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.media = ImageLoader(MediaPolicy.of(self.config))
+
     async def load_images(self, urls: list[str]) -> list[bytes]:
         if len(urls) > self.config.max_images:
             raise bad_request(f"{len(urls)} images is over the limit of {self.config.max_images}")
-        c = self.config
-        return list(
-            await asyncio.gather(
-                *(
-                    asyncio.to_thread(
-                        load_image_bytes, url, i, c.max_image_bytes, c.image_fetch_timeout_s
-                    )
-                    for i, url in enumerate(urls)
-                )
-            )
-        )
+        return await self.media.load(urls)
 
 
 def handle_errors(app: FastAPI) -> None:
@@ -111,6 +106,7 @@ def create_app(service: Service, on_started: Callable[[], Any] | None = None) ->
         service.watchdog.close()  # stopping is not stalling
         probe.close()
         await service.coordinator.stop()
+        service.media.close()
 
     app = FastAPI(title="epd", lifespan=lifespan)
     handle_errors(app)

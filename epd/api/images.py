@@ -1,29 +1,186 @@
-"""Getting a request's image bytes: data: URLs (base64) and http(s) URLs, with limits."""
+"""Getting a request's image bytes: data: URLs (base64), and http(s) URLs fetched from public
+addresses only, under one hard deadline per image.
+
+Why each rule (a URL is chosen by the client, so it is an attacker's input):
+- the host is resolved once and every address it resolves to must be public; the connection
+  then goes to the checked address (the URL's host stays in the Host header and TLS name), so a
+  DNS answer that changes between check and connect cannot reach the loopback or the private
+  network;
+- a redirect is a new URL, checked the same way, at most `MAX_REDIRECTS` of them;
+- the deadline covers the whole fetch (lookup, headers, body): the fetch is a coroutine that is
+  cancelled, so a server that trickles its headers cannot hold it;
+- lookups and data: decoding have their own small thread pools, so slow URLs cannot delay
+  another request's data: image;
+- a refusal never depends on a connection to a refused address, and every failure to connect or
+  read says the same words, so answers cannot map which internal ports are open.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
-import time
+import ipaddress
+import socket
+import ssl
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from functools import cache
+from urllib.parse import urljoin, urlsplit
 
-import requests
-import urllib3
+import httpx
 
 from epd.api.errors import APIError, bad_request
+from epd.config.roles import PrefillConfig
+
+MAX_REDIRECTS = 5
+REDIRECTS = (301, 302, 303, 307, 308)
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+NAT64 = ipaddress.ip_network("64:ff9b::/96")  # IPv6 that a NAT64 gateway maps onto IPv4
 
 
-def load_image_bytes(url: str, index: int, max_bytes: int, timeout_s: float) -> bytes:
-    """The encoded file behind an image_url; a 400 naming image `index` when it cannot be had."""
-    if url.startswith("data:"):
-        return _from_data_url(url, index, max_bytes)
-    if url.startswith(("http://", "https://")):
-        return _fetch(url, index, max_bytes, timeout_s)
-    raise bad_request(
-        f"image {index}: only data: and http(s): URLs are supported", code="invalid_image"
-    )
+@dataclass(frozen=True)
+class MediaPolicy:
+    """What an image may be: its size, how long fetching it may take, and where from."""
+
+    max_bytes: int
+    timeout_s: float
+    # When set, only these hosts may be fetched, and at any address (the operator trusts them,
+    # e.g. an internal image store); when empty, any host that resolves to public addresses.
+    allowed_domains: tuple[str, ...] = ()
+
+    @classmethod
+    def of(cls, config: PrefillConfig) -> MediaPolicy:
+        domains = tuple(d.lower().rstrip(".") for d in config.allowed_media_domains)
+        return cls(config.max_image_bytes, config.image_fetch_timeout_s, domains)
 
 
-def _from_data_url(url: str, index: int, max_bytes: int) -> bytes:
+class ImageLoader:
+    """Loads the images of requests; one per process, shared by all of them."""
+
+    def __init__(self, policy: MediaPolicy) -> None:
+        self.policy = policy
+        self._lookups = ThreadPoolExecutor(4, thread_name_prefix="dns")
+        self._decoding = ThreadPoolExecutor(2, thread_name_prefix="data-url")
+
+    async def load(self, urls: list[str]) -> list[bytes]:
+        """Each URL's encoded file, in order; a 400 naming the first image that cannot be had."""
+        return list(await asyncio.gather(*(self.load_one(url, i) for i, url in enumerate(urls))))
+
+    async def load_one(self, url: str, index: int) -> bytes:
+        limit = self.policy.max_bytes
+        if url.startswith("data:"):
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(self._decoding, from_data_url, url, index, limit)
+        if not url.startswith(("http://", "https://")):
+            raise bad_request(
+                f"image {index}: only data: and http(s): URLs are supported", code="invalid_image"
+            )
+        timeout = self.policy.timeout_s
+        try:
+            return await asyncio.wait_for(self._fetch(url, index), timeout)
+        except asyncio.TimeoutError:
+            raise _refused(index, f"fetching {_short(url)} took over {timeout}s") from None
+
+    def close(self) -> None:
+        self._lookups.shutdown(wait=False, cancel_futures=True)
+        self._decoding.shutdown(wait=False, cancel_futures=True)
+
+    async def _fetch(self, url: str, index: int) -> bytes:
+        for _ in range(MAX_REDIRECTS + 1):
+            response_or_next = await self._get(url, index)
+            if isinstance(response_or_next, bytes):
+                return response_or_next
+            url = response_or_next
+        raise _refused(index, f"more than {MAX_REDIRECTS} redirects")
+
+    async def _get(self, url: str, index: int) -> bytes | str:
+        """The body of `url`, or the URL it redirects to."""
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise _refused(index, f"{_short(url)} is not an http(s) URL with a host")
+        host = parts.hostname
+        try:
+            port = parts.port or (443 if parts.scheme == "https" else 80)
+        except ValueError:
+            raise _refused(index, f"{_short(url)} has an invalid port") from None
+        address = await self._checked_address(host, port, index)
+        pinned = parts._replace(netloc=f"{_bracketed(address)}:{port}").geturl()
+        client = httpx.AsyncClient(verify=_tls(), trust_env=False, follow_redirects=False)
+        async with client:
+            request = client.build_request(
+                "GET",
+                pinned,
+                headers={"Host": parts.netloc.rsplit("@", 1)[-1]},
+                extensions={"sni_hostname": host} if parts.scheme == "https" else {},
+            )
+            try:
+                response = await client.send(request, stream=True)
+                try:
+                    if response.status_code in REDIRECTS and "location" in response.headers:
+                        return urljoin(url, response.headers["location"])
+                    if response.status_code != 200:
+                        raise _refused(
+                            index, f"fetching {_short(url)} gave HTTP {response.status_code}"
+                        )
+                    return await self._body(response, index)
+                finally:
+                    await response.aclose()
+            except httpx.HTTPError:
+                # One message for every network failure: no open/closed port oracle.
+                raise _refused(index, f"{_short(url)} could not be fetched") from None
+
+    async def _body(self, response: httpx.Response, index: int) -> bytes:
+        limit = self.policy.max_bytes
+        declared = response.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise _refused(index, f"larger than {limit} bytes")
+        data = bytearray()
+        async for chunk in response.aiter_bytes():
+            data += chunk
+            if len(data) > limit:
+                raise _refused(index, f"larger than {limit} bytes")
+        return bytes(data)
+
+    async def _checked_address(self, host: str, port: int, index: int) -> str:
+        """The one address this fetch will connect to, after checking all that `host` has."""
+        allowed = self.policy.allowed_domains
+        trusted = host.lower().rstrip(".") in allowed
+        if allowed and not trusted:
+            raise _refused(index, f"host {host[:100]!r} is not in the allowed media domains")
+        loop = asyncio.get_running_loop()
+        try:
+            found = await loop.run_in_executor(
+                self._lookups, socket.getaddrinfo, host, port, 0, socket.SOCK_STREAM
+            )
+        except (OSError, UnicodeError):
+            raise _refused(index, f"host {host[:100]!r} cannot be resolved") from None
+        addresses = [ipaddress.ip_address(str(info[4][0]).split("%", 1)[0]) for info in found]
+        if not addresses:
+            raise _refused(index, f"host {host[:100]!r} cannot be resolved")
+        for address in addresses:
+            problem = None if trusted else not_public(address)
+            if problem:
+                raise _refused(index, f"host {host[:100]!r} is not a public address ({problem})")
+        return str(addresses[0])
+
+
+def not_public(address: IPAddress) -> str | None:
+    """What kind of non-public address this is, or None for a public one."""
+    if isinstance(address, ipaddress.IPv6Address):
+        embedded = address.ipv4_mapped or address.sixtofour
+        if embedded is None and address in NAT64:
+            embedded = ipaddress.IPv4Address(int(address) & 0xFFFFFFFF)
+        if embedded is not None:
+            return not_public(embedded)
+    # Most specific first: Python counts 0.0.0.0/8 and 169.254/16 as private too.
+    for kind in ("loopback", "unspecified", "link_local", "multicast", "private", "reserved"):
+        if getattr(address, f"is_{kind}"):
+            return kind.replace("_", "-")
+    return None if address.is_global else "non-public"
+
+
+def from_data_url(url: str, index: int, max_bytes: int) -> bytes:
     header, sep, payload = url.partition(",")
     if not sep or not header.endswith(";base64"):
         raise bad_request(f"image {index}: data URL must be base64 encoded", code="invalid_image")
@@ -35,25 +192,31 @@ def _from_data_url(url: str, index: int, max_bytes: int) -> bytes:
         raise bad_request(f"image {index}: invalid base64 data", code="invalid_image") from None
 
 
-def _fetch(url: str, index: int, max_bytes: int, timeout_s: float) -> bytes:
-    deadline = time.monotonic() + timeout_s  # `timeout` below bounds each read, this the total
+def load_images_now(policy: MediaPolicy, urls: list[str]) -> list[bytes]:
+    """`ImageLoader.load` outside an event loop (the one-process path)."""
 
-    def fail(reason: str) -> APIError:
-        return bad_request(f"image {index}: {reason}", code="invalid_image")
+    async def load() -> list[bytes]:
+        loader = ImageLoader(policy)
+        try:
+            return await loader.load(urls)
+        finally:
+            loader.close()
 
-    try:
-        with requests.get(url, stream=True, timeout=timeout_s) as response:
-            if response.status_code != 200:
-                raise fail(f"fetching {url} gave HTTP {response.status_code}")
-            data = bytearray()
-            # read1 returns whatever one read brings, so a server that trickles bytes still
-            # meets the deadline check after each of them.
-            while chunk := response.raw.read1(64 * 1024, decode_content=True):
-                data += chunk
-                if len(data) > max_bytes:
-                    raise fail(f"larger than {max_bytes} bytes")
-                if time.monotonic() > deadline:
-                    raise fail(f"fetching {url} took over {timeout_s}s")
-            return bytes(data)
-    except (requests.RequestException, urllib3.exceptions.HTTPError) as e:
-        raise fail(f"cannot fetch {url}: {type(e).__name__}") from None
+    return asyncio.run(load())
+
+
+@cache
+def _tls() -> ssl.SSLContext:
+    return ssl.create_default_context()
+
+
+def _bracketed(address: str) -> str:
+    return f"[{address}]" if ":" in address else address
+
+
+def _short(url: str) -> str:
+    return url if len(url) <= 100 else url[:97] + "..."
+
+
+def _refused(index: int, reason: str) -> APIError:
+    return bad_request(f"image {index}: {reason}", code="invalid_image")

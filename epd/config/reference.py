@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 
 from epd.config.roles import ROLES, ModelOptions
-from epd.config.sources import SHARED
+from epd.config.sources import SERVE_OWNS, SHARED
 
 
 def _default(field: dataclasses.Field[object]) -> str:
@@ -34,6 +34,12 @@ def reference() -> str:
     for role, cls in ROLES.items():
         own = [f for f in dataclasses.fields(cls) if f.name not in SHARED]
         lines += ["", f"`{role}:` (`epd {role}`)", "", *header, *_rows(own)]
+    owned = ", ".join(f"`{name}`" for name in sorted(SERVE_OWNS))
+    lines += [
+        "",
+        "`epd serve` also takes every encode, prefill and decode setting above as its own flag",
+        f"(given to each role that has it), except the addresses it owns: {owned}.",
+    ]
     return "\n".join(lines) + "\n"
 
 

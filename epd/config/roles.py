@@ -115,7 +115,14 @@ class PrefillConfig(ModelOptions):
     served_model_name: str = option("", "model name in the API (default: checkpoint folder)")
     encode_timeout_s: float = option(60.0, "longest wait for an image payload")
     token_timeout_s: float = option(60.0, "longest wait for the next token from decode")
-    image_fetch_timeout_s: float = option(10.0, "time limit for fetching an http(s) image")
+    image_fetch_timeout_s: float = option(
+        10.0, "time limit for fetching an http(s) image, redirects and headers included"
+    )
+    allowed_media_domains: tuple[str, ...] = option(
+        (),
+        "hosts image URLs may name, at any address, e.g. images.internal (default: any host "
+        "with only public addresses)",
+    )
     max_image_bytes: int = option(20 * 1024 * 1024, "size limit of one image, encoded")
     max_image_pixels: int = option(50_000_000, "refuse images larger than this (from their header)")
     max_images: int = option(16, "most images in one request")

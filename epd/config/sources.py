@@ -97,12 +97,21 @@ def build(cls: type[T], values: dict[str, Any]) -> T:
     return cls(**values)
 
 
-def add_flags(parser: argparse.ArgumentParser, cls: type, config_file: bool = True) -> None:
-    """One flag per field; unset flags stay out of the namespace so the file can fill them."""
+def add_flags(
+    parser: argparse.ArgumentParser,
+    cls: type,
+    config_file: bool = True,
+    only: typing.Collection[str] | None = None,
+    note: str = "",
+) -> None:
+    """One flag per field (or per field in `only`); unset flags stay out of the namespace so
+    the file can fill them."""
     if config_file:
         parser.add_argument("--config", help="YAML config file; flags given here win over it")
     hints = _hints(cls)
     for name, f in _fields(cls).items():
+        if only is not None and name not in only:
+            continue
         hint, kwargs = hints[name], dict[str, Any](default=argparse.SUPPRESS)
         if hint is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
@@ -111,9 +120,34 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, config_file: bool = Tr
         else:
             kwargs["type"] = hint
         default = "required" if f.default is dataclasses.MISSING else f"default: {f.default}"
+        default = f"{note}{default}"
         parser.add_argument(
             f"--{name.replace('_', '-')}", help=f"{f.metadata['help']} ({default})", **kwargs
         )
+
+
+# Settings `epd serve` decides for its children: the loopback addresses that join them.
+SERVE_OWNS = frozenset(
+    {"bind", "advertise", "encoders", "decoders", "prefills", "health_host", "health_port"}
+)
+
+
+def child_settings() -> dict[str, list[str]]:
+    """The children's settings that `epd serve` passes on as its own flags, with the roles that
+    have each: everything a single-node user may set but the addresses serve owns."""
+    own = set(_fields(ROLES["serve"])) | SERVE_OWNS
+    roles: dict[str, list[str]] = {}
+    for role in ("encode", "prefill", "decode"):
+        for name in _fields(ROLES[role]):
+            if name not in own:
+                roles.setdefault(name, []).append(role)
+    return roles
+
+
+def add_child_flags(parser: argparse.ArgumentParser) -> None:
+    """`epd serve`'s flags for its children's settings, each applied to every role that has it."""
+    for name, roles in child_settings().items():
+        add_flags(parser, ROLES[roles[0]], False, only={name}, note=f"{', '.join(roles)}; ")
 
 
 def flag_values(args: argparse.Namespace, cls: type) -> dict[str, Any]:

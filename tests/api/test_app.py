@@ -26,7 +26,8 @@ def api(checkpoint, sockets, **settings):
 @pytest.fixture(scope="module")
 def client(tiny_checkpoint, tmp_path_factory):
     sockets = tmp_path_factory.mktemp("sockets")
-    with api(tiny_checkpoint, sockets, max_images=2, image_fetch_timeout_s=1.0) as client:
+    limits = {"max_images": 2, "image_fetch_timeout_s": 1.0}
+    with api(tiny_checkpoint, sockets, allowed_media_domains=("127.0.0.1",), **limits) as client:
         yield client
 
 
@@ -247,7 +248,8 @@ def image(url):
         ("data:image/png;base64,@@@", "image 0: invalid base64"),
         ("data:image/png,raw", "image 0: data URL must be base64"),
         ("file:///etc/passwd", "image 0: only data: and http(s)"),
-        ("http://127.0.0.1:9/none.png", "image 0: cannot fetch"),
+        ("http://127.0.0.1:9/none.png", "image 0: http://127.0.0.1:9/none.png could not be"),
+        ("http://localhost/a.png", "image 0: host 'localhost' is not in the allowed media"),
     ],
 )
 def test_bad_images_are_400_naming_the_image(client, url, fragment):

@@ -198,3 +198,17 @@ def test_secrets_travel_in_the_environment_not_on_the_command_line(tmp_path):
     assert "hush" not in " ".join(to_flags(children["prefill"]))
     assert secret_env(children["prefill"]) == {"EPD_API_KEY": "hush"}
     assert secret_env(children["decode"]) == {}
+
+
+def test_serve_passes_each_child_setting_to_the_roles_that_have_it(tmp_path):
+    path = write(tmp_path, "model: /m\ndecode:\n  max_batch_size: 3\n")
+    flags = ("--served-model-name", "kimi", "--max-batch-size", "8", "--max-image-bytes", "99")
+    _, children = plan(args("serve", "--config", path, *flags))
+    assert children["prefill"].model_name == "kimi"
+    assert children["decode"].max_batch_size == 8  # the flag wins over the file
+    assert children["encode"].max_image_bytes == children["prefill"].max_image_bytes == 99
+    extra = ("--allowed-media-domains", "a.example", "b.example")
+    _, children = plan(args("serve", "--config", path, *extra))
+    assert children["prefill"].allowed_media_domains == ("a.example", "b.example")
+    with pytest.raises(SystemExit):  # serve owns the addresses that join its children
+        plan(args("serve", "--config", path, "--decoders", "tcp://10.0.0.1:1"))

@@ -1,9 +1,7 @@
 """The three-process stack through the official openai client, against the one-process path."""
 
-import http.server
 import io
 import json
-import threading
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
@@ -127,43 +125,15 @@ def test_stop_string_and_max_tokens(client, model_name, local):
     assert short.usage.completion_tokens == 3 and short.choices[0].finish_reason == "length"
 
 
-@pytest.fixture(scope="module")
-def image_server():
-    png = io.BytesIO()
-    Image.new("RGB", (300, 200), "purple").save(png, "PNG")
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):
-            found = self.path == "/purple.png"
-            self.send_response(200 if found else 404)
-            self.end_headers()
-            if found:
-                self.wfile.write(png.getvalue())
-
-        def log_message(self, *args):
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
+INTERNAL_HOSTS = ("127.0.0.1", "127.1", "0x7f000001", "0.0.0.0", "[::1]", "localhost")
 
 
-def test_http_image_urls(client, model_name, local, image_server):
-    messages = [
-        {"role": "user", "content": [image_part(f"{image_server}/purple.png"), text_part("Shape?")]}
-    ]
-    reply = ask(client, model_name, messages, max_tokens=8, temperature=0)
-    assert (
-        reply.choices[0].message.content
-        == local.chat(body(model_name, messages, max_tokens=8, temperature=0)).text
-    )
-    with pytest.raises(openai.BadRequestError, match="HTTP 404"):
-        ask(
-            client,
-            model_name,
-            [{"role": "user", "content": [image_part(f"{image_server}/nope.png")]}],
-        )
+@pytest.mark.parametrize("host", [*INTERNAL_HOSTS, "10.0.0.7", "169.254.169.254"])
+def test_image_urls_to_internal_addresses_are_refused(client, model_name, host):
+    """By default prefill fetches only from public addresses: no loopback or private network."""
+    messages = [{"role": "user", "content": [image_part(f"http://{host}:7102/x.png")]}]
+    with pytest.raises(openai.BadRequestError, match=r"image 0: host .* is not a public address"):
+        ask(client, model_name, messages, max_tokens=2)
 
 
 def test_corrupt_image_is_400_naming_it(client, model_name):
