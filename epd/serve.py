@@ -59,6 +59,9 @@ class Child:
             stderr=subprocess.STDOUT,
             text=True,
             bufsize=1,
+            # Its own session: a terminal's Ctrl-C reaches serve alone, which stops the
+            # children in order (prefill drains first).
+            start_new_session=True,
             # It ends when serve does; secrets go in its environment, which only it can read.
             env=os.environ | self.secrets | {SUPERVISOR_ENV: str(os.getpid())},
         )
@@ -99,6 +102,14 @@ def stop_all(children: list[Child], timeout: float = STOP_TIMEOUT_S) -> None:
     deadline = time.monotonic() + timeout
     for child in children:
         child.wait(deadline)
+
+
+def stop_in_order(children: list[Child], drain_s: float) -> None:
+    """Prefill first, given `drain_s` to let its requests in flight finish (it refuses new
+    ones meanwhile); then encode and decode, which those requests needed until the end."""
+    first = [c for c in children if c.role == "prefill"]
+    stop_all(first, drain_s + STOP_TIMEOUT_S)
+    stop_all([c for c in children if c.role != "prefill"])
 
 
 def start_all(children: list[Child], stop: threading.Event) -> None:
@@ -220,7 +231,8 @@ def taken_port(config: ServeConfig) -> str | None:
 def run(config: ServeConfig, child_configs: dict[str, Any]) -> None:
     if problem := taken_port(config):
         sys.exit(f"epd serve: {problem}")
-    stop = stop_event()
+    drain_s = child_configs["prefill"].drain_timeout_s
+    stop = stop_event(grace_s=drain_s + 3 * STOP_TIMEOUT_S)  # the stop below, and a margin
     base = [sys.executable, "-m", "epd.cli"]
     children = [
         Child(role, [*base, role, *to_flags(c)], secret_env(c)) for role, c in child_configs.items()
@@ -233,5 +245,5 @@ def run(config: ServeConfig, child_configs: dict[str, Any]) -> None:
                 supervise(child, config.max_restart_delay_s)
             stop.wait(0.2)
     finally:
-        stop_all(children)
+        stop_in_order(children, drain_s)
         print("epd serve: stopped", flush=True)

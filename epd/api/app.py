@@ -7,17 +7,18 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from epd.api.errors import APIError, as_api_error, bad_request
+from epd.api.errors import APIError, as_api_error, bad_request, overloaded
 from epd.api.images import ImageLoader, MediaPolicy
-from epd.api.middleware import add_middleware, api_key, arrived, request_id
+from epd.api.middleware import Gate, add_middleware, api_key, arrived, request_id
 from epd.api.prepare import PromptBuilder, check_grammar
 from epd.api.responses import Reply, TextReply
 from epd.api.schema import (
@@ -31,14 +32,17 @@ from epd.config.roles import PrefillConfig
 from epd.prefill.coordinator import Coordinator
 from epd.prefill.engine import PrefillEngine
 from epd.prefill.errors import PrefillError
+from epd.prefill.metrics import PrefillMetrics
 from epd.prefill.request import PreparedRequest
 from epd.runtime.health import health_router
+from epd.runtime.metrics import metrics_router
 from epd.runtime.role import probe_wire
 from epd.runtime.watchdog import Watchdog
 from epd.wire.messages import KVHandoff, TokenDelta
 
 log = logging.getLogger(__name__)
 DISCONNECT_POLL_S = 0.25
+T = TypeVar("T")
 
 
 @dataclass
@@ -55,13 +59,57 @@ class Service:
         if self.coordinator is None:
             return {}
         coordinator = self.coordinator
+        requests: dict[str, object] = {"in_flight": self.gate.in_flight, "waiting": self.waiting}
+        outbox = coordinator.outbox
+        peers = (*self.config.encoders, *self.config.decoders)
+        requests["peers"] = {a: "up" if outbox.is_up(a) else "down" for a in peers}
         refused = {"refused_messages": coordinator.inbox.refusals.total}
-        return refused | coordinator.images.status() | coordinator.batcher.status()
+        return requests | refused | coordinator.images.status() | coordinator.batcher.status()
 
+    gate: Gate = field(default_factory=Gate)  # in flight and draining, for the middleware
+    metrics: PrefillMetrics = field(default_factory=PrefillMetrics)
+    waiting: int = 0  # requests between arrival and their hand-off to decode
     media: ImageLoader = field(init=False)
+    # Reading and tokenising a prompt runs here, not on the event loop: a long one takes
+    # seconds, and every other request's streaming waits on the loop.
+    prompts: ThreadPoolExecutor = field(init=False)
 
     def __post_init__(self) -> None:
         self.media = ImageLoader(MediaPolicy.of(self.config))
+        self.metrics.waiting.set_function(lambda: self.waiting)
+        self.gate.refused = lambda: self.metrics.refused.labels("draining").inc()
+        self.prompts = ThreadPoolExecutor(2, thread_name_prefix="prompts")
+
+    @contextmanager
+    def queue_slot(self) -> Iterator[None]:
+        """Hold one of `max_queued_requests` places from arrival to the hand-off to decode;
+        with none free, a 503 at once rather than a timeout a minute later."""
+        if self.waiting >= self.config.max_queued_requests:
+            self.metrics.refused.labels("overloaded").inc()
+            raise overloaded(
+                f"{self.waiting} requests are already waiting for prefill "
+                f"(max_queued_requests); retry shortly"
+            )
+        self.waiting += 1
+        try:
+            yield
+        finally:
+            self.waiting -= 1
+
+    async def off_loop(self, work: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self.prompts, work, *args)
+
+    def problems(self) -> list[str]:
+        """Why this prefill cannot serve now: shutting down, or no live encoder or decoder (a
+        hung peer counts: it stops answering ZeroMQ heartbeats)."""
+        found = ["draining: shutting down"] if self.gate.draining else []
+        if self.coordinator is None:
+            return [*found, "starting"]
+        outbox = self.coordinator.outbox
+        for role, addresses in (("encode", self.config.encoders), ("decode", self.config.decoders)):
+            if not any(outbox.is_up(a) for a in addresses):
+                found.append(f"no {role} server answers (tried {', '.join(addresses)})")
+        return found
 
     async def load_images(self, urls: list[str]) -> list[bytes]:
         if len(urls) > self.config.max_images:
@@ -69,11 +117,12 @@ class Service:
         return await self.media.load(urls)
 
 
-def handle_errors(app: FastAPI) -> None:
+def handle_errors(app: FastAPI, metrics: PrefillMetrics) -> None:
     """Every error a route raises becomes an OpenAI-style body with its status."""
 
     async def as_json(request: Request, error: Exception) -> JSONResponse:
         api_error = as_api_error(error)
+        metrics.failure.labels(str(api_error.status)).inc()
         if api_error.status >= 500 and not isinstance(error, (APIError, PrefillError)):
             log.exception("unhandled error", exc_info=error)
         log.info(
@@ -83,7 +132,9 @@ def handle_errors(app: FastAPI) -> None:
             (time.perf_counter() - arrived(request)) * 1000,
             api_error.message[:200],
         )
-        return JSONResponse(api_error.body(), status_code=api_error.status)
+        return JSONResponse(
+            api_error.body(), status_code=api_error.status, headers=api_error.headers
+        )
 
     for kind in (APIError, PrefillError, Exception):
         app.add_exception_handler(kind, as_json)
@@ -94,7 +145,11 @@ def create_app(service: Service, on_started: Callable[[], Any] | None = None) ->
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         processor = service.builder.processor
         service.coordinator = Coordinator(
-            service.config, service.engine, processor.max_tokens(), service.watchdog
+            service.config,
+            service.engine,
+            processor.max_tokens(),
+            service.watchdog,
+            service.metrics,
         )
         service.coordinator.start()
         probe = probe_wire(service.watchdog)
@@ -107,11 +162,16 @@ def create_app(service: Service, on_started: Callable[[], Any] | None = None) ->
         probe.close()
         await service.coordinator.stop()
         service.media.close()
+        service.prompts.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="epd", lifespan=lifespan)
-    handle_errors(app)
-    add_middleware(app, service.config.allowed_origins, api_key(service.config.api_key))
-    app.include_router(health_router("prefill", service.watchdog, service.status))
+    handle_errors(app, service.metrics)
+    config = service.config
+    add_middleware(
+        app, config.allowed_origins, api_key(config.api_key), config.max_request_bytes, service.gate
+    )
+    app.include_router(health_router("prefill", service.watchdog, service.status, service.problems))
+    app.include_router(metrics_router(service.metrics.registry))
     card = {"id": service.model_name, "object": "model", "created": 0, "owned_by": "epd"}
 
     @app.get("/v1/models")
@@ -129,15 +189,20 @@ def create_app(service: Service, on_started: Callable[[], Any] | None = None) ->
         chat = parse_request(await json_body(request))
         if chat.model != service.model_name:
             raise unknown_model(chat.model, service.model_name)
-        return await complete(service, chat, request)
+        with service.queue_slot():
+            reply, deltas, images = await start_chat(service, chat, request)
+        return await respond(service, request, reply, deltas, chat, images)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         legacy = parse_completion(await json_body(request))
         if legacy.model != service.model_name:
             raise unknown_model(legacy.model, service.model_name)
-        prepared = service.builder.prepare_completion(legacy, request_id(request))
-        handoff, deltas = await generate(service, prepared)
+        with service.queue_slot():
+            prepared = await service.off_loop(
+                service.builder.prepare_completion, legacy, request_id(request)
+            )
+            handoff, deltas = await generate(service, prepared)
         reply = TextReply(
             prepared.request_id,
             service.model_name,
@@ -145,18 +210,26 @@ def create_app(service: Service, on_started: Callable[[], Any] | None = None) ->
             legacy.wants_logprobs,
             legacy.include_usage,
         )
-        return await respond(request, reply, deltas, legacy)
+        return await respond(service, request, reply, deltas, legacy)
 
     return app
 
 
 async def json_body(request: Request) -> Any:
+    """The parsed body; large bodies are parsed off the event loop (a 20 MB body takes ~0.2 s)."""
+    body = await request.body()  # its size is bounded by the middleware, before it arrives
+    return await asyncio.to_thread(parse_json, body) if len(body) > 1 << 20 else parse_json(body)
+
+
+def parse_json(body: bytes) -> Any:
     try:
-        return await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise bad_request("the request body is not valid JSON") from None
+        return json.loads(body)
     except RecursionError:  # the parser's own depth limit: arrays nested 100 000 deep
         raise bad_request("the request body is nested too deeply") from None
+    except ValueError as e:  # bad JSON or UTF-8, or an integer of over 4300 digits
+        if "digits" in str(e):
+            raise bad_request("the request body holds a number of over 4300 digits") from None
+        raise bad_request("the request body is not valid JSON") from None
 
 
 def unknown_model(asked: str, served: str) -> APIError:
@@ -168,11 +241,17 @@ def unknown_model(asked: str, served: str) -> APIError:
     )
 
 
-async def complete(service: Service, chat: ChatCompletionRequest, request: Request) -> Response:
-    conversation = service.builder.read(chat)
+async def start_chat(
+    service: Service, chat: ChatCompletionRequest, request: Request
+) -> tuple[Reply, AsyncIterator[TokenDelta], int]:
+    """A chat request up to its hand-off to decode: its reply, deltas to come, and images."""
+    builder = service.builder
+    conversation = await service.off_loop(builder.read, chat)
     images = await service.load_images(conversation.image_urls)
     try:
-        prepared = service.builder.prepare(conversation, images, request_id(request))
+        prepared = await service.off_loop(
+            builder.prepare, conversation, images, request_id(request)
+        )
     except ValueError as e:  # e.g. more images than the prompt has placeholders
         raise bad_request(str(e)) from None
     handoff, deltas = await generate(service, prepared)
@@ -183,7 +262,7 @@ async def complete(service: Service, chat: ChatCompletionRequest, request: Reque
         if forced is None
         else ToolReply(*names, chat.logprobs, chat.include_usage, forced=forced)
     )
-    return await respond(request, reply, deltas, chat, len(prepared.images))
+    return reply, deltas, len(prepared.images)
 
 
 async def generate(
@@ -200,6 +279,7 @@ async def generate(
 
 
 async def respond(
+    service: Service,
     request: Request,
     reply: Reply,
     deltas: AsyncIterator[TokenDelta],
@@ -207,9 +287,10 @@ async def respond(
     images: int = 0,
 ) -> Response:
     """A stream of chunks, or the whole reply once every choice has ended."""
-    deltas = logged(deltas, reply, arrived(request), images)
+    metrics = service.metrics
+    deltas = logged(deltas, reply, arrived(request), images, metrics)
     if asked.stream:
-        events = stream(reply, deltas, asked.include_usage, asked.n)
+        events = stream(reply, deltas, asked.include_usage, asked.n, metrics)
         return StreamingResponse(events, media_type="text/event-stream")
     collected = await until_disconnected(request, collect(deltas))
     if collected is None:
@@ -218,22 +299,42 @@ async def respond(
 
 
 async def logged(
-    deltas: AsyncIterator[TokenDelta], reply: Reply, arrived: float, images: int
+    deltas: AsyncIterator[TokenDelta],
+    reply: Reply,
+    arrived: float,
+    images: int,
+    metrics: PrefillMetrics,
 ) -> AsyncIterator[TokenDelta]:
-    """The deltas, passed on; one log line when the request ends, however it ends."""
+    """The deltas, passed on; metrics as they come, and one log line when the request ends,
+    however it ends (a failure is counted where its status is decided: `as_json`, `stream`)."""
     first: float | None = None
     tokens: dict[int, int] = {}  # each choice's tokens so far
-    outcome = "ended early (client gone)"
+    last: dict[int, float] = {}  # when each choice's latest delta came
+    reason, outcome = "abort", "ended early (client gone)"
+    metrics.running.inc()
     try:
         async for delta in deltas:
-            first = first or time.perf_counter()
+            now = time.perf_counter()
+            if first is None:
+                first = now
+                metrics.ttft.observe(now - arrived)
+            elif delta.index in last:
+                metrics.itl.observe(now - last[delta.index])
+            last[delta.index] = now
             tokens[delta.index] = delta.completion_tokens
+            reason = delta.finish_reason or reason
             yield delta
         outcome = "done"
     except Exception as error:
-        outcome = f"failed ({as_api_error(error).status})"
+        reason, outcome = "", f"failed ({as_api_error(error).status})"
         raise
     finally:
+        metrics.running.dec()
+        total = time.perf_counter() - arrived
+        metrics.generation_tokens.inc(sum(tokens.values()))
+        if reason:
+            metrics.success.labels(reason).inc()
+            metrics.e2e.observe(total)
         ttft = f"{(first - arrived) * 1000:.0f} ms" if first else "-"
         log.info(
             "request %s %s: %d prompt + %d output tokens, %d images, TTFT %s, %.0f ms in all",
@@ -243,7 +344,7 @@ async def logged(
             sum(tokens.values()),
             images,
             ttft,
-            (time.perf_counter() - arrived) * 1000,
+            total * 1000,
         )
 
 
@@ -264,7 +365,11 @@ async def until_disconnected(request: Request, work: Any) -> list[TokenDelta] | 
 
 
 async def stream(
-    reply: Reply, deltas: AsyncIterator[TokenDelta], usage: bool, choices: int
+    reply: Reply,
+    deltas: AsyncIterator[TokenDelta],
+    usage: bool,
+    choices: int,
+    metrics: PrefillMetrics,
 ) -> AsyncIterator[str]:
     """SSE: a role chunk per choice, content chunks, each choice's finish, optional usage (of
     every choice), then [DONE]."""
@@ -281,6 +386,7 @@ async def stream(
         if usage:
             yield reply.usage_chunk(sum(completion_tokens.values()))
     except Exception as error:  # headers are sent: report in-band, as OpenAI does
+        metrics.failure.labels(str(as_api_error(error).status)).inc()
         if not isinstance(error, (APIError, PrefillError)):
             log.exception("streaming %s failed", reply.request_id)
         yield f"data: {json.dumps(as_api_error(error).body())}\n\n"

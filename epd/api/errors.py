@@ -15,6 +15,7 @@ class APIError(Exception):
         kind: str = "invalid_request_error",
         param: str | None = None,
         code: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status, self.message, self.kind, self.param, self.code = (
@@ -24,6 +25,7 @@ class APIError(Exception):
             param,
             code,
         )
+        self.headers = headers or {}
 
     def body(self) -> dict[str, Any]:
         return {
@@ -42,6 +44,17 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 
 def unavailable(message: str) -> APIError:
     return APIError(503, message, kind="service_unavailable", code="service_unavailable")
+
+
+def overloaded(message: str, retry_after_s: int = 1) -> APIError:
+    """A 503 the client should retry soon: the server is full or shutting down."""
+    return APIError(
+        503,
+        message,
+        kind="service_unavailable",
+        code="overloaded",
+        headers={"Retry-After": str(retry_after_s)},
+    )
 
 
 def timed_out(message: str) -> APIError:

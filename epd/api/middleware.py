@@ -1,5 +1,5 @@
 """What every HTTP response gets, whatever the route: a request id, OpenAI-style errors, CORS,
-and the API key check."""
+the API key check, a bound on the body's size, and admission (in-flight count, drain)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ import os
 import re
 import time
 import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -16,7 +18,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from epd.api.errors import APIError
+from epd.api.errors import APIError, overloaded
 
 REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")  # what may be echoed into a header and logs
 
@@ -77,14 +79,95 @@ class BearerKey:
         await self.app(scope, receive, send)
 
 
+class BodyLimit:
+    """Bodies over `max_bytes` get a 413 before they are read (a declared Content-Length) or as
+    soon as the bytes received pass the limit (a chunked body), never after parsing."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    def too_large(self) -> APIError:
+        return APIError(
+            413,
+            f"the request body is over {self.max_bytes} bytes (max_request_bytes)",
+            code="request_too_large",
+        )
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.max_bytes:
+            error = self.too_large()
+            await JSONResponse(error.body(), status_code=413)(scope, receive, send)
+            return
+        received = 0
+
+        async def counted() -> Message:
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > self.max_bytes:
+                raise self.too_large()  # raised in the route: its error handler answers
+            return message
+
+        await self.app(scope, counted, send)
+
+
+CLOSE = {"Connection": "close"}
+
+
+@dataclass
+class Gate:
+    """What `Admission` shares with the process that drains it."""
+
+    in_flight: int = 0
+    draining: bool = False
+    refused: Callable[[], None] = lambda: None  # told of each request refused while draining
+
+
+class Admission:
+    """Counts the API requests in flight (`in_flight`, until their last byte is sent); once
+    `draining` is set, new ones get 503 with Retry-After while those in flight finish."""
+
+    def __init__(self, app: ASGIApp, gate: Gate) -> None:
+        self.app, self.gate = app, gate
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+            await self.app(scope, receive, send)
+            return
+        if self.gate.draining and scope["method"] == "POST":
+            self.gate.refused()
+            error = overloaded("the server is shutting down; retry on another replica")
+            response = JSONResponse(error.body(), 503, headers=error.headers | CLOSE)
+            await response(scope, receive, send)
+            return
+        self.gate.in_flight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.gate.in_flight -= 1
+
+
 def api_key(configured: str) -> str:
     """The key from the config, else from EPD_API_KEY (how `epd serve` passes it on)."""
     return configured or os.environ.get("EPD_API_KEY", "")
 
 
-def add_middleware(app: FastAPI, allowed_origins: tuple[str, ...], key: str = "") -> None:
-    if key:  # innermost: CORS preflights and request ids come before it
+def add_middleware(
+    app: FastAPI,
+    allowed_origins: tuple[str, ...],
+    key: str = "",
+    max_body_bytes: int = 100 << 20,
+    gate: Gate | None = None,
+) -> None:
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)  # innermost: after the key check
+    if key:  # CORS preflights and request ids come before it
         app.add_middleware(BearerKey, key=key)
+    if gate is not None:
+        app.add_middleware(Admission, gate=gate)
     if allowed_origins:  # none by default: browsers on other origins get no answer to read
         app.add_middleware(
             CORSMiddleware,

@@ -92,13 +92,32 @@ class PromptBuilder:
             defaults=load_generation_config(checkpoint).sampling_defaults,
         )
 
+    @cached_property
+    def max_token_chars(self) -> int:
+        """The most characters one token stands for (its vocabulary string is at least as long:
+        a byte-level token has one character per byte)."""
+        return max(map(len, self.tokenizer.get_vocab()), default=1)
+
+    def check_text_fits(self, texts: list[str]) -> None:
+        """Refuse text that cannot fit the context whatever it tokenises to, before tokenising
+        it: 10 MB of text would hold the tokenizer for seconds and take gigabytes."""
+        chars = sum(map(len, texts))
+        if chars > self.context_length * self.max_token_chars:
+            raise bad_request(
+                f"the prompt has {chars} characters: more than {self.context_length} tokens "
+                f"(the context length) of at most {self.max_token_chars} characters can hold",
+                code="context_length_exceeded",
+            )
+
     def read(self, request: ChatCompletionRequest) -> Conversation:
         """The request's chat messages, built once, and the image URLs they hold."""
         messages = self.messages(request)
         urls = [part["image_url"]["url"] for part in image_parts(messages)]
         tools = [t.model_dump(exclude_none=True) for t in request.tools or ()] or None
+        tools_text = json.dumps(tools, ensure_ascii=False) if tools else ""
+        self.check_text_fits([tools_text, *(text for m in messages for text in texts_of(m))])
         if tools:  # names, descriptions and schemas reach the prompt too
-            self.refuse_special_tokens(json.dumps(tools, ensure_ascii=False))
+            self.refuse_special_tokens(tools_text)
         if tools and not self.template_shows_tools:
             note = {"role": "system", "content": describe_tools(request.tools or [])}
             return Conversation(request, [note, *messages], urls)
@@ -130,8 +149,7 @@ class PromptBuilder:
     def refuse_special_tokens(self, content: str | list[dict[str, Any]]) -> None:
         """Text that spells a control token (<|im_end|>, <|media_pad|>, ...) would forge turns or
         image slots once the rendered prompt is tokenised, so it is refused."""
-        texts = [content] if isinstance(content, str) else [p.get("text", "") for p in content]
-        for text in texts:
+        for text in texts_of({"content": content}):
             for token in self.special_tokens:
                 if token in text:
                     raise bad_request(f"message text contains the reserved token {token}")
@@ -173,6 +191,7 @@ class PromptBuilder:
         ids; neither may hold the image placeholder, which would claim image rows."""
         prompt = request.single_prompt
         if isinstance(prompt, str):
+            self.check_text_fits([prompt])
             ids = list(self.tokenizer.encode(prompt))
         else:
             if outside := [t for t in prompt if t >= self.vocab_size]:
@@ -262,6 +281,13 @@ class PromptBuilder:
                     f"{self.vocab_size}",
                     param=param,
                 )
+
+
+def texts_of(message: dict[str, Any]) -> list[str]:
+    """The text a chat message puts in the prompt: its content, and its tool calls' arguments."""
+    content = message.get("content") or ""
+    texts = [content] if isinstance(content, str) else [p.get("text", "") for p in content]
+    return texts + [call["function"]["arguments"] for call in message.get("tool_calls", ())]
 
 
 def unique_id(kind: str, request_id: str) -> str:

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import logging
+import threading
+import time
+from types import FrameType
 
 import uvicorn
 
@@ -15,6 +19,8 @@ from epd.dtypes import model_dtype
 from epd.prefill.engine import PrefillEngine
 from epd.runtime.process import STOP_GRACE_S, announce_ready, start_process
 from epd.runtime.watchdog import Watchdog
+
+log = logging.getLogger(__name__)
 
 # The main loop, the wire, and the prefill forward (its thread runs apart from the loop).
 PREFILL_ACTIVITIES = ("loop", "wire", "prefill")
@@ -33,6 +39,38 @@ def build_service(config: PrefillConfig) -> Service:
     return Service(
         config, config.model_name, builder, engine, Watchdog(config.watchdog_s, PREFILL_ACTIVITIES)
     )
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn, with a drain before its graceful shutdown.
+
+    On the first SIGTERM or SIGINT new API requests get 503 (and /health 503, so a load
+    balancer turns away) while the requests in flight finish, for up to `drain_timeout_s`; then
+    uvicorn shuts down as usual. A second signal skips what is left of the drain.
+    """
+
+    def __init__(self, config: uvicorn.Config, service: Service) -> None:
+        super().__init__(config)
+        self.service = service
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        gate = self.service.gate
+        if gate.draining:  # asked again: stop now
+            super().handle_exit(sig, frame)
+            return
+        gate.draining = True
+        self._captured_signals.append(sig)  # re-raised to our own handler once uvicorn is done
+        log.info("draining: %d requests in flight, new ones get 503", gate.in_flight)
+        threading.Thread(target=self.drain, name="drain", daemon=True).start()
+
+    def drain(self) -> None:
+        gate, limit = self.service.gate, self.service.config.drain_timeout_s
+        deadline = time.monotonic() + limit
+        while gate.in_flight and time.monotonic() < deadline and not self.should_exit:
+            time.sleep(0.05)
+        if gate.in_flight:
+            log.warning("drain: %d requests still in flight after %ss", gate.in_flight, limit)
+        self.should_exit = True
 
 
 def run(config: PrefillConfig) -> None:
@@ -54,13 +92,14 @@ def run(config: PrefillConfig) -> None:
     # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal to the handler
     # found before it started (ours, from start_process), so a requested stop exits with 0.
     app = create_app(service, on_started=announce)
-    server = uvicorn.Server(
+    server = DrainingServer(
         uvicorn.Config(
             app,
             host=config.host,
             port=config.port,
             log_level="warning",
             timeout_graceful_shutdown=int(STOP_GRACE_S / 2),  # then open streams are cut
-        )
+        ),
+        service,
     )
     server.run()

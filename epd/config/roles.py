@@ -134,6 +134,17 @@ class PrefillConfig(ModelOptions):
     image_cache_bytes: int = option(
         512 * 1024 * 1024, "memory for embeddings of images seen before (0: no cache)"
     )
+    max_request_bytes: int = option(
+        100 * 1024 * 1024, "request bodies over this size get 413 before they are read"
+    )
+    max_queued_requests: int = option(
+        256,
+        "requests that may wait for image fetching, encode or prefill at once; past it a new "
+        "one gets 503 with Retry-After at once",
+    )
+    drain_timeout_s: float = option(
+        30.0, "on SIGTERM, how long requests in flight may take to finish (new ones get 503)"
+    )
     api_key: str = option(
         "", "key every /v1 request must send as 'Authorization: Bearer' (or set EPD_API_KEY)"
     )

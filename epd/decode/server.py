@@ -18,6 +18,7 @@ from epd.checkpoint.config import load_model_config
 from epd.checkpoint.tokenizer import load_tokenizer, stop_token_ids
 from epd.checkpoint.weights import load_model
 from epd.config.roles import DecodeConfig
+from epd.decode.metrics import DecodeMetrics
 from epd.decode.scheduler import Busy, Scheduler
 from epd.dtypes import model_dtype
 from epd.generation.grammar import GrammarError
@@ -41,6 +42,10 @@ class DecodeServer:
         self, scheduler: Scheduler, inbox: Inbox, outbox: Outbox, prefills: Prefills
     ) -> None:
         self.scheduler, self.inbox, self.outbox, self.prefills = scheduler, inbox, outbox, prefills
+        self.metrics = DecodeMetrics()
+        self.registry = self.metrics.registry
+        self.metrics.running.set_function(lambda: len(scheduler.running))
+        self.metrics.waiting.set_function(lambda: len(scheduler.waiting))
         self.reply_to: dict[str, str] = {}  # request id → its prefill, while decode holds it
         self.open_choices: dict[str, int] = {}  # request id → its choices not finished yet
 
@@ -80,6 +85,7 @@ class DecodeServer:
             why = cut(f"decode refused the request: {e}")
             self.outbox.send(reply_to, Failure(request_id, code, why))
             return
+        self.metrics.handoff_bytes.inc(handoff.cache.nbytes)
         self.reply_to[request_id] = reply_to
         self.open_choices[request_id] = len(added)
         for sequence, output in added:
@@ -158,12 +164,16 @@ class DecodeServer:
     def step(self) -> None:
         self.check_peers()
         self.take_messages()
+        batch, start = min(len(self.scheduler), self.scheduler.max_batch_size), time.perf_counter()
         try:
             step = self.scheduler.step()
         except Exception as e:  # not any one request's fault: fail them all, keep the process
             log.exception("a decode step failed")
             self.fail_all("internal", f"decode failed: {type(e).__name__}: {e}")
             return
+        if batch:
+            self.metrics.batch_size.observe(batch)
+            self.metrics.step_seconds.observe(time.perf_counter() - start)
         for sequence, output in step.produced:
             self.send(sequence, output)
         for sequence, problem in step.refused:

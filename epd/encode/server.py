@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from collections.abc import Callable
 
 import zmq
@@ -13,6 +14,7 @@ from epd.checkpoint.weights import load_model
 from epd.config.roles import EncodeConfig
 from epd.dtypes import model_dtype
 from epd.encode.encoder import Encoder
+from epd.encode.metrics import EncodeMetrics
 from epd.multimodal.image_processor import ImageProcessor
 from epd.multimodal.images import ImageError
 from epd.runtime.role import run_role
@@ -54,6 +56,8 @@ class EncodeServer:
     ) -> None:
         self.encoder, self.inbox, self.outbox, self.config = encoder, inbox, outbox, config
         self.prefills, self.progress = prefills, progress
+        self.metrics = EncodeMetrics()
+        self.registry = self.metrics.registry
 
     def over_limits(self, request: EncodeRequest) -> Failure | None:
         """A Failure for a request with more or larger images than this encoder takes."""
@@ -69,6 +73,14 @@ class EncodeServer:
 
     def status(self) -> dict[str, object]:
         return {"refused_messages": self.inbox.refusals.total}
+
+    def count(self, reply: ImageEmbeddings | Failure, seconds: float) -> None:
+        if isinstance(reply, Failure):
+            self.metrics.failures.inc()
+            return
+        self.metrics.seconds.observe(seconds)
+        self.metrics.images.inc(len(reply.grids))
+        self.metrics.embedding_bytes.inc(reply.embeddings.nbytes)
 
     def close(self) -> None:
         self.inbox.close()
@@ -89,7 +101,9 @@ class EncodeServer:
                 request.reply_to,
             )
         else:
+            start = time.perf_counter()
             reply = self.over_limits(request) or handle(self.encoder, request, self.progress)
+            self.count(reply, time.perf_counter() - start)
             if not self.outbox.send(request.reply_to, reply):
                 log.warning(
                     "dropped the reply to %s: %s unreachable", request.request_id, request.reply_to

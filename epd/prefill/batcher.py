@@ -11,12 +11,14 @@ reason, every request still waiting fails.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from epd.prefill.engine import PrefillEngine, Prompt
 from epd.prefill.errors import Unavailable
+from epd.prefill.metrics import PrefillMetrics
 from epd.wire.messages import KVHandoff
 
 WAITING_BUDGETS = 8
@@ -26,11 +28,19 @@ WAITING_BUDGETS = 8
 class Job:
     prompt: Prompt
     future: asyncio.Future[KVHandoff]
+    queued_at: float = field(default_factory=time.perf_counter)
 
 
 class PrefillBatcher:
-    def __init__(self, engine: PrefillEngine, max_tokens: int, reply_to: str) -> None:
+    def __init__(
+        self,
+        engine: PrefillEngine,
+        max_tokens: int,
+        reply_to: str,
+        metrics: PrefillMetrics | None = None,
+    ) -> None:
         self.engine, self.max_tokens, self.reply_to = engine, max_tokens, reply_to
+        self.metrics = metrics or PrefillMetrics()
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="prefill")  # one model
         self.waiting: deque[Job] = deque()
         self.arrived = asyncio.Event()
@@ -64,6 +74,9 @@ class PrefillBatcher:
     async def prefill_batch(self, batch: list[Job]) -> None:
         prompts = [job.prompt for job in batch]
         self.sizes.append(len(batch))
+        started = time.perf_counter()
+        for job in batch:
+            self.metrics.queue_time.observe(started - job.queued_at)
         self.busy = True
         try:
             results = await asyncio.get_running_loop().run_in_executor(
@@ -79,6 +92,7 @@ class PrefillBatcher:
             if isinstance(result, Exception):
                 job.future.set_exception(result)
             else:
+                self.metrics.prompt_tokens.inc(result.prompt_tokens)
                 job.future.set_result(result)
 
     def take(self) -> list[Job]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -22,6 +23,7 @@ from epd.prefill.batcher import PrefillBatcher
 from epd.prefill.engine import PrefillEngine, Prompt
 from epd.prefill.errors import Internal, PrefillError, TimedOut, Unavailable, from_failure
 from epd.prefill.image_cache import ImageCache, digests
+from epd.prefill.metrics import PrefillMetrics
 from epd.prefill.request import PreparedRequest
 from epd.runtime.watchdog import Watchdog
 from epd.wire.messages import (
@@ -40,6 +42,7 @@ log = logging.getLogger(__name__)
 PEER_POLL_S = 0.02
 PEER_GRACE_S = 0.5  # how long a request waits for a peer that is just connecting
 T = TypeVar("T")
+now = time.perf_counter
 
 
 @dataclass
@@ -54,6 +57,7 @@ class Stream:
     decoder: str
     choices: int  # the request's n: it ends once each choice has had its last delta
     queue: asyncio.Queue[TokenDelta | PrefillError] = field(default_factory=asyncio.Queue)
+    sent_at: float = 0.0  # when the hand-off went to the decoder (perf_counter)
 
 
 async def within(awaitable: Awaitable[T], seconds: float, error: Exception) -> T:
@@ -80,13 +84,20 @@ class Coordinator:
         engine: PrefillEngine,
         max_image_tokens: int,
         watchdog: Watchdog,
+        metrics: PrefillMetrics | None = None,
     ) -> None:
         self.config, self.engine, self.watchdog = config, engine, watchdog
+        self.metrics = metrics or PrefillMetrics()
         self.outbox = Outbox(pinned=(*config.encoders, *config.decoders))
+        for role, addresses in (("encode", config.encoders), ("decode", config.decoders)):
+            for address in addresses:
+                self.metrics.watch_peer(role, address, self.outbox.is_up)
         rows = config.max_images * max_image_tokens
         largest = rows * engine.lm.config.hidden_size * 4  # float32 embeddings of every image
         self.inbox = Inbox(async_context(), config.bind, largest)
-        self.batcher = PrefillBatcher(engine, config.max_prefill_tokens, config.reply_address)
+        self.batcher = PrefillBatcher(
+            engine, config.max_prefill_tokens, config.reply_address, self.metrics
+        )
         self.images = ImageCache(config.image_cache_bytes)
         self.waits: dict[tuple[str, int], EncodeWait] = {}
         self.streams: dict[str, Stream] = {}
@@ -184,6 +195,8 @@ class Coordinator:
             i: found for i, key in enumerate(keys) if (found := self.images.get(key)) is not None
         }
         missing = [i for i in range(len(request.images)) if i not in rows]
+        self.metrics.images.inc(len(keys))
+        self.metrics.image_cache_hits.inc(len(rows))
         if missing:
             encoded = check_payloads(request, missing, await self.encode_images(request, missing))
             for index, image_rows in zip(missing, encoded, strict=True):
@@ -208,11 +221,14 @@ class Coordinator:
             )
             if not self.outbox.send(encoder, message):
                 future.set_exception(Unavailable(f"encode server {encoder} is not reachable"))
-        limit = self.config.encode_timeout_s
+        limit, start = self.config.encode_timeout_s, time.perf_counter()
         try:
-            return await within(
+            replies = await within(
                 asyncio.gather(*waits), limit, TimedOut(f"no image embeddings within {limit}s")
             )
+            self.metrics.encode_wait.observe(time.perf_counter() - start)
+            self.metrics.embedding_bytes.inc(sum(r.embeddings.nbytes for r in replies))
+            return replies
         finally:
             for part in range(len(parts)):
                 self.waits.pop((request.request_id, part), None)
@@ -225,11 +241,12 @@ class Coordinator:
     async def hand_off(self, handoff: KVHandoff) -> Stream:
         """Hand the request to a decoder; raises (before any reply is sent) if none can take it."""
         decoder = (await self.pick(self.config.decoders, "decode"))[0]
-        stream = Stream(handoff.request_id, decoder, handoff.sampling.n)
+        stream = Stream(handoff.request_id, decoder, handoff.sampling.n, sent_at=now())
         self.streams[handoff.request_id] = stream
         if not self.outbox.send(decoder, handoff):
             del self.streams[handoff.request_id]
             raise Unavailable(f"decode server {decoder} is not reachable")
+        self.metrics.handoff_bytes.inc(handoff.cache.nbytes)
         return stream
 
     async def deltas(self, stream: Stream) -> AsyncIterator[TokenDelta]:
@@ -244,6 +261,9 @@ class Coordinator:
                 )
                 if isinstance(item, PrefillError):
                     raise item
+                if stream.sent_at:  # the first delta: the hand-off's round trip is done
+                    self.metrics.handoff_seconds.observe(now() - stream.sent_at)
+                    stream.sent_at = 0.0
                 if item.index not in open_choices:
                     raise Internal(f"decode sent choice {item.index} of {stream.choices} again")
                 if item.finish_reason is not None:

@@ -18,21 +18,28 @@ from fastapi.responses import JSONResponse
 from epd.runtime.watchdog import Watchdog
 
 Status = Callable[[], dict[str, object]]
+Problems = Callable[[], list[str]]
 START_TIMEOUT_S = 10.0
 
 
-def health_router(role: str, watchdog: Watchdog, status: Status = dict) -> APIRouter:
-    """GET /health: the role, its pid and `status()`; with what stalled, and 503, on a stall."""
+def health_router(
+    role: str, watchdog: Watchdog, status: Status = dict, problems: Problems = list
+) -> APIRouter:
+    """GET /health: the role, its pid and `status()`; 503 on a stall (with what stalled) or
+    while `problems()` names any (what the process lacks to serve, e.g. a reachable peer)."""
     router = APIRouter()
 
     @router.get("/health")
     async def health() -> JSONResponse:
-        stalled = watchdog.stalled()
-        body: dict[str, object] = {"status": "stalled" if stalled else "ok", "role": role}
+        stalled, missing = watchdog.stalled(), problems()
+        state = "stalled" if stalled else "unavailable" if missing else "ok"
+        body: dict[str, object] = {"status": state, "role": role}
         body |= {"pid": os.getpid(), **status()}
         if stalled:
             body["stalled_s"] = stalled
-        return JSONResponse(body, status_code=503 if stalled else 200)
+        if missing:
+            body["problems"] = missing
+        return JSONResponse(body, status_code=200 if state == "ok" else 503)
 
     return router
 

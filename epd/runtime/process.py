@@ -26,11 +26,11 @@ def setup_logging(role: str) -> None:
     )
 
 
-def stop_event() -> threading.Event:
+def stop_event(grace_s: float = STOP_GRACE_S) -> threading.Event:
     """An event set by SIGINT or SIGTERM, so loops can finish their step and exit cleanly.
 
     A loop that is stuck never sees the event; the process then exits on its own after
-    STOP_GRACE_S, so a stop request always ends it (PID 1 in a container cannot be SIGKILLed
+    `grace_s`, so a stop request always ends it (PID 1 in a container cannot be SIGKILLed
     from inside).
     """
     event = threading.Event()
@@ -38,7 +38,7 @@ def stop_event() -> threading.Event:
     def requested(*_: object) -> None:
         if not event.is_set():
             event.set()
-            threading.Thread(target=_exit_after, args=(STOP_GRACE_S,), daemon=True).start()
+            threading.Thread(target=_exit_after, args=(grace_s,), daemon=True).start()
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, requested)

@@ -12,8 +12,10 @@ from collections.abc import Callable
 from typing import Protocol
 
 import zmq
+from prometheus_client import CollectorRegistry
 
 from epd.runtime.health import HealthServer, health_router
+from epd.runtime.metrics import metrics_router
 from epd.runtime.process import announce_ready, start_process
 from epd.runtime.watchdog import Watchdog
 from epd.wire.transport import WireProbe
@@ -46,6 +48,10 @@ class RoleServer(Protocol):
     def close(self) -> None:
         """Stop: end the requests still held, close sockets."""
 
+    @property
+    def registry(self) -> CollectorRegistry:
+        """Its metrics, served at GET /metrics beside /health."""
+
 
 def probe_wire(watchdog: Watchdog) -> WireProbe:
     """Beat the watchdog's "wire" on each round trip through this process's ZeroMQ I/O."""
@@ -59,9 +65,9 @@ def run_role(name: str, config: RoleConfig, build: Callable[[Watchdog], RoleServ
     server = build(watchdog)
     watchdog.start()
     probe = probe_wire(watchdog)
-    health = HealthServer(
-        health_router(name, watchdog, server.status), config.health_host, config.health_port
-    )
+    router = health_router(name, watchdog, server.status)
+    router.include_router(metrics_router(server.registry))
+    health = HealthServer(router, config.health_host, config.health_port)
     announce_ready(name, zmq=config.bind, health=health.url)
     try:
         while not stop.is_set():

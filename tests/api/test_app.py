@@ -52,9 +52,13 @@ def test_non_finite_numbers_are_refused(client, field, value):
     assert response.status_code == 400 and field in response.json()["error"]["message"]
 
 
-def test_models_and_health(client):
+def test_models_and_health_that_names_the_missing_peers(client):
     assert client.get("/v1/models").json()["data"][0]["id"] == "tiny"
-    assert client.get("/health").json()["status"] == "ok"
+    health = client.get("/health")  # no encoder or decoder answers this prefill
+    assert health.status_code == 503 and health.json()["status"] == "unavailable"
+    problems = " ".join(health.json()["problems"])
+    assert "no encode server answers" in problems and "no decode server answers" in problems
+    assert set(health.json()["peers"].values()) == {"down"}
 
 
 @pytest.mark.parametrize(
@@ -398,7 +402,7 @@ def test_without_the_api_key_v1_is_401(locked, header):
 def test_with_the_api_key_v1_answers_and_health_is_open(locked):
     ok = locked.get("/v1/models", headers={"Authorization": "Bearer s3cret"})
     assert ok.status_code == 200 and ok.json()["data"][0]["id"] == "tiny"
-    assert locked.get("/health").status_code == 200
+    assert locked.get("/health").status_code == 503  # open, and truthful: no peers here
     assert preflight(locked).status_code == 200  # a browser's preflight carries no key
 
 
@@ -408,3 +412,51 @@ def test_the_api_key_can_come_from_the_environment(tiny_checkpoint, tmp_path, mo
         assert client.get("/v1/models").status_code == 401
         headers = {"Authorization": "Bearer from-env"}
         assert client.get("/v1/models", headers=headers).status_code == 200
+
+
+def test_metrics_are_open_with_an_api_key(locked):
+    response = locked.get("/metrics")
+    assert response.status_code == 200 and "epd:time_to_first_token_seconds" in response.text
+    assert locked.get("/v1/models").status_code == 401
+
+
+@pytest.fixture(scope="module")
+def small_bodies(tiny_checkpoint, tmp_path_factory):
+    with api(tiny_checkpoint, tmp_path_factory.mktemp("small"), max_request_bytes=1000) as client:
+        yield client
+
+
+def test_a_body_over_the_limit_is_413_before_it_is_read(small_bodies):
+    declared = small_bodies.post(
+        "/v1/chat/completions",
+        json={"model": "tiny", "messages": [{"role": "user", "content": "x" * 2000}]},
+    )
+    assert (
+        declared.status_code == 413 and "max_request_bytes" in declared.json()["error"]["message"]
+    )
+
+    def chunks():  # no Content-Length: counted as it arrives
+        yield b'{"model": "tiny", "messages": [{"role": "user", "content": "'
+        for _ in range(100):
+            yield b"x" * 100
+
+    chunked = small_bodies.post(
+        "/v1/chat/completions", content=chunks(), headers={"Content-Type": "application/json"}
+    )
+    assert chunked.status_code == 413
+
+
+def test_huge_numbers_and_text_are_400_at_once(client):
+    import time
+
+    digits = '{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "seed": %s}'
+    response = client.post(
+        "/v1/chat/completions", content=digits % ("9" * 5000), headers={"Content-Type": "json"}
+    )
+    assert response.status_code == 400 and "4300 digits" in response.json()["error"]["message"]
+    start = time.monotonic()
+    response = chat(client, messages=[{"role": "user", "content": "a " * 5_000_000}])  # 10 MB
+    assert response.status_code == 400 and time.monotonic() - start < 2
+    assert response.json()["error"]["code"] == "context_length_exceeded"
+    legacy = client.post("/v1/completions", json={"model": "tiny", "prompt": "b " * 5_000_000})
+    assert legacy.status_code == 400 and "characters" in legacy.json()["error"]["message"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import io
+import json
 import os
 import random
 import signal
@@ -13,6 +14,8 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 from collections import deque
 from collections.abc import Iterator
 from pathlib import Path
@@ -93,10 +96,11 @@ def role(
     base: int,
     prefills: tuple[str, ...] = (),
     env: dict[str, str] | None = None,
+    extra: tuple[str, ...] = (),
 ) -> Process:
     """One role started by hand: encode on base, prefill on base+1 (API base+20), decode base+2.
 
-    Encode and decode reply only to `prefills` (default: that prefill).
+    Encode and decode reply only to `prefills` (default: that prefill); `extra` flags go last.
     """
     replies = ["--prefills", *(prefills or [f"tcp://127.0.0.1:{base + 1}"])]
     flags = {
@@ -113,18 +117,29 @@ def role(
     }[name]
     share = ["--threads", "1"]  # three roles on this machine's cores, as epd serve shares them
     return Process(
-        name, "--model", str(checkpoint), *flags, *share, ready=f"epd {name} ready", env=env
+        name,
+        *("--model", str(checkpoint), *flags, *share, *extra),
+        ready=f"epd {name} ready",
+        env=env,
     )
 
 
 @contextlib.contextmanager
 def cluster(
-    checkpoint: Path, prefills: tuple[str, ...] = (), env: dict[str, str] | None = None
+    checkpoint: Path,
+    prefills: tuple[str, ...] = (),
+    env: dict[str, str] | None = None,
+    prefill_flags: tuple[str, ...] = (),
 ) -> Iterator[tuple[dict[str, Process], openai.OpenAI, int]]:
     """The three roles started by hand (see `role`), their openai client, and their base port."""
     base = free_base()
     names = ("encode", "decode", "prefill")
-    processes = {name: role(name, checkpoint, base, prefills, env) for name in names}
+    processes = {
+        name: role(
+            name, checkpoint, base, prefills, env, prefill_flags if name == "prefill" else ()
+        )
+        for name in names
+    }
     try:
         for process in processes.values():
             process.wait_ready()
@@ -170,3 +185,12 @@ def image_part(url: str) -> dict:
 
 def text_part(text: str) -> dict:
     return {"type": "text", "text": text}
+
+
+def health(port: int) -> tuple[int, dict]:
+    """GET /health on a local port: its status and body, 503s included."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())

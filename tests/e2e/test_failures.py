@@ -1,17 +1,16 @@
 """Dead peers: errors fast, the rest keeps serving, and a restarted process serves again."""
 
-import json
 import os
 import signal
 import subprocess
 import sys
 import time
-import urllib.request
 
 import openai
 import pytest
 from PIL import Image
 
+from . import stack
 from .stack import cluster, data_url, free_base, image_part, role, serve, text_part
 
 IMAGE = [
@@ -82,8 +81,7 @@ def test_dead_decode_fails_fast_then_recovers(three, tiny_checkpoint):
 
 
 def health(port):
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as response:
-        return json.loads(response.read())
+    return stack.health(port)[1]
 
 
 def test_serve_restarts_a_child_that_dies(tiny_checkpoint):

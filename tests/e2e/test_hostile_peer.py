@@ -9,15 +9,12 @@ fill a hundred times faster.
 """
 
 import base64
-import json
 import pickle
 import signal
 import subprocess
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 
 import msgspec
 import openai
@@ -32,6 +29,7 @@ from epd.wire.codec import decode, encode
 from epd.wire.messages import EncodeRequest, Failure, ImageEmbeddings, KVHandoff
 from tests.wire.test_hostile_headers import MESSAGE_PACKS, PICKLES
 
+from . import stack
 from .stack import cluster, data_url, image_part, role, text_part, usage
 
 ENV = {"EPD_ZMQ_RECONNECT_MS": "1"}  # every lost peer redialled each millisecond
@@ -66,14 +64,8 @@ def expected(local):
 
 def health(base: int) -> dict[str, tuple[int, dict]]:
     """Every role's GET /health: (status, body)."""
-    answers = {}
-    for name, port in (("encode", base + 10), ("prefill", base + 20), ("decode", base + 12)):
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
-                answers[name] = (r.status, json.loads(r.read()))
-        except urllib.error.HTTPError as e:
-            answers[name] = (e.code, json.loads(e.read()))
-    return answers
+    ports = {"encode": base + 10, "prefill": base + 20, "decode": base + 12}
+    return {name: stack.health(port) for name, port in ports.items()}
 
 
 def refusals(base: int) -> dict[str, int]:

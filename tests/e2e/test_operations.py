@@ -1,20 +1,26 @@
 """`epd serve` set up as an operator would put it in front of users: an API key (kept out of
-every child's command line), an allowed internal image host."""
+every child's command line), an allowed internal image host, metrics from every role."""
 
 import http.server
 import io
+import signal
 import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import openai
 import pytest
 from PIL import Image
+from prometheus_client.parser import text_string_to_metric_families
 
 from epd.local import LocalPipeline
 
-from .stack import free_base, image_part, serve, text_part
+from .stack import cluster, data_url, free_base, health, image_part, serve, text_part
 
 KEY = "k-7f3a"
+LONG = 1500  # tokens: long enough that a stop request lands while the streams run
 
 
 @pytest.fixture(scope="module")
@@ -92,3 +98,168 @@ def test_an_allowed_internal_host_serves_images(client, tiny_checkpoint, image_s
     with pytest.raises(openai.BadRequestError, match="'localhost' is not in the allowed media"):
         other = [image_part(image_server.replace("127.0.0.1", "localhost") + "/purple.png")]
         client.chat.completions.create(model=model, messages=[{"role": "user", "content": other}])
+
+
+def scrape(port: int) -> dict[tuple[str, tuple], float]:
+    """GET /metrics on a local port, as {(sample name, sorted labels): value}."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def test_metrics_count_real_requests_in_every_role(client, locked_stack):
+    _, base = locked_stack
+    api, encode, decode = base + 20, base + 10, base + 12
+    before = scrape(api), scrape(encode), scrape(decode)
+    model = client.models.list().data[0].id
+    picture = data_url(Image.new("RGB", (112, 84), "orange"))
+    for content in ("hello", [image_part(picture), text_part("colour?")]):
+        client.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": content}],
+            max_tokens=3,
+            extra_body={"ignore_eos": True},
+        )
+    after = scrape(api), scrape(encode), scrape(decode)
+
+    def grew(role: int, name: str, **labels: str) -> float:
+        key = (name, tuple(sorted(labels.items())))
+        return after[role].get(key, 0.0) - before[role].get(key, 0.0)
+
+    assert grew(0, "epd:request_success_total", finished_reason="length") == 2
+    assert grew(0, "epd:generation_tokens_total") == 6
+    assert grew(0, "epd:prompt_tokens_total") > 2 * 3  # the image alone has 12 tokens
+    assert grew(0, "epd:time_to_first_token_seconds_count") == 2
+    assert grew(0, "epd:inter_token_latency_seconds_count") >= 2
+    assert grew(0, "epd:e2e_request_latency_seconds_count") == 2
+    assert grew(0, "epd:request_queue_time_seconds_count") == 2
+    assert grew(0, "epd:images_total") == 1 and grew(0, "epd:encode_wait_seconds_count") == 1
+    assert (
+        grew(0, "epd:kv_handoff_bytes_total") > 0 and grew(0, "epd:kv_handoff_seconds_count") == 2
+    )
+    assert (
+        after[0][("epd:peer_up", (("address", f"tcp://127.0.0.1:{base + 2}"), ("role", "decode")))]
+        == 1
+    )
+    assert after[0][("epd:num_requests_running", ())] == 0
+    assert grew(1, "epd:encode_images_total") == 1 and grew(1, "epd:embedding_bytes_sent_total") > 0
+    assert grew(2, "epd:decode_batch_size_count") >= 4  # 2 requests × 2 steps after the first
+    assert grew(2, "epd:kv_handoff_bytes_received_total") == grew(0, "epd:kv_handoff_bytes_total")
+
+
+@pytest.fixture(scope="module")
+def bounded(tiny_checkpoint):
+    """The three roles by hand, prefill admitting at most two waiting requests."""
+    with cluster(tiny_checkpoint, prefill_flags=("--max-queued-requests", "2")) as started:
+        yield started
+
+
+def new_image_request(client, colour):
+    picture = data_url(Image.new("RGB", (56, 56), colour))
+    return client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": [image_part(picture), text_part("?")]}],
+        max_tokens=3,
+        extra_body={"ignore_eos": True},
+    )
+
+
+def wait_for(check, timeout=15.0):
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def test_overload_is_refused_at_once_while_admitted_requests_finish(bounded):
+    processes, client, base = bounded
+    encoder = processes["encode"].popen
+    encoder.send_signal(signal.SIGSTOP)  # images wait for encode: two requests fill the queue
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            admitted = [pool.submit(new_image_request, client, c) for c in ("red", "teal")]
+            wait_for(lambda: health(base + 20)[1]["waiting"] == 2)
+            start = time.monotonic()
+            with pytest.raises(openai.InternalServerError) as refused:
+                client.chat.completions.create(
+                    model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2
+                )
+            assert time.monotonic() - start < 1.0
+            assert refused.value.status_code == 503
+            assert refused.value.response.headers["retry-after"] == "1"
+            assert "max_queued_requests" in refused.value.message
+            encoder.send_signal(signal.SIGCONT)
+            assert [f.result().usage.completion_tokens for f in admitted] == [3, 3]
+    finally:
+        encoder.send_signal(signal.SIGCONT)
+    metrics = scrape(base + 20)
+    assert metrics[("epd:requests_refused_total", (("reason", "overloaded"),))] == 1
+
+
+def test_a_hung_decoder_turns_health_to_503_and_back(bounded):
+    processes, client, base = bounded
+    decoder = processes["decode"].popen
+    assert health(base + 20)[0] == 200
+    decoder.send_signal(signal.SIGSTOP)  # alive, connected, silent: it stops answering heartbeats
+    try:
+        wait_for(lambda: health(base + 20)[0] == 503)
+        body = health(base + 20)[1]
+        assert (
+            body["status"] == "unavailable"
+            and body["peers"][f"tcp://127.0.0.1:{base + 2}"] == "down"
+        )
+        assert any("no decode server answers" in p for p in body["problems"])
+    finally:
+        decoder.send_signal(signal.SIGCONT)
+    wait_for(lambda: health(base + 20)[0] == 200)
+    reply = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2
+    )
+    assert reply.choices[0].finish_reason in ("length", "stop")
+
+
+def test_sigterm_drains_requests_in_flight_and_refuses_new_ones(tiny_checkpoint):
+    base = free_base()
+    stack = serve(tiny_checkpoint, base, "--served-model-name", "tiny")
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{base + 20}/v1", api_key="-", max_retries=0)
+    started = threading.Semaphore(0)  # released once by each stream when it is under way
+
+    def long_stream() -> tuple[int, str | None]:
+        chunks = client.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": "count"}],
+            max_tokens=LONG,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+        reason, usage, under_way = None, 0, False
+        for chunk in chunks:
+            if chunk.choices and chunk.choices[0].delta.content and not under_way:
+                under_way = True
+                started.release()
+            if chunk.choices and chunk.choices[0].finish_reason:
+                reason = chunk.choices[0].finish_reason
+            if chunk.usage:
+                usage = chunk.usage.completion_tokens
+        return usage, reason
+
+    with ThreadPoolExecutor(3) as pool:
+        streams = [pool.submit(long_stream) for _ in range(3)]
+        for _ in streams:
+            assert started.acquire(timeout=30)
+        stack.popen.send_signal(signal.SIGTERM)
+        wait_for(lambda: health(base + 20)[1].get("status") == "unavailable", timeout=5)
+        with pytest.raises(openai.InternalServerError, match="shutting down") as refused:
+            client.chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2
+            )
+        assert refused.value.response.headers["retry-after"] == "1"
+        assert all(not s.done() for s in streams)  # the drain began while they ran
+        assert [s.result() for s in streams] == [(LONG, "length")] * 3
+    assert stack.popen.wait(30) == 0, stack.output
+    assert "draining: 3 requests in flight" in stack.output

@@ -1,8 +1,6 @@
 """The three-process stack through the official openai client, against the one-process path."""
 
 import io
-import json
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import openai
@@ -12,7 +10,7 @@ from PIL import Image
 from epd.checkpoint.tokenizer import load_tokenizer
 from epd.multimodal.prompt import render_prompt
 
-from .stack import data_url, image_part, text_part
+from .stack import data_url, health, image_part, text_part
 
 RED = data_url(Image.new("RGB", (840, 560), "red"))  # grid (40, 60): 600 tokens
 BLUE = data_url(Image.new("RGB", (560, 280), "blue"))  # grid (20, 40): 200 tokens
@@ -182,5 +180,4 @@ def test_cached_and_new_images_keep_their_places(stack, client, model_name, loca
 
 
 def prefill_health(base):
-    with urllib.request.urlopen(f"http://127.0.0.1:{base + 20}/health", timeout=5) as response:
-        return json.loads(response.read())
+    return health(base + 20)[1]
