@@ -74,7 +74,7 @@ class DrainingServer(uvicorn.Server):
 
 
 def run(config: PrefillConfig) -> None:
-    stop = start_process("prefill", config.threads, config.device)
+    stop = start_process("prefill", config)
     service = build_service(config)
     if stop.is_set():  # asked to stop while the model loaded
         return
@@ -97,7 +97,8 @@ def run(config: PrefillConfig) -> None:
             app,
             host=config.host,
             port=config.port,
-            log_level="warning",
+            log_config=None,  # uvicorn's lines go through our handler, in our format
+            access_log=config.access_log,
             timeout_graceful_shutdown=int(STOP_GRACE_S / 2),  # then open streams are cut
         ),
         service,

@@ -15,6 +15,7 @@ from epd.dtypes import MODEL_DTYPES
 
 DTYPE_CHOICES = ("auto", *MODEL_DTYPES)
 ADDRESS_SCHEMES = ("tcp://", "ipc://", "inproc://")
+LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
 def option(default: Any, help: str) -> Any:
@@ -35,6 +36,10 @@ def _check_value(name: str, value: Any) -> str | None:
         return "must be a positive number of seconds"
     if name.startswith("max_") and not value >= 1:
         return "must be at least 1"
+    if name == "log_level" and value.lower() not in ("", *LOG_LEVELS):
+        return f"must be one of {', '.join(LOG_LEVELS)}"
+    if name == "log_format" and value not in ("text", "json"):
+        return "must be text or json"
     if name == "threads" and value < 0:
         return "must be 0 (automatic) or a number of threads"
     addresses = value if isinstance(value, tuple) else (value,)
@@ -66,6 +71,10 @@ class ModelOptions(Settings):
     threads: int = option(
         0, "torch threads (0: the machine's cores, 4 on a GPU; epd serve gives each role a share)"
     )
+    log_level: str = option(
+        "", "debug, info, warning or error (default: $EPD_LOG_LEVEL, else info)"
+    )
+    log_format: str = option("text", "text, or json: one JSON object per log line")
 
 
 def prefills_option() -> Any:
@@ -148,6 +157,7 @@ class PrefillConfig(ModelOptions):
     api_key: str = option(
         "", "key every /v1 request must send as 'Authorization: Bearer' (or set EPD_API_KEY)"
     )
+    access_log: bool = option(False, "log a line per HTTP request (uvicorn's access log)")
     allowed_origins: tuple[str, ...] = option(
         (), "origins browsers may call the API from (CORS), e.g. https://app.example; * for any"
     )

@@ -50,7 +50,9 @@ class HealthServer:
     def __init__(self, router: APIRouter, host: str, port: int) -> None:
         app = FastAPI(openapi_url=None)
         app.include_router(router)
-        config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off")
+        config = uvicorn.Config(
+            app, host=host, port=port, log_config=None, access_log=False, lifespan="off"
+        )
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, name="health", daemon=True)
         self.thread.start()

@@ -4,12 +4,15 @@ line."""
 from __future__ import annotations
 
 import ctypes
+import json
 import logging
 import os
 import signal
 import sys
 import threading
 import time
+from datetime import datetime, timezone
+from typing import Protocol
 
 import torch
 
@@ -19,11 +22,52 @@ STOP_GRACE_S = 15.0  # a process asked to stop that has not finished by then exi
 PR_SET_PDEATHSIG = 1
 
 
-def setup_logging(role: str) -> None:
-    logging.basicConfig(
-        level=os.environ.get("EPD_LOG_LEVEL", "INFO"),
-        format=f"%(asctime)s {role} %(levelname)s %(name)s: %(message)s",
-    )
+class ProcessOptions(Protocol):
+    """The settings every role's process starts with (`epd.config.roles.ModelOptions`)."""
+
+    @property
+    def threads(self) -> int: ...
+    @property
+    def device(self) -> str: ...
+    @property
+    def log_level(self) -> str: ...
+    @property
+    def log_format(self) -> str: ...
+
+
+class JsonLines(logging.Formatter):
+    """One JSON object per line: time (UTC), level, role, logger, message (and exception)."""
+
+    def __init__(self, role: str) -> None:
+        super().__init__()
+        self.role = role
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry = {
+            "time": datetime.fromtimestamp(record.created, timezone.utc).isoformat(
+                timespec="milliseconds"
+            ),
+            "level": record.levelname,
+            "role": self.role,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        if record.exc_info:
+            entry["exception"] = self.formatException(record.exc_info)
+        return json.dumps(entry, ensure_ascii=False)
+
+
+def setup_logging(role: str, level: str = "", form: str = "text") -> None:
+    """Every log line of the process, uvicorn's included, at `level` (default: $EPD_LOG_LEVEL,
+    else info) as text or JSON lines."""
+    handler = logging.StreamHandler()
+    text = f"%(asctime)s {role} %(levelname)s %(name)s: %(message)s"
+    handler.setFormatter(JsonLines(role) if form == "json" else logging.Formatter(text))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel((level or os.environ.get("EPD_LOG_LEVEL", "") or "info").upper())
+    # uvicorn's start and stop notices are noise next to the ready line; its access log is not.
+    logging.getLogger("uvicorn.error").setLevel(max(logging.WARNING, root.level))
 
 
 def stop_event(grace_s: float = STOP_GRACE_S) -> threading.Event:
@@ -100,14 +144,14 @@ def torch_threads(threads: int, device: str, cores: int | None = None) -> int:
     return min(4, cores) if device.startswith("cuda") else cores
 
 
-def start_process(role: str, threads: int, device: str) -> threading.Event:
+def start_process(role: str, options: ProcessOptions) -> threading.Event:
     """What every role does first: log as `role`, take stop signals, follow `epd serve`, and
     size torch's thread pool (three roles on one machine must not fight over its cores).
 
     Returns the event a stop signal sets.
     """
-    setup_logging(role)
+    setup_logging(role, options.log_level, options.log_format)
     stop = stop_event()
     follow_supervisor()
-    torch.set_num_threads(torch_threads(threads, device))
+    torch.set_num_threads(torch_threads(options.threads, options.device))
     return stop

@@ -16,14 +16,14 @@ from prometheus_client import CollectorRegistry
 
 from epd.runtime.health import HealthServer, health_router
 from epd.runtime.metrics import metrics_router
-from epd.runtime.process import announce_ready, start_process
+from epd.runtime.process import ProcessOptions, announce_ready, start_process
 from epd.runtime.watchdog import Watchdog
 from epd.wire.transport import WireProbe
 
 log = logging.getLogger(__name__)
 
 
-class RoleConfig(Protocol):
+class RoleConfig(ProcessOptions, Protocol):
     @property
     def bind(self) -> str: ...
     @property
@@ -32,10 +32,6 @@ class RoleConfig(Protocol):
     def health_port(self) -> int: ...
     @property
     def watchdog_s(self) -> float: ...
-    @property
-    def threads(self) -> int: ...
-    @property
-    def device(self) -> str: ...
 
 
 class RoleServer(Protocol):
@@ -60,7 +56,7 @@ def probe_wire(watchdog: Watchdog) -> WireProbe:
 
 def run_role(name: str, config: RoleConfig, build: Callable[[Watchdog], RoleServer]) -> None:
     """Run role `name`: `build(watchdog)` makes its server (and may beat the watchdog)."""
-    stop = start_process(name, config.threads, config.device)
+    stop = start_process(name, config)
     watchdog = Watchdog(config.watchdog_s)
     server = build(watchdog)
     watchdog.start()

@@ -1,8 +1,10 @@
 """`epd serve` set up as an operator would put it in front of users: an API key (kept out of
-every child's command line), an allowed internal image host, metrics from every role."""
+every child's command line), an allowed internal image host, metrics from every role, JSON log
+lines with the access log."""
 
 import http.server
 import io
+import json
 import signal
 import threading
 import time
@@ -28,7 +30,7 @@ def locked_stack(tiny_checkpoint, tmp_path_factory):
     config = tmp_path_factory.mktemp("auth") / "epd.yaml"
     config.write_text(f"prefill:\n  api_key: {KEY}\n")
     base = free_base()
-    flags = ("--allowed-media-domains", "127.0.0.1")
+    flags = ("--allowed-media-domains", "127.0.0.1", "--log-format", "json", "--access-log")
     stack = serve(tiny_checkpoint, base, "--config", str(config), *flags)
     yield stack, base
     assert stack.stop() == 0, stack.output
@@ -263,3 +265,29 @@ def test_sigterm_drains_requests_in_flight_and_refuses_new_ones(tiny_checkpoint)
         assert [s.result() for s in streams] == [(LONG, "length")] * 3
     assert stack.popen.wait(30) == 0, stack.output
     assert "draining: 3 requests in flight" in stack.output
+
+
+def test_log_lines_are_json_with_the_request_line_and_the_access_log(client, locked_stack):
+    stack, _ = locked_stack
+    model = client.models.list().data[0].id
+    reply = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=2,
+        extra_headers={"x-request-id": "trace-json-1"},
+    )
+    assert reply.id.startswith("chatcmpl-trace-json-1")
+    time.sleep(0.5)  # the relay prints the child's lines
+    lines = [
+        line.split("] ", 1)[1]
+        for line in stack.output.splitlines()
+        if line.startswith("[prefill] ") and "epd prefill ready" not in line
+    ]
+    entries = [json.loads(line) for line in lines]  # every one is a JSON object
+    assert all(e["role"] == "prefill" and e["level"] and e["time"] for e in entries)
+    ended = [e for e in entries if e["message"].startswith(f"request {reply.id} done")]
+    assert len(ended) == 1 and "2 output tokens" in ended[0]["message"]
+    access = [e for e in entries if e["logger"] == "uvicorn.access"]
+    assert any(
+        "POST /v1/chat/completions" in e["message"] and "200" in e["message"] for e in access
+    )
