@@ -9,6 +9,8 @@ COPY epd ./epd
 COPY configs ./configs
 RUN pip install --no-cache-dir .
 
+# The compose file mounts its ZeroMQ CURVE key volume here; the image sets its owner.
+RUN mkdir -m 700 /keys
 ENV EPD_LOG_LEVEL=INFO
 # API, ZeroMQ (encode, prefill, decode), health (encode, decode)
 EXPOSE 8000 7101 7102 7103 7111 7113

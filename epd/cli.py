@@ -1,4 +1,5 @@
-"""The `epd` command: one subcommand per process, plus `serve` and `make-checkpoint`."""
+"""The `epd` command: one subcommand per process, plus `serve`, `bench`, `make-checkpoint` and
+`keys`."""
 
 from __future__ import annotations
 
@@ -74,6 +75,16 @@ def make_checkpoint_command(args: argparse.Namespace) -> None:
     print(f"wrote a random {args.preset} Kimi-VL checkpoint to {out}")
 
 
+def keys_command(args: argparse.Namespace) -> None:
+    from epd.wire.curve import make_keys
+
+    folder = make_keys(args.out, args.if_missing)
+    print(
+        f"wrote ZeroMQ CURVE keys to {folder}: copy the directory to every node, keep it "
+        "private, and pass --zmq-curve-keys to every process"
+    )
+
+
 def parser() -> argparse.ArgumentParser:
     root = argparse.ArgumentParser(
         prog="epd", description="Encode/prefill/decode serving for Kimi-VL"
@@ -104,6 +115,14 @@ def parser() -> argparse.ArgumentParser:
     make.add_argument("--seed", type=int, default=0)
     make.add_argument("--q-lora-rank", type=int, default=None, help="use q_a/q_b projections")
     make.set_defaults(run=make_checkpoint_command)
+    keys = commands.add_parser(
+        "keys", help="make the ZeroMQ CURVE keys that let processes in, for --zmq-curve-keys"
+    )
+    keys.add_argument("out", help="directory to write (created, readable by its owner only)")
+    keys.add_argument(
+        "--if-missing", action="store_true", help="keep the keys already there (no error)"
+    )
+    keys.set_defaults(run=keys_command)
     return root
 
 

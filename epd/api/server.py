@@ -19,6 +19,7 @@ from epd.dtypes import model_dtype
 from epd.prefill.engine import PrefillEngine
 from epd.runtime.process import STOP_GRACE_S, announce_ready, start_process
 from epd.runtime.watchdog import Watchdog
+from epd.wire.curve import process_keys
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +28,7 @@ PREFILL_ACTIVITIES = ("loop", "wire", "prefill")
 
 
 def build_service(config: PrefillConfig) -> Service:
+    process_keys(config.zmq_curve_keys)  # missing keys fail before the model loads
     tokenizer = load_tokenizer(config.model, config.trust_remote_code)
     builder = PromptBuilder.from_checkpoint(
         config.model, tokenizer, config.default_max_tokens, config.max_image_pixels, config.max_n

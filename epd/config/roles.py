@@ -75,6 +75,11 @@ class ModelOptions(Settings):
         "", "debug, info, warning or error (default: $EPD_LOG_LEVEL, else info)"
     )
     log_format: str = option("text", "text, or json: one JSON object per log line")
+    zmq_curve_keys: str = option(
+        "",
+        "directory of ZeroMQ CURVE keys (made by `epd keys`): encrypted traffic, and peers "
+        "without the keys are refused (default: off, for loopback)",
+    )
 
 
 def prefills_option() -> Any:

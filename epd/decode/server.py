@@ -26,6 +26,7 @@ from epd.generation.sequence import Output, Sequence
 from epd.runtime.role import run_role
 from epd.runtime.watchdog import Watchdog
 from epd.wire.addresses import Prefills
+from epd.wire.curve import process_keys
 from epd.wire.limits import cut
 from epd.wire.messages import Abort, Failure, KVHandoff, TokenDelta
 from epd.wire.outbox import Outbox
@@ -203,6 +204,7 @@ def largest_frame(checkpoint: str) -> int:
 def run(config: DecodeConfig) -> None:
     def build(_: Watchdog) -> DecodeServer:
         prefills = Prefills.parse(config.prefills)  # a bad pattern fails before the model loads
+        keys = process_keys(config.zmq_curve_keys)  # so do missing keys
         model = load_model(config.model, "language", config.device, model_dtype(config.dtype))
         tokenizer = load_tokenizer(config.model, config.trust_remote_code)
         eos_ids = stop_token_ids(config.model, tokenizer)
@@ -210,7 +212,7 @@ def run(config: DecodeConfig) -> None:
         with contextlib.suppress(GrammarError):  # built now, not on the loop at the first grammar
             scheduler.grammars  # noqa: B018
         context: zmq.Context = zmq.Context.instance()
-        inbox = Inbox(context, config.bind, largest_frame(config.model))
-        return DecodeServer(scheduler, inbox, Outbox(context), prefills)
+        inbox = Inbox(context, config.bind, largest_frame(config.model), curve=keys)
+        return DecodeServer(scheduler, inbox, Outbox(context, curve=keys), prefills)
 
     run_role("decode", config, build)

@@ -21,6 +21,7 @@ from epd.runtime.role import run_role
 from epd.runtime.watchdog import Watchdog
 from epd.wire.addresses import Prefills
 from epd.wire.codec import HEADER_BYTES
+from epd.wire.curve import process_keys
 from epd.wire.limits import cut
 from epd.wire.messages import EncodeRequest, Failure, ImageEmbeddings
 from epd.wire.outbox import Outbox
@@ -113,13 +114,15 @@ class EncodeServer:
 def run(config: EncodeConfig) -> None:
     def build(watchdog: Watchdog) -> EncodeServer:
         prefills = Prefills.parse(config.prefills)  # a bad pattern fails before the model loads
+        keys = process_keys(config.zmq_curve_keys)  # so do missing keys
         model = load_model(config.model, "encode", config.device, model_dtype(config.dtype))
         processor = ImageProcessor(load_processor_config(config.model))
         encoder = Encoder(model, processor, config.max_image_pixels)
         context: zmq.Context = zmq.Context.instance()
         largest = config.max_images * config.max_image_bytes + HEADER_BYTES  # files in a header
-        inbox = Inbox(context, config.bind, largest, max_header_bytes=largest)
+        inbox = Inbox(context, config.bind, largest, max_header_bytes=largest, curve=keys)
         beat = functools.partial(watchdog.beat, "loop")  # once per image: large ones take a while
-        return EncodeServer(encoder, inbox, Outbox(context), config, prefills, beat)
+        outbox = Outbox(context, curve=keys)
+        return EncodeServer(encoder, inbox, outbox, config, prefills, beat)
 
     run_role("encode", config, build)

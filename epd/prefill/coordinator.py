@@ -26,6 +26,7 @@ from epd.prefill.image_cache import ImageCache, digests
 from epd.prefill.metrics import PrefillMetrics
 from epd.prefill.request import PreparedRequest
 from epd.runtime.watchdog import Watchdog
+from epd.wire.curve import process_keys
 from epd.wire.messages import (
     Abort,
     EncodeRequest,
@@ -88,13 +89,14 @@ class Coordinator:
     ) -> None:
         self.config, self.engine, self.watchdog = config, engine, watchdog
         self.metrics = metrics or PrefillMetrics()
-        self.outbox = Outbox(pinned=(*config.encoders, *config.decoders))
+        keys = process_keys(config.zmq_curve_keys)
+        self.outbox = Outbox(pinned=(*config.encoders, *config.decoders), curve=keys)
         for role, addresses in (("encode", config.encoders), ("decode", config.decoders)):
             for address in addresses:
                 self.metrics.watch_peer(role, address, self.outbox.is_up)
         rows = config.max_images * max_image_tokens
         largest = rows * engine.lm.config.hidden_size * 4  # float32 embeddings of every image
-        self.inbox = Inbox(async_context(), config.bind, largest)
+        self.inbox = Inbox(async_context(), config.bind, largest, curve=keys)
         self.batcher = PrefillBatcher(
             engine, config.max_prefill_tokens, config.reply_address, self.metrics
         )

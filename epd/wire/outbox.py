@@ -22,6 +22,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from epd.wire.codec import Frame, encode
+from epd.wire.curve import CurveKeys
 from epd.wire.messages import Message
 
 log = logging.getLogger(__name__)
@@ -74,8 +75,10 @@ class Outbox:
         connect_timeout_s: float = 2.0,
         max_queued: int = 4096,
         max_queued_bytes: int = 1 << 30,
+        curve: CurveKeys | None = None,
     ) -> None:
         self.context = context or zmq.Context.instance()
+        self.curve = curve  # when set, every connection is a CURVE client of the cluster
         self.pinned = frozenset(pinned)
         self.max_peers, self.idle_close_s = max_peers, idle_close_s
         self.connect_timeout_s = connect_timeout_s
@@ -123,6 +126,8 @@ class Outbox:
             (zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS),
         ):
             socket.setsockopt(option, value)
+        if self.curve is not None:
+            self.curve.connect(socket)
         monitor = socket.get_monitor_socket(EVENTS)
         try:
             socket.connect(address)

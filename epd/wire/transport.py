@@ -17,6 +17,7 @@ import zmq
 import zmq.asyncio
 
 from epd.wire.codec import HEADER_BYTES, WireError, decode
+from epd.wire.curve import CurveKeys
 from epd.wire.messages import Message
 
 log = logging.getLogger(__name__)
@@ -44,7 +45,7 @@ class Refusals:
 
 
 class Inbox:
-    """A bound PULL socket (sync or asyncio, by the context given).
+    """A bound PULL socket (sync or asyncio, by the context given), a CURVE server if given keys.
 
     A peer that sends a frame over `max_frame_bytes` is disconnected by libzmq before the frame
     is read into memory; headers over `max_header_bytes` are refused undecoded.
@@ -56,10 +57,13 @@ class Inbox:
         address: str,
         max_frame_bytes: int = -1,
         max_header_bytes: int = HEADER_BYTES,
+        curve: CurveKeys | None = None,
     ) -> None:
         self.max_header_bytes = max_header_bytes
         self.refusals = Refusals()
         self.socket = context.socket(zmq.PULL)
+        if curve is not None:  # peers without the keys are dropped in the handshake
+            curve.serve(self.socket)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.RCVHWM, QUEUED_MESSAGES)
         if max_frame_bytes >= 0:
@@ -80,7 +84,11 @@ class Inbox:
         """Next valid message, or None after `timeout_ms` without one (sync sockets)."""
         if not self.socket.poll(timeout_ms):
             return None
-        return self.receive(self.socket.recv_multipart(copy=False))
+        try:  # never blocks: a CURVE server's socket can report input before a message
+            frames = self.socket.recv_multipart(zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return None
+        return self.receive(frames)
 
     async def arecv(self) -> Message | None:
         """Next message or None if it was refused (asyncio sockets)."""

@@ -48,13 +48,17 @@ def health_port(service: dict) -> int:
 @pytest.mark.parametrize("file,gpus", [("docker-compose.yml", 1), ("docker-compose.cpu.yml", 0)])
 def test_compose_file(file, gpus):
     services = parsed(file)["services"]
-    assert set(services) == {"encode", "prefill", "decode"}
+    assert set(services) == {"keys", "encode", "prefill", "decode"}
+    keys = services.pop("keys")
+    assert keys["command"] == ["keys", "/keys", "--if-missing"]
     configs = {}
     for name, service in services.items():
         role, config = role_config(service)
         assert role == name
         configs[name] = config
         assert config.model == "/model" and "/models/x:/model:ro" in service["volumes"]
+        assert config.zmq_curve_keys == "/keys" and "epd-keys:/keys:ro" in service["volumes"]
+        assert service["depends_on"]["keys"]["condition"] == "service_completed_successfully"
         assert config.device == ("cuda:0" if gpus else "cpu")
         assert service["restart"] == "unless-stopped"
         devices = (
@@ -79,12 +83,15 @@ def test_compose_file(file, gpus):
     for name in ("encode", "decode"):
         assert services["prefill"]["depends_on"][name]["condition"] == "service_healthy"
         assert configs[name].bind.startswith("tcp://0.0.0.0:")
+    grace = services["prefill"]["stop_grace_period"]  # the drain fits in it
+    assert int(grace.rstrip("s")) > prefill.drain_timeout_s
 
 
 @pytest.mark.parametrize("file", ["docker-compose.yml", "docker-compose.cpu.yml"])
 def test_without_a_model_dir_the_cluster_serves_the_bundled_checkpoint(file):
-    for service in parsed(file, model_dir=None)["services"].values():
-        (volume,) = service["volumes"]
+    services = parsed(file, model_dir=None)["services"]
+    for name in ("encode", "prefill", "decode"):
+        volume, _keys = services[name]["volumes"]
         source = volume["source"] if isinstance(volume, dict) else volume.split(":")[0]
         assert Path(source).resolve() == (ROOT / "checkpoints" / "kimi-vl-shapes").resolve()
         assert (Path(source) / "config.json").is_file()

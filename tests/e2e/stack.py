@@ -130,13 +130,15 @@ def cluster(
     prefills: tuple[str, ...] = (),
     env: dict[str, str] | None = None,
     prefill_flags: tuple[str, ...] = (),
+    flags: tuple[str, ...] = (),
 ) -> Iterator[tuple[dict[str, Process], openai.OpenAI, int]]:
-    """The three roles started by hand (see `role`), their openai client, and their base port."""
+    """The three roles started by hand (see `role`), their openai client, and their base port;
+    `flags` go to every role, `prefill_flags` to prefill."""
     base = free_base()
     names = ("encode", "decode", "prefill")
     processes = {
         name: role(
-            name, checkpoint, base, prefills, env, prefill_flags if name == "prefill" else ()
+            name, checkpoint, base, prefills, env, (*flags, *(prefill_flags * (name == "prefill")))
         )
         for name in names
     }

@@ -1,6 +1,6 @@
 """`epd serve` set up as an operator would put it in front of users: an API key (kept out of
 every child's command line), an allowed internal image host, metrics from every role, JSON log
-lines with the access log."""
+lines with the access log; and set up by hand: overload, a hung peer, a drain, CURVE."""
 
 import http.server
 import io
@@ -14,10 +14,12 @@ from pathlib import Path
 
 import openai
 import pytest
+import zmq
 from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 
 from epd.local import LocalPipeline
+from epd.wire.curve import CurveKeys, make_keys
 
 from .stack import cluster, data_url, free_base, health, image_part, serve, text_part
 
@@ -291,3 +293,26 @@ def test_log_lines_are_json_with_the_request_line_and_the_access_log(client, loc
     assert any(
         "POST /v1/chat/completions" in e["message"] and "200" in e["message"] for e in access
     )
+
+
+def test_with_curve_keys_only_peers_holding_them_reach_a_decoder(tiny_checkpoint, tmp_path):
+    keys = make_keys(tmp_path / "keys")
+    with cluster(tiny_checkpoint, flags=("--zmq-curve-keys", str(keys))) as (_, client, base):
+        reply = client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=3
+        )
+        assert reply.usage.completion_tokens >= 1  # the three talk over CURVE
+        context = zmq.Context()
+        try:
+            stranger = context.socket(zmq.PUSH)  # no keys: dropped in the handshake
+            stranger.connect(f"tcp://127.0.0.1:{base + 1}")
+            stranger.send(b"not a message", zmq.NOBLOCK)
+            time.sleep(1.0)
+            assert health(base + 20)[1]["refused_messages"] == 0  # never reached the decoder
+            member = context.socket(zmq.PUSH)  # the same bytes from a holder of the keys
+            CurveKeys.load(keys).connect(member)
+            member.connect(f"tcp://127.0.0.1:{base + 1}")
+            member.send(b"not a message")
+            wait_for(lambda: health(base + 20)[1]["refused_messages"] == 1)
+        finally:
+            context.destroy(linger=0)
