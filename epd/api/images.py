@@ -34,6 +34,7 @@ from epd.api.errors import APIError, bad_request
 from epd.config.roles import PrefillConfig
 
 MAX_REDIRECTS = 5
+MAX_FETCHES = 128
 REDIRECTS = (301, 302, 303, 307, 308)
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 NAT64 = ipaddress.ip_network("64:ff9b::/96")  # IPv6 that a NAT64 gateway maps onto IPv4
@@ -62,6 +63,8 @@ class ImageLoader:
         self.policy = policy
         self._lookups = ThreadPoolExecutor(4, thread_name_prefix="dns")
         self._decoding = ThreadPoolExecutor(2, thread_name_prefix="data-url")
+        # Open fetches at once, over all requests: each holds a socket (a file descriptor).
+        self._fetching = asyncio.Semaphore(MAX_FETCHES)
 
     async def load(self, urls: list[str]) -> list[bytes]:
         """Each URL's encoded file, in order; a 400 naming the first image that cannot be had."""
@@ -78,13 +81,17 @@ class ImageLoader:
             )
         timeout = self.policy.timeout_s
         try:
-            return await asyncio.wait_for(self._fetch(url, index), timeout)
+            return await asyncio.wait_for(self._fetch_when_free(url, index), timeout)
         except asyncio.TimeoutError:
             raise _refused(index, f"fetching {_short(url)} took over {timeout}s") from None
 
     def close(self) -> None:
         self._lookups.shutdown(wait=False, cancel_futures=True)
         self._decoding.shutdown(wait=False, cancel_futures=True)
+
+    async def _fetch_when_free(self, url: str, index: int) -> bytes:
+        async with self._fetching:
+            return await self._fetch(url, index)
 
     async def _fetch(self, url: str, index: int) -> bytes:
         for _ in range(MAX_REDIRECTS + 1):
