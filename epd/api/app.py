@@ -61,8 +61,7 @@ class Service:
         coordinator = self.coordinator
         requests: dict[str, object] = {"in_flight": self.gate.in_flight, "waiting": self.waiting}
         outbox = coordinator.outbox
-        peers = (*self.config.encoders, *self.config.decoders)
-        requests["peers"] = {a: "up" if outbox.is_up(a) else "down" for a in peers}
+        requests["peers"] = {a: "up" if outbox.is_up(a) else "down" for a in coordinator.peers()}
         refused = {"refused_messages": coordinator.inbox.refusals.total}
         return requests | refused | coordinator.images.status() | coordinator.batcher.status()
 
@@ -105,10 +104,11 @@ class Service:
         found = ["draining: shutting down"] if self.gate.draining else []
         if self.coordinator is None:
             return [*found, "starting"]
-        outbox = self.coordinator.outbox
-        for role, addresses in (("encode", self.config.encoders), ("decode", self.config.decoders)):
-            if not any(outbox.is_up(a) for a in addresses):
-                found.append(f"no {role} server answers (tried {', '.join(addresses)})")
+        coordinator = self.coordinator
+        for peers in (coordinator.encoders, coordinator.decoders):
+            if not any(coordinator.outbox.is_up(a) for a in peers.current):
+                tried = ", ".join(peers.current or peers.configured)
+                found.append(f"no {peers.role} server answers (tried {tried})")
         return found
 
     async def load_images(self, urls: list[str]) -> list[bytes]:

@@ -24,6 +24,7 @@ from epd.prefill.engine import PrefillEngine, Prompt
 from epd.prefill.errors import Internal, PrefillError, TimedOut, Unavailable, from_failure
 from epd.prefill.image_cache import ImageCache, digests
 from epd.prefill.metrics import PrefillMetrics
+from epd.prefill.peers import RESOLVE_S, PeerSet
 from epd.prefill.request import PreparedRequest
 from epd.runtime.watchdog import Watchdog
 from epd.wire.curve import process_keys
@@ -90,10 +91,12 @@ class Coordinator:
         self.config, self.engine, self.watchdog = config, engine, watchdog
         self.metrics = metrics or PrefillMetrics()
         keys = process_keys(config.zmq_curve_keys)
-        self.outbox = Outbox(pinned=(*config.encoders, *config.decoders), curve=keys)
-        for role, addresses in (("encode", config.encoders), ("decode", config.decoders)):
-            for address in addresses:
-                self.metrics.watch_peer(role, address, self.outbox.is_up)
+        self.encoders = PeerSet("encode", config.encoders)
+        self.decoders = PeerSet("decode", config.decoders)
+        self.outbox = Outbox(pinned=self.peers(), curve=keys)
+        for peers in (self.encoders, self.decoders):
+            for address in peers.current:
+                self.metrics.watch_peer(peers.role, address, self.outbox.is_up)
         rows = config.max_images * max_image_tokens
         largest = rows * engine.lm.config.hidden_size * 4  # float32 embeddings of every image
         self.inbox = Inbox(async_context(), config.bind, largest, curve=keys)
@@ -111,6 +114,7 @@ class Coordinator:
         self.tasks = [
             asyncio.create_task(self.read()),
             asyncio.create_task(self.watch_peers()),
+            asyncio.create_task(self.follow_services()),
             self.batching,
         ]
 
@@ -168,6 +172,23 @@ class Coordinator:
                 self.fail(request_id, Unavailable(f"{address} did not take this request in time"))
             await asyncio.sleep(PEER_POLL_S)
 
+    def peers(self) -> tuple[str, ...]:
+        return (*self.encoders.current, *self.decoders.current)
+
+    async def follow_services(self) -> None:
+        """Resolve the peers given as host names again, now and then (see `peers`)."""
+        if not (self.encoders.services or self.decoders.services):
+            return
+        while True:
+            await asyncio.sleep(RESOLVE_S)
+            for peers in (self.encoders, self.decoders):
+                added, removed = await asyncio.to_thread(peers.resolve)
+                for address in added:
+                    self.metrics.watch_peer(peers.role, address, self.outbox.is_up)
+                for address in removed:
+                    self.metrics.forget_peer(peers.role, address)
+            self.outbox.pin(self.peers())
+
     def fail_held_by(self, address: str) -> None:
         error = Unavailable(f"lost the connection to {address} while it held this request")
         for wait in self.waits.values():
@@ -178,12 +199,13 @@ class Coordinator:
                 stream.queue.put_nowait(error)
 
     # Sending.
-    async def pick(self, addresses: tuple[str, ...], role: str) -> list[str]:
+    async def pick(self, peers: PeerSet, role: str) -> list[str]:
         """Live peers of a role, rotated; a short grace lets a (re)connecting peer finish."""
         deadline = asyncio.get_running_loop().time() + PEER_GRACE_S
-        while not (live := [a for a in addresses if self.outbox.is_up(a)]):
+        while not (live := [a for a in peers.current if self.outbox.is_up(a)]):
             if asyncio.get_running_loop().time() > deadline:
-                raise Unavailable(f"no {role} server is reachable (tried {', '.join(addresses)})")
+                tried = ", ".join(peers.current or peers.configured)
+                raise Unavailable(f"no {role} server is reachable (tried {tried})")
             await asyncio.sleep(PEER_POLL_S)
         start = next(self.turn) % len(live)
         return live[start:] + live[:start]
@@ -210,7 +232,7 @@ class Coordinator:
         self, request: PreparedRequest, indices: list[int]
     ) -> list[ImageEmbeddings]:
         """The embeddings of the images at `indices`, split over the live encoders."""
-        encoders = await self.pick(self.config.encoders, "encode")
+        encoders = await self.pick(self.encoders, "encode")
         parts = [indices[start:stop] for start, stop in split(len(indices), len(encoders))]
         waits = []
         for part, (images, encoder) in enumerate(zip(parts, encoders, strict=False)):
@@ -242,7 +264,7 @@ class Coordinator:
 
     async def hand_off(self, handoff: KVHandoff) -> Stream:
         """Hand the request to a decoder; raises (before any reply is sent) if none can take it."""
-        decoder = (await self.pick(self.config.decoders, "decode"))[0]
+        decoder = (await self.pick(self.decoders, "decode"))[0]
         stream = Stream(handoff.request_id, decoder, handoff.sampling.n, sent_at=now())
         self.streams[handoff.request_id] = stream
         if not self.outbox.send(decoder, handoff):

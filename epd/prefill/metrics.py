@@ -86,3 +86,7 @@ class PrefillMetrics:
     def watch_peer(self, role: str, address: str, is_up: Callable[[str], bool]) -> None:
         """Report a peer's state whenever the metrics are read."""
         self.peer_up.labels(role, address).set_function(lambda: float(is_up(address)))
+
+    def forget_peer(self, role: str, address: str) -> None:
+        """A peer no longer used (its service stopped listing it)."""
+        self.peer_up.remove(role, address)

@@ -138,6 +138,13 @@ class Outbox:
         peer = self.peers[address] = Peer(socket, monitor, time.monotonic())
         return peer
 
+    def pin(self, addresses: Iterable[str]) -> None:
+        """Make `addresses` the pinned peers (connected now, kept open); peers no longer pinned
+        are closed like any other once idle."""
+        self.pinned = frozenset(addresses)
+        for address in self.pinned:
+            self.connect(address)
+
     def _evict(self) -> bool:
         """Make room for one more peer; False if every peer is pinned or connected and busy.
 

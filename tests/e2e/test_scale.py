@@ -1,5 +1,7 @@
-"""Several encoders and decoders behind one prefill: images split in parts, answers unchanged."""
+"""Several prefills, encoders and decoders: images split in parts, answers unchanged."""
 
+import re
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import openai
@@ -22,52 +24,53 @@ MESSAGES = [
 ]
 
 
-def test_two_encoders_two_decoders(tiny_checkpoint, local):
+def test_two_prefills_two_encoders_two_decoders(tiny_checkpoint, local):
+    """Every prefill uses every encoder and decoder; replies reach the prefill that asked. One
+    encoder and one decoder are given by host name (a service, resolved by prefill)."""
     base = free_base()
-    tcp = [f"tcp://127.0.0.1:{base + i}" for i in range(5)]  # encoders 0-1, decoders 2-3, prefill 4
+    tcp = [f"tcp://127.0.0.1:{base + i}" for i in range(6)]  # encode 0-1, decode 2-3, prefill 4-5
     model = ["--model", str(tiny_checkpoint)]
-    peer = [*model, "--prefills", tcp[4]]
+    peer = [*model, "--prefills", *tcp[4:6]]
     processes = [
-        Process(
-            "encode", *peer, "--bind", tcp[i], "--health-port", str(base + 10 + i), ready="ready"
-        )
-        for i in (0, 1)
-    ] + [
-        Process(
-            "decode", *peer, "--bind", tcp[i], "--health-port", str(base + 10 + i), ready="ready"
-        )
-        for i in (2, 3)
+        Process(role, *peer, "--bind", tcp[i], "--health-port", str(base + 10 + i), ready="ready")
+        for role, i in (("encode", 0), ("encode", 1), ("decode", 2), ("decode", 3))
     ]
-    processes.append(
+    by_name = [f"tcp://localhost:{base}", tcp[1]], [f"tcp://localhost:{base + 2}", tcp[3]]
+    processes += [
         Process(
             "prefill",
             *model,
-            "--bind",
-            tcp[4],
-            "--port",
-            str(base + 20),
-            "--encoders",
-            *tcp[:2],
-            "--decoders",
-            *tcp[2:4],
-            "--served-model-name",
-            "tiny",
+            *("--bind", tcp[i], "--port", str(base + 16 + i)),
+            *("--encoders", *by_name[0], "--decoders", *by_name[1]),
+            *("--served-model-name", "tiny", "--threads", "1"),
             ready="ready",
         )
-    )
+        for i in (4, 5)
+    ]
     try:
         for process in processes:
             process.wait_ready()
-        client = openai.OpenAI(
-            base_url=f"http://127.0.0.1:{base + 20}/v1", api_key="-", max_retries=0
-        )
+        clients = [
+            openai.OpenAI(
+                base_url=f"http://127.0.0.1:{base + 16 + i}/v1", api_key="-", max_retries=0
+            )
+            for i in (4, 5)
+        ]
         params = {"model": "tiny", "messages": MESSAGES, "max_tokens": 12, "temperature": 0}
         expected = local.chat(params)
         with ThreadPoolExecutor(4) as pool:
-            replies = list(pool.map(lambda _: client.chat.completions.create(**params), range(4)))
+            replies = list(
+                pool.map(lambda i: clients[i % 2].chat.completions.create(**params), range(8))
+            )
         for reply in replies:
             assert reply.choices[0].message.content == expected.text
             assert reply.usage.prompt_tokens == expected.prompt_tokens
+        for port in range(base + 10, base + 14):  # every encoder and decoder had work
+            metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode()
+            done = re.search(
+                r"^epd:(encode_images_total|decode_batch_size_count) (\S+)", metrics, re.M
+            )
+            assert done and float(done[2]) > 0, port
     finally:
         for process in processes:
             assert process.stop() == 0, process.output
