@@ -41,6 +41,14 @@ def health_router(
             body["problems"] = missing
         return JSONResponse(body, status_code=200 if state == "ok" else 503)
 
+    @router.get("/health/live")
+    async def live() -> JSONResponse:
+        """Whether the process itself still makes progress: 503 on a stall only, never for a
+        missing peer (a liveness probe restarts the process, which would not bring one back)."""
+        stalled = watchdog.stalled()
+        body = {"status": "stalled" if stalled else "ok", "role": role, "pid": os.getpid()}
+        return JSONResponse(body, status_code=503 if stalled else 200)
+
     return router
 
 

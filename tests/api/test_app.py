@@ -59,6 +59,7 @@ def test_models_and_health_that_names_the_missing_peers(client):
     problems = " ".join(health.json()["problems"])
     assert "no encode server answers" in problems and "no decode server answers" in problems
     assert set(health.json()["peers"].values()) == {"down"}
+    assert client.get("/health/live").status_code == 200  # alive, only not ready
 
 
 @pytest.mark.parametrize(

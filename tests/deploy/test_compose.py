@@ -71,6 +71,7 @@ def test_compose_file(file, gpus):
         expected = config.port if name == "prefill" else config.health_port
         assert health_port(service) == expected
     prefill = configs["prefill"]
+    assert prefill.model_name == "kimi-vl-shapes"  # the checkpoint's name, not its mount point
     published = services["prefill"]["ports"][0]
     assert (
         int(str(published["target"] if isinstance(published, dict) else published.split(":")[-1]))
@@ -100,3 +101,16 @@ def test_without_a_model_dir_the_cluster_serves_the_bundled_checkpoint(file):
 def test_image_runs_the_epd_console_script():
     dockerfile = (ROOT / "Dockerfile").read_text()
     assert 'ENTRYPOINT ["epd"]' in dockerfile and "COPY configs ./configs" in dockerfile
+
+
+def test_image_is_pinned_layered_and_not_root():
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    base = re.search(r"^FROM (\S+)", dockerfile, re.M)[1]
+    assert re.fullmatch(r"python:\d+\.\d+\.\d+-slim-\w+", base)  # a patch release, pinned
+    assert "ARG DEVICE=cuda" in dockerfile and "whl/cpu" in dockerfile
+    assert re.search(r"ARG TORCH_VERSION=\d+\.\d+\.\d+", dockerfile)
+    # dependencies in a layer before the source
+    assert dockerfile.index("-r /tmp/requirements.txt") < dockerfile.index("COPY epd ./epd")
+    user = re.search(r"^USER (\S+)", dockerfile, re.M)[1]
+    assert user not in ("root", "0") and "HEALTHCHECK" in dockerfile
+    assert dockerfile.index("USER") > dockerfile.index("RUN pip install --no-cache-dir --no-deps .")
