@@ -1,5 +1,5 @@
-"""The `epd` command: one subcommand per process, plus `serve`, `bench`, `make-checkpoint` and
-`keys`."""
+"""The `epd` command: one subcommand per process, plus `serve`, `bench`, `plan`,
+`make-checkpoint` and `keys`."""
 
 from __future__ import annotations
 
@@ -75,6 +75,14 @@ def make_checkpoint_command(args: argparse.Namespace) -> None:
     print(f"wrote a random {args.preset} Kimi-VL checkpoint to {out}")
 
 
+def plan_command(args: argparse.Namespace) -> None:
+    from epd.plan import PlanConfig, main
+
+    result = main(build(PlanConfig, flag_values(args, PlanConfig)))
+    if result.problems:
+        sys.exit(1)
+
+
 def keys_command(args: argparse.Namespace) -> None:
     from epd.wire.curve import make_keys
 
@@ -101,6 +109,13 @@ def parser() -> argparse.ArgumentParser:
     bench = commands.add_parser("bench", help="load an OpenAI-compatible server and time it")
     add_flags(bench, BenchConfig, config_file=False)
     bench.set_defaults(run=bench_command)
+    from epd.plan import PlanConfig
+
+    planner = commands.add_parser(
+        "plan", help="how many encoders, prefills and decoders a workload needs, from measurements"
+    )
+    add_flags(planner, PlanConfig, config_file=False)
+    planner.set_defaults(run=plan_command)
     plot = commands.add_parser("bench-plot", help="plot latency against load from bench JSONs")
     plot.add_argument("runs", nargs="+", help="JSON files written by epd bench --json")
     plot.add_argument("-o", "--out", default="bench.png", help="image to write")

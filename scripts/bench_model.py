@@ -15,6 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import yaml
 
 from epd.checkpoint.synthetic import make_checkpoint
 from epd.checkpoint.weights import load_model
@@ -89,7 +90,9 @@ def decode_step_seconds(lm: DeepseekV3ForCausalLM, batch: int, context: int, rep
     return sorted(times[1:])[repeats // 2]
 
 
-def run(checkpoint: Path, images: int, side: int, tokens: int, repeats: int) -> None:
+def run(
+    checkpoint: Path, images: int, side: int, tokens: int, repeats: int, profile: Path | None
+) -> None:
     torch.manual_seed(0)
     peak = matmul_flops()
     model = load_model(checkpoint)
@@ -127,10 +130,21 @@ def run(checkpoint: Path, images: int, side: int, tokens: int, repeats: int) -> 
     print()
     print("| decode batch | step (300-token caches) | tokens/s |")
     print("|---|---|---|")
+    steps = {}
     with torch.inference_mode():
-        for batch in (1, 4, 16, 32):
-            step = decode_step_seconds(lm, batch, 300, 4 * repeats)
+        for batch in (1, 4, 16, 32, 64):
+            steps[batch] = step = decode_step_seconds(lm, batch, 300, 4 * repeats)
             print(f"| {batch} | {step * 1e3:.1f} ms | {batch / step:.0f} |")
+    if profile is not None:  # what `epd plan --profile` reads: one replica of each role
+        measured = f"{cpu}, {torch.get_num_threads()} threads, torch {torch.__version__}"
+        rates = {
+            "measured": f"{measured}, {checkpoint.name}, in one process (no wire)",
+            "encode": {"images_per_s": round(images / vision_s, 3), "image_side": side},
+            "prefill": {"tokens_per_s": round(tokens / prefill_s, 1)},
+            "decode": {"step_s": {b: round(s, 6) for b, s in steps.items()}},
+        }
+        profile.write_text(yaml.safe_dump(rates, sort_keys=False))
+        print(f"wrote the profile for epd plan to {profile}")
 
 
 def main() -> None:
@@ -140,10 +154,11 @@ def main() -> None:
     parser.add_argument("--side", type=int, default=448, help="image side in pixels")
     parser.add_argument("--tokens", type=int, default=1024, help="prompt length")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--profile", type=Path, help="write the rates for `epd plan` here (YAML)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = args.checkpoint or make_checkpoint(Path(tmp) / "small", "small")
-        run(checkpoint, args.images, args.side, args.tokens, args.repeats)
+        run(checkpoint, args.images, args.side, args.tokens, args.repeats, args.profile)
 
 
 if __name__ == "__main__":
