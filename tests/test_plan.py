@@ -60,6 +60,9 @@ def test_targets_no_replica_count_meets_are_said():
     assert len(result.problems) == 2
     assert "TPOT 5 ms is below one decode step" in result.problems[0]
     assert "0.302 s with no queue at all" in result.problems[1]  # 0.1 s encode + 0.2024 prefill
+    # exactly at the target, queues would have to vanish: said, not looped on
+    at_target = Workload(1, 256, 10, ttft_s=0.0256, tpot_s=0.05)
+    assert "cannot be met" in plan(at_target, Profile.read(PROFILE)).problems[0]
 
 
 def test_text_only_traffic_still_gets_an_encoder():

@@ -10,7 +10,10 @@ Why each rule (a URL is chosen by the client, so it is an attacker's input):
 - the deadline covers the whole fetch (lookup, headers, body): the fetch is a coroutine that is
   cancelled, so a server that trickles its headers cannot hold it;
 - lookups and data: decoding have their own small thread pools, so slow URLs cannot delay
-  another request's data: image;
+  another request's data: image; with every lookup thread held (a name server that never
+  answers), a new lookup is refused at once rather than queued;
+- the body is taken as sent (`Accept-Encoding: identity`; a compressed one is refused), so a
+  small response cannot inflate past the size limit;
 - a refusal never depends on a connection to a refused address, and every failure to connect or
   read says the same words, so answers cannot map which internal ports are open.
 """
@@ -30,11 +33,12 @@ from urllib.parse import urljoin, urlsplit
 
 import httpx
 
-from epd.api.errors import APIError, bad_request
+from epd.api.errors import APIError, bad_request, overloaded
 from epd.config.roles import PrefillConfig
 
 MAX_REDIRECTS = 5
 MAX_FETCHES = 128
+LOOKUP_THREADS = 16
 REDIRECTS = (301, 302, 303, 307, 308)
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 NAT64 = ipaddress.ip_network("64:ff9b::/96")  # IPv6 that a NAT64 gateway maps onto IPv4
@@ -61,14 +65,23 @@ class ImageLoader:
 
     def __init__(self, policy: MediaPolicy) -> None:
         self.policy = policy
-        self._lookups = ThreadPoolExecutor(4, thread_name_prefix="dns")
+        self._lookups = ThreadPoolExecutor(LOOKUP_THREADS, thread_name_prefix="dns")
+        self._looking_up = 0  # lookups not finished: a cancelled fetch's lookup still runs
         self._decoding = ThreadPoolExecutor(2, thread_name_prefix="data-url")
         # Open fetches at once, over all requests: each holds a socket (a file descriptor).
         self._fetching = asyncio.Semaphore(MAX_FETCHES)
 
     async def load(self, urls: list[str]) -> list[bytes]:
-        """Each URL's encoded file, in order; a 400 naming the first image that cannot be had."""
-        return list(await asyncio.gather(*(self.load_one(url, i) for i, url in enumerate(urls))))
+        """Each URL's encoded file, in order; a 400 naming the first image that cannot be had.
+        The first failure cancels the request's other fetches: they would hold sockets for
+        nothing."""
+        tasks = [asyncio.ensure_future(self.load_one(url, i)) for i, url in enumerate(urls)]
+        try:
+            return list(await asyncio.gather(*tasks))
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     async def load_one(self, url: str, index: int) -> bytes:
         limit = self.policy.max_bytes
@@ -84,6 +97,9 @@ class ImageLoader:
             return await asyncio.wait_for(self._fetch_when_free(url, index), timeout)
         except asyncio.TimeoutError:
             raise _refused(index, f"fetching {_short(url)} took over {timeout}s") from None
+
+    def _lookup_done(self, _: object) -> None:
+        self._looking_up -= 1
 
     def close(self) -> None:
         self._lookups.shutdown(wait=False, cancel_futures=True)
@@ -106,19 +122,25 @@ class ImageLoader:
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise _refused(index, f"{_short(url)} is not an http(s) URL with a host")
-        host = parts.hostname
+        try:  # an internationalised name, as DNS, Host and TLS spell it
+            host = parts.hostname.encode("idna").decode("ascii")
+        except UnicodeError:
+            raise _refused(index, f"{_short(url)} has an invalid host name") from None
         try:
             port = parts.port or (443 if parts.scheme == "https" else 80)
         except ValueError:
             raise _refused(index, f"{_short(url)} has an invalid port") from None
         address = await self._checked_address(host, port, index)
         pinned = parts._replace(netloc=f"{_bracketed(address)}:{port}").geturl()
+        default_port = port == (443 if parts.scheme == "https" else 80)
+        host_header = _bracketed(host) if default_port else f"{_bracketed(host)}:{port}"
         client = httpx.AsyncClient(verify=_tls(), trust_env=False, follow_redirects=False)
         async with client:
             request = client.build_request(
                 "GET",
                 pinned,
-                headers={"Host": parts.netloc.rsplit("@", 1)[-1]},
+                # Compressed bodies are refused: a small one can inflate past any limit.
+                headers={"Host": host_header, "Accept-Encoding": "identity"},
                 extensions={"sni_hostname": host} if parts.scheme == "https" else {},
             )
             try:
@@ -142,8 +164,11 @@ class ImageLoader:
         declared = response.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > limit:
             raise _refused(index, f"larger than {limit} bytes")
+        encoding = response.headers.get("content-encoding", "identity").strip().lower()
+        if encoding not in ("", "identity"):
+            raise _refused(index, f"the server sent it compressed ({encoding[:40]}): not taken")
         data = bytearray()
-        async for chunk in response.aiter_bytes():
+        async for chunk in response.aiter_raw():  # the bytes as sent, never inflated
             data += chunk
             if len(data) > limit:
                 raise _refused(index, f"larger than {limit} bytes")
@@ -155,11 +180,15 @@ class ImageLoader:
         trusted = host.lower().rstrip(".") in allowed
         if allowed and not trusted:
             raise _refused(index, f"host {host[:100]!r} is not in the allowed media domains")
-        loop = asyncio.get_running_loop()
+        if self._looking_up >= LOOKUP_THREADS:  # slow name servers hold every lookup thread
+            raise overloaded("too many host lookups are in progress; retry shortly")
+        self._looking_up += 1
+        future = asyncio.get_running_loop().run_in_executor(
+            self._lookups, socket.getaddrinfo, host, port, 0, socket.SOCK_STREAM
+        )
+        future.add_done_callback(self._lookup_done)  # when the thread is free, not before
         try:
-            found = await loop.run_in_executor(
-                self._lookups, socket.getaddrinfo, host, port, 0, socket.SOCK_STREAM
-            )
+            found = await asyncio.shield(future)
         except (OSError, UnicodeError):
             raise _refused(index, f"host {host[:100]!r} cannot be resolved") from None
         addresses = [ipaddress.ip_address(str(info[4][0]).split("%", 1)[0]) for info in found]
@@ -180,6 +209,8 @@ def not_public(address: IPAddress) -> str | None:
             embedded = ipaddress.IPv4Address(int(address) & 0xFFFFFFFF)
         if embedded is not None:
             return not_public(embedded)
+        if address.is_site_local:  # fec0::/10, deprecated but still routed on some networks
+            return "site-local"
     # Most specific first: Python counts 0.0.0.0/8 and 169.254/16 as private too.
     for kind in ("loopback", "unspecified", "link_local", "multicast", "private", "reserved"):
         if getattr(address, f"is_{kind}"):

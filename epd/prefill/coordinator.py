@@ -106,7 +106,6 @@ class Coordinator:
         self.images = ImageCache(config.image_cache_bytes)
         self.waits: dict[tuple[str, int], EncodeWait] = {}
         self.streams: dict[str, Stream] = {}
-        self.turn = itertools.count()
         self.tasks: list[asyncio.Task[None]] = []
 
     def start(self) -> None:
@@ -207,7 +206,7 @@ class Coordinator:
                 tried = ", ".join(peers.current or peers.configured)
                 raise Unavailable(f"no {role} server is reachable (tried {tried})")
             await asyncio.sleep(PEER_POLL_S)
-        start = next(self.turn) % len(live)
+        start = next(peers.turns) % len(live)
         return live[start:] + live[:start]
 
     async def encode(self, request: PreparedRequest) -> torch.Tensor | None:

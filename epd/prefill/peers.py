@@ -11,6 +11,7 @@ fails keeps the last answer, so a DNS hiccup does not drop every peer at once.
 from __future__ import annotations
 
 import ipaddress
+import itertools
 import logging
 import socket
 from collections.abc import Callable
@@ -46,6 +47,7 @@ class PeerSet:
         self.role, self.configured, self.resolve_host = role, addresses, resolve
         self.found: dict[str, tuple[str, ...]] = {}  # a service's last answer
         self.current: tuple[str, ...] = ()
+        self.turns = itertools.count()  # round robin over this role's peers alone
         self.resolve()
 
     @property

@@ -12,13 +12,12 @@ from epd.config.roles import PrefillConfig
 
 def api(checkpoint, sockets, **settings):
     """The API in-process, its peers' sockets unserved."""
+    peers = {"encoders": (f"ipc://{sockets}/encode",), "decoders": (f"ipc://{sockets}/decode",)}
     config = PrefillConfig(
         model=str(checkpoint),
         bind=f"ipc://{sockets}/prefill",
-        encoders=(f"ipc://{sockets}/encode",),
-        decoders=(f"ipc://{sockets}/decode",),
         served_model_name="tiny",
-        **settings,
+        **(peers | settings),
     )
     return TestClient(create_app(build_service(config)))
 
@@ -461,3 +460,45 @@ def test_huge_numbers_and_text_are_400_at_once(client):
     assert response.json()["error"]["code"] == "context_length_exceeded"
     legacy = client.post("/v1/completions", json={"model": "tiny", "prompt": "b " * 5_000_000})
     assert legacy.status_code == 400 and "characters" in legacy.json()["error"]["message"]
+
+
+def test_peers_named_by_host_follow_their_dns_answers(tiny_checkpoint, tmp_path, monkeypatch):
+    import socket
+    import time
+
+    import epd.prefill.coordinator as coordinator
+
+    answers: dict[str, list[str]] = {}
+    real = socket.getaddrinfo
+
+    def resolve(host, port, *args, **kwargs):
+        if host != "decode.epd.svc":
+            return real(host, port, *args, **kwargs)
+        if not answers.get(host):
+            raise OSError("no such host")
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (ip, port)) for ip in answers[host]]
+
+    monkeypatch.setattr(socket, "getaddrinfo", resolve)
+    monkeypatch.setattr(coordinator, "RESOLVE_S", 0.05)
+    service = "tcp://decode.epd.svc:7999"
+    with api(tiny_checkpoint, tmp_path, decoders=(service,)) as client:
+
+        def decoders():
+            peers = client.get("/health").json()["peers"]
+            return sorted(a for a in peers if a.endswith(":7999"))
+
+        assert decoders() == []  # nothing resolves yet
+        problems = client.get("/health").json()["problems"]
+        assert any(f"no decode server answers (tried {service})" in p for p in problems)
+        answers["decode.epd.svc"] = ["127.0.0.7", "127.0.0.8"]  # scaled up: two pods
+        deadline = time.monotonic() + 5
+        while decoders() != ["tcp://127.0.0.7:7999", "tcp://127.0.0.8:7999"]:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        answers["decode.epd.svc"] = ["127.0.0.8"]  # scaled down: one left
+        while decoders() != ["tcp://127.0.0.8:7999"]:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        metrics = client.get("/metrics").text
+        assert 'address="tcp://127.0.0.8:7999"' in metrics
+        assert 'address="tcp://127.0.0.7:7999"' not in metrics

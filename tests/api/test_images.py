@@ -2,6 +2,7 @@
 
 import asyncio
 import base64
+import gzip
 import http.server
 import socket
 import threading
@@ -62,6 +63,13 @@ def web():
                     time.sleep(0.1)
             elif self.path == "/drop":
                 self.connection.shutdown(socket.SHUT_RDWR)
+            elif self.path == "/gzip":  # 1 KB that would inflate to 10 MB
+                body = gzip.compress(b"\0" * 10_000_000)
+                self.send_response(200)
+                self.send_header("Content-Encoding", "gzip")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
 
         def log_message(self, *args):
             pass
@@ -96,6 +104,7 @@ def web():
         ("http://[fe80::1]/a.png", "link-local"),
         ("http://224.0.0.1/a.png", "multicast"),
         ("http://100.64.0.1/a.png", "non-public"),  # carrier-grade NAT
+        ("http://[fec0::1]/a.png", "site-local"),
     ],
 )
 def test_non_public_addresses_are_refused_before_connecting(url, kind):
@@ -188,3 +197,59 @@ def test_slow_urls_do_not_delay_a_data_url(web):
         return waited
 
     assert asyncio.run(run()) < 0.5
+
+
+def test_compressed_bodies_are_refused_not_inflated(web):
+    port, _ = web
+    message = refusal(
+        f"http://127.0.0.1:{port}/gzip", allowed_domains=("127.0.0.1",), max_bytes=100_000
+    )
+    assert "compressed (gzip)" in message
+
+
+def test_an_international_host_name_is_a_400_not_a_500():
+    assert "cannot be resolved" in refusal("http://bücher.invalid/a.png")
+    assert "invalid host name" in refusal("http://a..b/a.png")
+
+
+def test_the_first_failure_cancels_the_requests_other_fetches(web):
+    port, _ = web
+
+    async def run():
+        loader = ImageLoader(MediaPolicy(1000, 5.0, ("127.0.0.1",)))
+        slow = [f"http://127.0.0.1:{port}/trickle-headers"] * 5
+        start = time.monotonic()
+        with pytest.raises(APIError, match="image 5: only data: and http"):
+            await loader.load([*slow, "ftp://x/y.png"])
+        took = time.monotonic() - start
+        free = loader._fetching._value  # every slot back at once: nothing left running
+        loader.close()
+        return took, free
+
+    took, free = asyncio.run(run())
+    assert took < 1 and free == 128
+
+
+def test_lookups_past_the_pool_are_refused_at_once(monkeypatch):
+    def stuck(*args, **kwargs):  # a name server that does not answer
+        time.sleep(1.5)
+        raise OSError("timed out")
+
+    monkeypatch.setattr(socket, "getaddrinfo", stuck)
+
+    async def run():
+        loader = ImageLoader(MediaPolicy(1000, 0.5, ()))
+        first = [
+            asyncio.ensure_future(loader.load_one(f"http://n{i}.example/a", i)) for i in range(16)
+        ]
+        await asyncio.sleep(0.1)
+        start = time.monotonic()
+        with pytest.raises(APIError) as more:
+            await loader.load_one("http://n16.example/a", 16)
+        refused_in = time.monotonic() - start
+        await asyncio.gather(*first, return_exceptions=True)
+        loader.close()
+        return more.value, refused_in
+
+    error, refused_in = asyncio.run(run())
+    assert error.status == 503 and "host lookups" in error.message and refused_in < 0.2

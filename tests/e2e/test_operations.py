@@ -24,7 +24,7 @@ from epd.wire.curve import CurveKeys, make_keys
 from .stack import cluster, data_url, free_base, health, image_part, serve, text_part
 
 KEY = "k-7f3a"
-LONG = 1500  # tokens: long enough that a stop request lands while the streams run
+LONG = 3000  # tokens: long enough that a stop request lands while the streams run
 
 
 @pytest.fixture(scope="module")
@@ -158,18 +158,34 @@ def test_metrics_count_real_requests_in_every_role(client, locked_stack):
 @pytest.fixture(scope="module")
 def bounded(tiny_checkpoint):
     """The three roles by hand, prefill admitting at most two waiting requests."""
-    with cluster(tiny_checkpoint, prefill_flags=("--max-queued-requests", "2")) as started:
+    flags = ("--max-queued-requests", "2", "--allowed-media-domains", "127.0.0.1")
+    with cluster(tiny_checkpoint, prefill_flags=flags) as started:
         yield started
 
 
-def new_image_request(client, colour):
-    picture = data_url(Image.new("RGB", (56, 56), colour))
-    return client.chat.completions.create(
-        model="tiny",
-        messages=[{"role": "user", "content": [image_part(picture), text_part("?")]}],
-        max_tokens=3,
-        extra_body={"ignore_eos": True},
-    )
+@pytest.fixture
+def held_image():
+    """A web server whose one image is sent only once `release` is set: requests for it wait."""
+    release = threading.Event()
+    png = io.BytesIO()
+    Image.new("RGB", (56, 56), "olive").save(png, "PNG")
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            release.wait(20)
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(png.getvalue())
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/held.png", release
+    release.set()
+    server.shutdown()
 
 
 def wait_for(check, timeout=15.0):
@@ -179,27 +195,33 @@ def wait_for(check, timeout=15.0):
         time.sleep(0.05)
 
 
-def test_overload_is_refused_at_once_while_admitted_requests_finish(bounded):
-    processes, client, base = bounded
-    encoder = processes["encode"].popen
-    encoder.send_signal(signal.SIGSTOP)  # images wait for encode: two requests fill the queue
-    try:
-        with ThreadPoolExecutor(2) as pool:
-            admitted = [pool.submit(new_image_request, client, c) for c in ("red", "teal")]
-            wait_for(lambda: health(base + 20)[1]["waiting"] == 2)
-            start = time.monotonic()
-            with pytest.raises(openai.InternalServerError) as refused:
-                client.chat.completions.create(
-                    model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2
-                )
-            assert time.monotonic() - start < 1.0
-            assert refused.value.status_code == 503
-            assert refused.value.response.headers["retry-after"] == "1"
-            assert "max_queued_requests" in refused.value.message
-            encoder.send_signal(signal.SIGCONT)
-            assert [f.result().usage.completion_tokens for f in admitted] == [3, 3]
-    finally:
-        encoder.send_signal(signal.SIGCONT)
+def test_overload_is_refused_at_once_while_admitted_requests_finish(bounded, held_image):
+    _, client, base = bounded
+    url, release = held_image
+
+    def image_request():
+        content = [image_part(url), text_part("?")]
+        return client.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": content}],
+            max_tokens=3,
+            extra_body={"ignore_eos": True},
+        )
+
+    with ThreadPoolExecutor(2) as pool:
+        admitted = [pool.submit(image_request) for _ in range(2)]  # both wait for their image
+        wait_for(lambda: health(base + 20)[1]["waiting"] == 2)
+        start = time.monotonic()
+        with pytest.raises(openai.InternalServerError) as refused:
+            client.chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2
+            )
+        assert time.monotonic() - start < 1.0
+        assert refused.value.status_code == 503
+        assert refused.value.response.headers["retry-after"] == "1"
+        assert "max_queued_requests" in refused.value.message
+        release.set()
+        assert [f.result().usage.completion_tokens for f in admitted] == [3, 3]
     metrics = scrape(base + 20)
     assert metrics[("epd:requests_refused_total", (("reason", "overloaded"),))] == 1
 
@@ -314,5 +336,7 @@ def test_with_curve_keys_only_peers_holding_them_reach_a_decoder(tiny_checkpoint
             member.connect(f"tcp://127.0.0.1:{base + 1}")
             member.send(b"not a message")
             wait_for(lambda: health(base + 20)[1]["refused_messages"] == 1)
+            time.sleep(0.5)  # and the stranger's bytes did not arrive late either
+            assert health(base + 20)[1]["refused_messages"] == 1
         finally:
             context.destroy(linger=0)
