@@ -115,6 +115,11 @@ class DecodeConfig(ModelOptions):
     health_host: str = option("127.0.0.1", "host of the GET /health endpoint")
     health_port: int = option(7113, "port of the GET /health endpoint")
     max_batch_size: int = option(64, "most sequences advanced together in one decode step")
+    drain_timeout_s: float = option(
+        30.0,
+        "on SIGTERM, how long the sequences under way may take to finish (new hand-offs "
+        "are refused)",
+    )
     watchdog_s: float = watchdog_option()
 
 

@@ -48,6 +48,7 @@ class DecodeServer:
         self.metrics.running.set_function(lambda: len(scheduler.running))
         self.metrics.waiting.set_function(lambda: len(scheduler.waiting))
         self.reply_to: dict[str, str] = {}  # request id → its prefill, while decode holds it
+        self.taking = True  # False once a stop was asked for: the drain
         self.open_choices: dict[str, int] = {}  # request id → its choices not finished yet
 
     def take_messages(self) -> None:
@@ -77,6 +78,10 @@ class DecodeServer:
             return
         if request_id in self.scheduler:  # a Failure would end the request in flight
             log.error("ignored a second hand-off of %s", request_id)
+            return
+        if not self.taking:
+            why = "decode is shutting down: it finishes what it holds and takes nothing new"
+            self.outbox.send(reply_to, Failure(request_id, "unavailable", why))
             return
         try:
             added = self.scheduler.add(handoff)
@@ -156,6 +161,12 @@ class DecodeServer:
             "refused_messages": self.inbox.refusals.total,
         }
 
+    def stop_taking(self) -> None:
+        self.taking = False
+
+    def holding(self) -> bool:
+        return bool(self.reply_to)
+
     def close(self) -> None:
         """Fail what is still held (its prefill hears why), then close the sockets."""
         self.fail_all("unavailable", "decode stopped before this request finished")
@@ -215,4 +226,4 @@ def run(config: DecodeConfig) -> None:
         inbox = Inbox(context, config.bind, largest_frame(config.model), curve=keys)
         return DecodeServer(scheduler, inbox, Outbox(context, curve=keys), prefills)
 
-    run_role("decode", config, build)
+    run_role("decode", config, build, config.drain_timeout_s)

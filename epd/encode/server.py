@@ -75,6 +75,12 @@ class EncodeServer:
     def status(self) -> dict[str, object]:
         return {"refused_messages": self.inbox.refusals.total}
 
+    def stop_taking(self) -> None:
+        """Nothing to do: each request is answered within the step that takes it."""
+
+    def holding(self) -> bool:
+        return False
+
     def count(self, reply: ImageEmbeddings | Failure, seconds: float) -> None:
         if isinstance(reply, Failure):
             self.metrics.failures.inc()

@@ -144,14 +144,16 @@ def torch_threads(threads: int, device: str, cores: int | None = None) -> int:
     return min(4, cores) if device.startswith("cuda") else cores
 
 
-def start_process(role: str, options: ProcessOptions) -> threading.Event:
+def start_process(
+    role: str, options: ProcessOptions, grace_s: float = STOP_GRACE_S
+) -> threading.Event:
     """What every role does first: log as `role`, take stop signals, follow `epd serve`, and
     size torch's thread pool (three roles on one machine must not fight over its cores).
 
-    Returns the event a stop signal sets.
+    Returns the event a stop signal sets; the process exits `grace_s` after it, whatever runs.
     """
     setup_logging(role, options.log_level, options.log_format)
-    stop = stop_event()
+    stop = stop_event(grace_s)
     follow_supervisor()
     torch.set_num_threads(torch_threads(options.threads, options.device))
     return stop

@@ -118,9 +118,11 @@ def test_pods_agree_with_the_config_they_read(overlay, tmp_path):
     assert configs["decode"].bind == "tcp://0.0.0.0:7103"
     for name in ("encode", "decode"):
         assert configs[name].prefills == ("tcp://0.0.0.0/0:7102",)
+    for name in ("prefill", "decode"):  # the grace period covers preStop and the drain
+        pod = workloads(objects)[name]["spec"]["template"]["spec"]
+        pre_stop = int(pod["containers"][0]["lifecycle"]["preStop"]["exec"]["command"][1])
+        assert pod["terminationGracePeriodSeconds"] > pre_stop + configs[name].drain_timeout_s
     pod = workloads(objects)["prefill"]["spec"]["template"]["spec"]
-    pre_stop = int(pod["containers"][0]["lifecycle"]["preStop"]["exec"]["command"][1])
-    assert pod["terminationGracePeriodSeconds"] > pre_stop + prefill.drain_timeout_s
     if overlay == "gpu":
         assert configs["prefill"].model.startswith("/models/") and configs["prefill"].zmq_curve_keys
         claims = [v for v in pod["volumes"] if "persistentVolumeClaim" in v]

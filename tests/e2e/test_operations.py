@@ -248,34 +248,36 @@ def test_a_hung_decoder_turns_health_to_503_and_back(bounded):
     assert reply.choices[0].finish_reason in ("length", "stop")
 
 
+def long_stream(client: openai.OpenAI, started: threading.Semaphore) -> tuple[int, str | None]:
+    """A stream of LONG tokens: its token count and finish reason; `started` is released once
+    its first text arrives."""
+    chunks = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "count"}],
+        max_tokens=LONG,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
+    reason, usage, under_way = None, 0, False
+    for chunk in chunks:
+        if chunk.choices and chunk.choices[0].delta.content and not under_way:
+            under_way = True
+            started.release()
+        if chunk.choices and chunk.choices[0].finish_reason:
+            reason = chunk.choices[0].finish_reason
+        if chunk.usage:
+            usage = chunk.usage.completion_tokens
+    return usage, reason
+
+
 def test_sigterm_drains_requests_in_flight_and_refuses_new_ones(tiny_checkpoint):
     base = free_base()
     stack = serve(tiny_checkpoint, base, "--served-model-name", "tiny")
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{base + 20}/v1", api_key="-", max_retries=0)
     started = threading.Semaphore(0)  # released once by each stream when it is under way
-
-    def long_stream() -> tuple[int, str | None]:
-        chunks = client.chat.completions.create(
-            model="tiny",
-            messages=[{"role": "user", "content": "count"}],
-            max_tokens=LONG,
-            stream=True,
-            stream_options={"include_usage": True},
-            extra_body={"ignore_eos": True},
-        )
-        reason, usage, under_way = None, 0, False
-        for chunk in chunks:
-            if chunk.choices and chunk.choices[0].delta.content and not under_way:
-                under_way = True
-                started.release()
-            if chunk.choices and chunk.choices[0].finish_reason:
-                reason = chunk.choices[0].finish_reason
-            if chunk.usage:
-                usage = chunk.usage.completion_tokens
-        return usage, reason
-
     with ThreadPoolExecutor(3) as pool:
-        streams = [pool.submit(long_stream) for _ in range(3)]
+        streams = [pool.submit(long_stream, client, started) for _ in range(3)]
         for _ in streams:
             assert started.acquire(timeout=30)
         stack.popen.send_signal(signal.SIGTERM)
@@ -340,3 +342,23 @@ def test_with_curve_keys_only_peers_holding_them_reach_a_decoder(tiny_checkpoint
             assert health(base + 20)[1]["refused_messages"] == 1
         finally:
             context.destroy(linger=0)
+
+
+def test_a_stopping_decoder_finishes_its_sequences_and_refuses_new_ones(tiny_checkpoint):
+    with cluster(tiny_checkpoint) as (processes, client, base):
+        started = threading.Semaphore(0)
+        with ThreadPoolExecutor(2) as pool:
+            streams = [pool.submit(long_stream, client, started) for _ in range(2)]
+            for _ in streams:
+                assert started.acquire(timeout=30)
+            processes["decode"].popen.send_signal(signal.SIGTERM)
+            wait_for(lambda: health(base + 12)[0] == 503, timeout=5)
+            assert health(base + 12)[1]["problems"] == ["draining: shutting down"]
+            with pytest.raises(openai.InternalServerError, match="decode is shutting down"):
+                client.chat.completions.create(
+                    model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2
+                )
+            assert all(not s.done() for s in streams)  # the drain began while they ran
+            assert [s.result() for s in streams] == [(LONG, "length")] * 2
+        assert processes["decode"].popen.wait(30) == 0
+        assert "draining: finishing the work under way" in processes["decode"].output
