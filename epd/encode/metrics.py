@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from epd.runtime.metrics import LATENCY_BUCKETS
+from epd.runtime.metrics import BATCH_BUCKETS, LATENCY_BUCKETS
 
 
 class EncodeMetrics:
@@ -13,12 +13,19 @@ class EncodeMetrics:
         self.images = Counter("epd:encode_images", "Images encoded.", registry=r)
         self.seconds = Histogram(
             "epd:encode_seconds",
-            "Time to encode one request part (decode, preprocess, vision tower, projector).",
+            "Time to encode a batch of request parts (decode, preprocess, vision tower, "
+            "projector), observed once per request in it.",
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
         self.embedding_bytes = Counter(
             "epd:embedding_bytes_sent", "Bytes of image embeddings sent to prefills.", registry=r
+        )
+        self.batch_size = Histogram(
+            "epd:encode_batch_size",
+            "Encode requests in one forward.",
+            buckets=BATCH_BUCKETS,
+            registry=r,
         )
         self.failures = Counter(
             "epd:encode_failures", "Encode requests answered with a Failure.", registry=r

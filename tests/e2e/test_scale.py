@@ -26,13 +26,20 @@ MESSAGES = [
 
 def test_two_prefills_two_encoders_two_decoders(tiny_checkpoint, local):
     """Every prefill uses every encoder and decoder; replies reach the prefill that asked. One
-    encoder and one decoder are given by host name (a service, resolved by prefill)."""
+    encoder and one decoder are given by host name (a service, resolved by prefill); encoders
+    batch the requests that wait."""
     base = free_base()
     tcp = [f"tcp://127.0.0.1:{base + i}" for i in range(6)]  # encode 0-1, decode 2-3, prefill 4-5
     model = ["--model", str(tiny_checkpoint)]
     peer = [*model, "--prefills", *tcp[4:6]]
+    batched = {"encode": ("--batch-patches", "100000"), "decode": ()}  # requests share forwards
     processes = [
-        Process(role, *peer, "--bind", tcp[i], "--health-port", str(base + 10 + i), ready="ready")
+        Process(
+            role,
+            *peer,
+            *("--bind", tcp[i], "--health-port", str(base + 10 + i), *batched[role]),
+            ready="ready",
+        )
         for role, i in (("encode", 0), ("encode", 1), ("decode", 2), ("decode", 3))
     ]
     by_name = [f"tcp://localhost:{base}", tcp[1]], [f"tcp://localhost:{base + 2}", tcp[3]]

@@ -60,3 +60,42 @@ def test_server_turns_failures_into_messages(encoder):
     truncated = encoded(Image.new("RGB", (200, 200), "red"), "PNG")[:-60]
     reply = handle(encoder, EncodeRequest("r", 0, (good, truncated), (0, 1), "tcp://x:1"))
     assert isinstance(reply, Failure) and reply.code == "bad_image" and "image 1" in reply.message
+
+
+def test_requests_batched_in_one_forward_get_their_own_rows(encoder):
+    from epd.encode.server import encode_prepared, prepare
+
+    sizes = [((840, 560), "red"), ((112, 56), "blue"), ((300, 200), "green")]
+    requests = [
+        EncodeRequest(f"r{i}", 0, (encoded(Image.new("RGB", size, c), "PNG"),), (0,), "tcp://x:1")
+        for i, (size, c) in enumerate(sizes)
+    ]
+    ready = [(r, prepare(encoder, r)) for r in requests]
+    batched = encode_prepared(encoder, ready)
+    for (request, _), reply in zip(ready, batched, strict=True):
+        alone = handle(encoder, request)
+        assert reply.request_id == request.request_id and reply.grids == alone.grids
+        torch.testing.assert_close(reply.embeddings, alone.embeddings, atol=1e-5, rtol=1e-5)
+
+
+def test_a_batch_that_fails_is_tried_request_by_request(encoder, monkeypatch):
+    from epd.encode.server import encode_prepared, prepare
+
+    requests = [
+        EncodeRequest(
+            f"r{i}", 0, (encoded(Image.new("RGB", (56, 56), c), "PNG"),), (0,), "tcp://x:1"
+        )
+        for i, c in enumerate(["red", "blue"])
+    ]
+    ready = [(r, prepare(encoder, r)) for r in requests]
+    forward = encoder.forward
+
+    def breaks_on_blue_or_batches(batch):
+        if len(batch) > 1 or batch[0] is ready[1][1]:
+            raise RuntimeError("out of memory")
+        return forward(batch)
+
+    monkeypatch.setattr(encoder, "forward", breaks_on_blue_or_batches)
+    red, blue = encode_prepared(encoder, ready)
+    assert isinstance(red, ImageEmbeddings) and red.request_id == "r0"
+    assert isinstance(blue, Failure) and blue.code == "internal" and "out of memory" in blue.message
