@@ -8,7 +8,8 @@ cd "$(dirname "$0")/.."
 grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo /.whl/ >> .git/info/exclude
 rm -rf .whl
 packages=(pyzmq msgspec fastapi starlette pydantic pydantic_core annotated-types annotated-doc
-  typing-inspection typing_extensions opentelemetry-api uvicorn)
+  typing-inspection typing_extensions opentelemetry-api uvicorn prometheus_client
+  httpx httpcore h11 anyio sniffio idna certifi)
 pinned=()
 for name in "${packages[@]}"; do
   pinned+=("$(.venv/bin/pip freeze 2>/dev/null | grep -i "^${name}==")")
@@ -16,4 +17,8 @@ done
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
   --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_26_x86_64 \
   --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl "${pinned[@]}"
+# llguidance: the newest wheel the registry has for that machine (this .venv's may be newer).
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+  --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+  --platform manylinux2014_x86_64 -d .whl "llguidance>=1.0"
 ls .whl
