@@ -275,21 +275,24 @@ def test_sigterm_drains_requests_in_flight_and_refuses_new_ones(tiny_checkpoint)
     base = free_base()
     stack = serve(tiny_checkpoint, base, "--served-model-name", "tiny")
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{base + 20}/v1", api_key="-", max_retries=0)
-    started = threading.Semaphore(0)  # released once by each stream when it is under way
-    with ThreadPoolExecutor(3) as pool:
-        streams = [pool.submit(long_stream, client, started) for _ in range(3)]
-        for _ in streams:
-            assert started.acquire(timeout=30)
-        stack.popen.send_signal(signal.SIGTERM)
-        wait_for(lambda: health(base + 20)[1].get("status") == "unavailable", timeout=5)
-        with pytest.raises(openai.InternalServerError, match="shutting down") as refused:
-            client.chat.completions.create(
-                model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2
-            )
-        assert refused.value.response.headers["retry-after"] == "1"
-        assert all(not s.done() for s in streams)  # the drain began while they ran
-        assert [s.result() for s in streams] == [(LONG, "length")] * 3
-    assert stack.popen.wait(30) == 0, stack.output
+    try:
+        started = threading.Semaphore(0)  # released once by each stream when it is under way
+        with ThreadPoolExecutor(3) as pool:
+            streams = [pool.submit(long_stream, client, started) for _ in range(3)]
+            for _ in streams:
+                assert started.acquire(timeout=30)
+            stack.popen.send_signal(signal.SIGTERM)
+            wait_for(lambda: health(base + 20)[1].get("status") == "unavailable", timeout=5)
+            with pytest.raises(openai.InternalServerError, match="shutting down") as refused:
+                client.chat.completions.create(
+                    model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2
+                )
+            assert refused.value.response.headers["retry-after"] == "1"
+            assert all(not s.done() for s in streams)  # the drain began while they ran
+            assert [s.result() for s in streams] == [(LONG, "length")] * 3
+        assert stack.popen.wait(30) == 0, stack.output
+    finally:
+        stack.stop()  # whatever failed: no stack is left running (it has exited if all went well)
     assert "draining: 3 requests in flight" in stack.output
 
 
