@@ -165,11 +165,11 @@ def plan(args: argparse.Namespace) -> tuple[ServeConfig, dict[str, Any]]:
     # The file's top-level keys reach each child through role_values, under its own section;
     # what serve's section or flags say wins over both.
     shared = {k: v for k, v in (raw.get("serve", {}) | flags).items() if k in SHARED}
-    given = {k: v for k, v in vars(args).items() if k in child_settings()}
-    given = {k: tuple(v) if isinstance(v, list) else v for k, v in given.items()}
+    settings = child_settings()  # serve's flags for its children's settings → their roles
     children = {}
     for role in CHILDREN:
-        passed = {k: v for k, v in given.items() if role in child_settings()[k]}
+        given = flag_values(args, ROLES[role])
+        passed = {k: v for k, v in given.items() if role in settings.get(k, ())}
         values = role_values(raw, role) | shared | passed | config.addresses(role)
         child = build(ROLES[role], values)
         share = torch_threads(child.threads, child.device, core_shares(CORES)[role])

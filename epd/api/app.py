@@ -34,7 +34,7 @@ from epd.prefill.engine import PrefillEngine
 from epd.prefill.errors import PrefillError
 from epd.prefill.metrics import PrefillMetrics
 from epd.prefill.request import PreparedRequest
-from epd.runtime.health import health_router
+from epd.runtime.health import DRAINING, health_router
 from epd.runtime.metrics import metrics_router
 from epd.runtime.role import probe_wire
 from epd.runtime.watchdog import Watchdog
@@ -43,6 +43,7 @@ from epd.wire.messages import KVHandoff, TokenDelta
 log = logging.getLogger(__name__)
 DISCONNECT_POLL_S = 0.25
 T = TypeVar("T")
+R = TypeVar("R", bound=GenerationRequest)
 
 
 @dataclass
@@ -53,18 +54,6 @@ class Service:
     engine: PrefillEngine
     watchdog: Watchdog
     coordinator: Coordinator | None = None
-
-    def status(self) -> dict[str, object]:
-        """What GET /health adds to its body."""
-        if self.coordinator is None:
-            return {}
-        coordinator = self.coordinator
-        requests: dict[str, object] = {"in_flight": self.gate.in_flight, "waiting": self.waiting}
-        outbox = coordinator.outbox
-        requests["peers"] = {a: "up" if outbox.is_up(a) else "down" for a in coordinator.peers()}
-        refused = {"refused_messages": coordinator.inbox.refusals.total}
-        return requests | refused | coordinator.images.status() | coordinator.batcher.status()
-
     gate: Gate = field(default_factory=Gate)  # in flight and draining, for the middleware
     metrics: PrefillMetrics = field(default_factory=PrefillMetrics)
     waiting: int = 0  # requests between arrival and their hand-off to decode
@@ -78,6 +67,17 @@ class Service:
         self.metrics.waiting.set_function(lambda: self.waiting)
         self.gate.refused = lambda: self.metrics.refused.labels("draining").inc()
         self.prompts = ThreadPoolExecutor(2, thread_name_prefix="prompts")
+
+    def status(self) -> dict[str, object]:
+        """What GET /health adds to its body."""
+        if self.coordinator is None:
+            return {}
+        coordinator = self.coordinator
+        requests: dict[str, object] = {"in_flight": self.gate.in_flight, "waiting": self.waiting}
+        outbox = coordinator.outbox
+        requests["peers"] = {a: "up" if outbox.is_up(a) else "down" for a in coordinator.peers()}
+        refused = {"refused_messages": coordinator.inbox.refusals.total}
+        return requests | refused | coordinator.images.status() | coordinator.batcher.status()
 
     @contextmanager
     def queue_slot(self) -> Iterator[None]:
@@ -95,13 +95,19 @@ class Service:
         finally:
             self.waiting -= 1
 
+    def served(self, request: R) -> R:
+        """The request, if it asks for the model this server serves; else a 404."""
+        if request.model != self.model_name:
+            raise unknown_model(request.model, self.model_name)
+        return request
+
     async def off_loop(self, work: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self.prompts, work, *args)
 
     def problems(self) -> list[str]:
         """Why this prefill cannot serve now: shutting down, or no live encoder or decoder (a
         hung peer counts: it stops answering ZeroMQ heartbeats)."""
-        found = ["draining: shutting down"] if self.gate.draining else []
+        found = [DRAINING] if self.gate.draining else []
         if self.coordinator is None:
             return [*found, "starting"]
         coordinator = self.coordinator
@@ -186,18 +192,14 @@ def create_app(service: Service, on_started: Callable[[], Any] | None = None) ->
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        chat = parse_request(await json_body(request))
-        if chat.model != service.model_name:
-            raise unknown_model(chat.model, service.model_name)
+        chat = service.served(parse_request(await json_body(request)))
         with service.queue_slot():
             reply, deltas, images = await start_chat(service, chat, request)
         return await respond(service, request, reply, deltas, chat, images)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        legacy = parse_completion(await json_body(request))
-        if legacy.model != service.model_name:
-            raise unknown_model(legacy.model, service.model_name)
+        legacy = service.served(parse_completion(await json_body(request)))
         with service.queue_slot():
             prepared = await service.off_loop(
                 service.builder.prepare_completion, legacy, request_id(request)
@@ -272,7 +274,7 @@ async def generate(
     coordinator = service.coordinator
     assert coordinator is not None
     if prepared.sampling.grammar:  # off the loop: the first one builds llguidance's tokenizer
-        await asyncio.to_thread(check_grammar, service.engine, prepared.sampling)
+        await service.off_loop(check_grammar, service.engine, prepared.sampling)
     embeddings = await coordinator.encode(prepared)
     handoff = await coordinator.prefill(prepared, embeddings)
     return handoff, coordinator.deltas(await coordinator.hand_off(handoff))

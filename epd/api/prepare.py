@@ -114,10 +114,12 @@ class PromptBuilder:
         messages = self.messages(request)
         urls = [part["image_url"]["url"] for part in image_parts(messages)]
         tools = [t.model_dump(exclude_none=True) for t in request.tools or ()] or None
-        tools_text = json.dumps(tools, ensure_ascii=False) if tools else ""
-        self.check_text_fits([tools_text, *(text for m in messages for text in texts_of(m))])
-        if tools:  # names, descriptions and schemas reach the prompt too
-            self.refuse_special_tokens(tools_text)
+        # Names, descriptions and schemas of tools reach the prompt too. The size comes
+        # first: scanning 10 MB for every reserved token would itself take a while.
+        texts = [json.dumps(tools, ensure_ascii=False) if tools else ""]
+        texts += [text for m in messages for text in texts_of(m)]
+        self.check_text_fits(texts)
+        self.refuse_special_tokens(texts)
         if tools and not self.template_shows_tools:
             note = {"role": "system", "content": describe_tools(request.tools or [])}
             return Conversation(request, [note, *messages], urls)
@@ -140,16 +142,13 @@ class PromptBuilder:
             message.setdefault("content", "")
             if message["role"] == "developer":
                 message["role"] = "system"
-            self.refuse_special_tokens(message["content"])
-            for call in message.get("tool_calls", ()):
-                self.refuse_special_tokens(call["function"]["arguments"])
             messages.append(message)
         return messages
 
-    def refuse_special_tokens(self, content: str | list[dict[str, Any]]) -> None:
+    def refuse_special_tokens(self, texts: list[str]) -> None:
         """Text that spells a control token (<|im_end|>, <|media_pad|>, ...) would forge turns or
         image slots once the rendered prompt is tokenised, so it is refused."""
-        for text in texts_of({"content": content}):
+        for text in texts:
             for token in self.special_tokens:
                 if token in text:
                     raise bad_request(f"message text contains the reserved token {token}")

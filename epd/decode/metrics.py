@@ -2,32 +2,18 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-
-from epd.runtime.metrics import BATCH_BUCKETS, LATENCY_BUCKETS
+from epd.runtime.metrics import RoleMetrics
 
 
-class DecodeMetrics:
+class DecodeMetrics(RoleMetrics):
     def __init__(self) -> None:
-        r = self.registry = CollectorRegistry()
-        self.batch_size = Histogram(
-            "epd:decode_batch_size",
-            "Sequences advanced by one decode step.",
-            buckets=BATCH_BUCKETS,
-            registry=r,
+        super().__init__()
+        self.batch_size = self.sizes("decode_batch_size", "Sequences advanced by one decode step.")
+        self.step_seconds = self.seconds("decode_step_seconds", "Time of one decode step.")
+        self.handoff_bytes = self.counter(
+            "kv_handoff_bytes_received", "Bytes of KV caches taken from prefills."
         )
-        self.step_seconds = Histogram(
-            "epd:decode_step_seconds",
-            "Time of one decode step.",
-            buckets=LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.handoff_bytes = Counter(
-            "epd:kv_handoff_bytes_received", "Bytes of KV caches taken from prefills.", registry=r
-        )
-        self.running = Gauge(
-            "epd:num_sequences_running", "Sequences (choices) being decoded.", registry=r
-        )
-        self.waiting = Gauge(
-            "epd:num_sequences_waiting", "Sequences waiting for room in the batch.", registry=r
+        self.running = self.gauge("num_sequences_running", "Sequences (choices) being decoded.")
+        self.waiting = self.gauge(
+            "num_sequences_waiting", "Sequences waiting for room in the batch."
         )

@@ -123,7 +123,7 @@ class EncodeServer:
         if isinstance(reply, Failure):
             self.metrics.failures.inc()
             return
-        self.metrics.seconds.observe(seconds)
+        self.metrics.encode_time.observe(seconds)
         self.metrics.images.inc(len(reply.grids))
         self.metrics.embedding_bytes.inc(reply.embeddings.nbytes)
 

@@ -5,18 +5,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-
-from epd.runtime.metrics import LATENCY_BUCKETS
+from epd.runtime.metrics import RoleMetrics
 
 
-class PrefillMetrics:
+class PrefillMetrics(RoleMetrics):
     def __init__(self) -> None:
-        r = self.registry = CollectorRegistry()
-
-        def seconds(name: str, about: str) -> Histogram:
-            return Histogram(f"epd:{name}", about, buckets=LATENCY_BUCKETS, registry=r)
-
+        super().__init__()
+        seconds, counter, gauge = self.seconds, self.counter, self.gauge
         # Requests, as vLLM names them.
         self.ttft = seconds("time_to_first_token_seconds", "Arrival to the first token sent.")
         self.itl = seconds("inter_token_latency_seconds", "Time between a choice's deltas.")
@@ -24,63 +19,48 @@ class PrefillMetrics:
         self.queue_time = seconds(
             "request_queue_time_seconds", "Time a prompt waited for a prefill forward."
         )
-        self.prompt_tokens = Counter(
-            "epd:prompt_tokens", "Prompt tokens prefilled (image tokens included).", registry=r
+        self.prompt_tokens = counter(
+            "prompt_tokens", "Prompt tokens prefilled (image tokens included)."
         )
-        self.generation_tokens = Counter(
-            "epd:generation_tokens", "Tokens generated, every choice counted.", registry=r
+        self.generation_tokens = counter(
+            "generation_tokens", "Tokens generated, every choice counted."
         )
-        self.success = Counter(
-            "epd:request_success",
-            "Requests answered in full, by finish reason.",
-            ["finished_reason"],
-            registry=r,
+        self.success = counter(
+            "request_success", "Requests answered in full, by finish reason.", ["finished_reason"]
         )
-        self.failure = Counter(
-            "epd:request_failure",
-            "Requests that ended in an error, by status.",
-            ["status"],
-            registry=r,
+        self.failure = counter(
+            "request_failure", "Requests that ended in an error, by status.", ["status"]
         )
-        self.running = Gauge(
-            "epd:num_requests_running", "Requests handed to decode, not ended.", registry=r
+        self.running = gauge("num_requests_running", "Requests handed to decode, not ended.")
+        self.waiting = gauge(
+            "num_requests_waiting",
+            "Requests fetching images, encoding or waiting for prefill (bounded by "
+            "max_queued_requests).",
         )
-        self.waiting = Gauge(
-            "epd:num_requests_waiting",
-            "Requests fetching images, encoding or waiting for "
-            "prefill (bounded by max_queued_requests).",
-            registry=r,
-        )
-        self.refused = Counter(
-            "epd:requests_refused",
+        self.refused = counter(
+            "requests_refused",
             "Requests refused with 503 at once, by reason (overloaded, draining).",
             ["reason"],
-            registry=r,
         )
         # What only EPD has.
-        self.images = Counter("epd:images", "Images in requests.", registry=r)
-        self.image_cache_hits = Counter(
-            "epd:image_cache_hits", "Images whose embeddings came from the cache.", registry=r
+        self.images = counter("images", "Images in requests.")
+        self.image_cache_hits = counter(
+            "image_cache_hits", "Images whose embeddings came from the cache."
         )
         self.encode_wait = seconds(
             "encode_wait_seconds", "From sending images to encode until their embeddings came."
         )
-        self.embedding_bytes = Counter(
-            "epd:embedding_bytes_received", "Bytes of image embeddings from encoders.", registry=r
+        self.embedding_bytes = counter(
+            "embedding_bytes_received", "Bytes of image embeddings from encoders."
         )
-        self.handoff_bytes = Counter(
-            "epd:kv_handoff_bytes", "Bytes of KV caches handed to decoders.", registry=r
-        )
+        self.handoff_bytes = counter("kv_handoff_bytes", "Bytes of KV caches handed to decoders.")
         self.handoff_seconds = seconds(
             "kv_handoff_seconds",
             "From handing a KV cache to a decoder until its first delta came back "
             "(transfer, admission and one decode step).",
         )
-        self.peer_up = Gauge(
-            "epd:peer_up",
-            "1 while a peer answers (heartbeats), else 0.",
-            ["role", "address"],
-            registry=r,
+        self.peer_up = gauge(
+            "peer_up", "1 while a peer answers (heartbeats), else 0.", ["role", "address"]
         )
 
     def watch_peer(self, role: str, address: str, is_up: Callable[[str], bool]) -> None:

@@ -19,6 +19,7 @@ from epd.runtime.watchdog import Watchdog
 
 Status = Callable[[], dict[str, object]]
 Problems = Callable[[], list[str]]
+DRAINING = "draining: shutting down"  # the problem a stopping process names
 START_TIMEOUT_S = 10.0
 
 

@@ -16,7 +16,7 @@ from typing import Protocol
 import zmq
 from prometheus_client import CollectorRegistry
 
-from epd.runtime.health import HealthServer, health_router
+from epd.runtime.health import DRAINING, HealthServer, health_router
 from epd.runtime.metrics import metrics_router
 from epd.runtime.process import STOP_GRACE_S, ProcessOptions, announce_ready, start_process
 from epd.runtime.watchdog import Watchdog
@@ -81,8 +81,11 @@ def run_role(
     server = build(watchdog)
     watchdog.start()
     probe = probe_wire(watchdog)
-    draining = ["draining: shutting down"]
-    router = health_router(name, watchdog, server.status, lambda: draining * stop.is_set())
+
+    def draining() -> list[str]:
+        return [DRAINING] if stop.is_set() else []
+
+    router = health_router(name, watchdog, server.status, draining)
     router.include_router(metrics_router(server.registry))
     health = HealthServer(router, config.health_host, config.health_port)
     announce_ready(name, zmq=config.bind, health=health.url)
