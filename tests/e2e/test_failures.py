@@ -97,7 +97,9 @@ def test_serve_restarts_a_child_that_dies(tiny_checkpoint):
         assert eventually(lambda: health(base + 10)["pid"]) != old
         assert "encode exited with code -9; restarting" in stack.output
         reply = eventually(
-            lambda: client.chat.completions.create(model=model, messages=IMAGE, max_tokens=2)
+            lambda: client.chat.completions.create(
+                model=model, messages=IMAGE, max_tokens=2, extra_body={"ignore_eos": True}
+            )
         )
         assert reply.usage.completion_tokens == 2
     finally:

@@ -286,6 +286,8 @@ def test_encode_and_decode_serve_again_after_a_long_prefill_outage(three, tiny_c
     time.sleep(5)
     processes["prefill"] = role("prefill", tiny_checkpoint, base, env=ENV).wait_ready()
     for case in CASES:
-        reply = client.chat.completions.create(model="tiny", messages=CASES[case], max_tokens=3)
+        reply = client.chat.completions.create(
+            model="tiny", messages=CASES[case], max_tokens=3, extra_body={"ignore_eos": True}
+        )
         assert reply.usage.completion_tokens == 3
     assert all(status == 200 for status, _ in health(base).values())

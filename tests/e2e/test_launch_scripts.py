@@ -88,7 +88,10 @@ def test_three_scripts_form_a_stack(tiny_checkpoint):
             base_url=f"http://127.0.0.1:{base + 20}/v1", api_key="-", max_retries=0
         )
         reply = client.chat.completions.create(
-            model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=3
+            model="tiny",
+            messages=[{"role": "user", "content": "Hi"}],
+            max_tokens=3,
+            extra_body={"ignore_eos": True},
         )
         assert reply.usage.completion_tokens == 3
     finally:
