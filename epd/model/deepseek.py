@@ -26,9 +26,14 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(d, eps=config.rms_norm_eps)
 
     def prefill(
-        self, x: torch.Tensor, angles: torch.Tensor, lengths: list[int] | None = None
+        self,
+        x: torch.Tensor,
+        angles: torch.Tensor,
+        lengths: list[int] | None = None,
+        pasts: list[torch.Tensor | None] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        attended, latent = self.self_attn.prefill(self.input_layernorm(x), angles, lengths)
+        normed = self.input_layernorm(x)
+        attended, latent = self.self_attn.prefill(normed, angles, lengths, pasts)
         x = x + attended
         return x + self.mlp(self.post_attention_layernorm(x)), latent
 
@@ -72,19 +77,29 @@ class DeepseekV3ForCausalLM(nn.Module):
         return rotor(text_angles(positions, self.config.qk_rope_head_dim, self.config.rope_theta))
 
     def prefill(
-        self, embeds: torch.Tensor, lengths: list[int] | None = None
+        self,
+        embeds: torch.Tensor,
+        lengths: list[int] | None = None,
+        pasts: list[LatentCache | None] | None = None,
     ) -> tuple[torch.Tensor, LatentCache]:
         """Input embeddings (T, D) → final hidden states (T, D) and the latent cache (T rows).
 
-        With `lengths`, embeds holds several prompts back to back: each starts at position 0
-        and attends only to itself (use `LatentCache.split(lengths)` for per-prompt caches).
+        With `lengths`, embeds holds several prompts back to back: each attends only to itself
+        (use `LatentCache.split(lengths)` for per-prompt caches). With `pasts`, a prompt's
+        embeddings continue one whose earlier tokens are in its past cache (chunked prefill):
+        they start at that cache's length and attend to it; the cache returned holds the new
+        rows only.
         """
         lengths = lengths or [embeds.shape[0]]
-        positions = torch.cat([torch.arange(n, device=embeds.device) for n in lengths])
+        pasts = pasts or [None] * len(lengths)
+        starts = [0 if past is None else past.length for past in pasts]
+        spans = zip(starts, lengths, strict=True)
+        positions = torch.cat([torch.arange(s, s + n, device=embeds.device) for s, n in spans])
         angles = self.angles(positions)
         x, latents = embeds, []
-        for layer in self.model.decoder_layers():
-            x, latent = layer.prefill(x, angles, lengths)
+        for index, layer in enumerate(self.model.decoder_layers()):
+            rows = [None if past is None else past.tensor()[index] for past in pasts]
+            x, latent = layer.prefill(x, angles, lengths, rows)
             latents.append(latent)
         return self.model.norm(x), LatentCache.from_tensor(torch.stack(latents))
 

@@ -30,6 +30,12 @@ class LatentCache:
         """The filled part, (layers, length, latent_dim): what travels between processes."""
         return self.data[:, : self.length]
 
+    def extend(self, rows: torch.Tensor) -> None:
+        """Append rows (layers, n, latent_dim): the next chunk of a prompt's prefill."""
+        self.reserve(rows.shape[1])
+        self.data[:, self.length : self.length + rows.shape[1]] = rows
+        self.length += rows.shape[1]
+
     def reserve(self, tokens: int) -> None:
         """Make room for `tokens` more entries, doubling capacity so appends stay amortised O(1)."""
         needed = self.length + tokens

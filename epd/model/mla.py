@@ -60,31 +60,49 @@ class MLAttention(nn.Module):
         return torch.cat((self.kv_a_layernorm(c_kv), rotate(k_pe, angles)), dim=-1)
 
     def prefill(
-        self, x: torch.Tensor, angles: torch.Tensor, lengths: list[int] | None = None
+        self,
+        x: torch.Tensor,
+        angles: torch.Tensor,
+        lengths: list[int] | None = None,
+        pasts: list[torch.Tensor | None] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Causal attention over prompts: x (T, D) → output (T, D), cache rows (T, rank+rope).
 
         `lengths` splits x into prompts packed back to back; each attends only within itself.
+        `pasts` gives each prompt the cache rows (P, rank + rope) of its tokens prefilled before
+        (chunked prefill): its T new tokens come after them and attend to them too.
         """
         q_nope, q_pe = self.queries(x, angles)
+        q = torch.cat((q_nope, q_pe), dim=-1)  # (T, H, nope + rope)
         latent = self.latent(x, angles)
-        c_kv, k_pe = latent.split([self.rank, self.rope], dim=-1)
+        lengths = lengths or [x.shape[0]]
+        pieces = [
+            self.attend(qi, rows if past is None else torch.cat((past, rows)))
+            for qi, rows, past in zip(
+                q.split(lengths), latent.split(lengths), pasts or [None] * len(lengths), strict=True
+            )
+        ]
+        return self.o_proj(torch.cat(pieces).flatten(1)), latent
+
+    def attend(self, q: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """One prompt's queries q (T, H, nope + rope), the last T of its cache rows (P + T,
+        rank + rope) → attention output (T, H, v), query i seeing rows up to P + i."""
+        c_kv, k_pe = rows.split([self.rank, self.rope], dim=-1)
         k_nope, v = (
             self.kv_b_proj(c_kv).unflatten(-1, (self.heads, -1)).split([self.nope, self.v_dim], -1)
         )
         k = torch.cat((k_nope, k_pe[:, None, :].expand(-1, self.heads, -1)), dim=-1)
-        q = torch.cat((q_nope, q_pe), dim=-1)
         # Fused attention kernels want one head size for q, k and v: pad v (v_dim < nope + rope)
         # with zeros and drop the padding after. Shapes (1, H, T, ·), the 4-D form they take.
         v = F.pad(v, (0, max(0, q.shape[-1] - self.v_dim)))
-        lengths = lengths or [x.shape[0]]
-        pieces = []
-        for qi, ki, vi in zip(q.split(lengths), k.split(lengths), v.split(lengths), strict=True):
-            qi, ki, vi = (t.transpose(0, 1)[None] for t in (qi, ki, vi))
-            out = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=self.scale)
-            pieces.append(out[0].transpose(0, 1))
-        out = torch.cat(pieces)[..., : self.v_dim]
-        return self.o_proj(out.flatten(1)), latent
+        q, k, v = (t.transpose(0, 1)[None] for t in (q, k, v))
+        past = k.shape[2] - q.shape[2]
+        if past:  # causal from the bottom right: query i sees the past and new rows up to i
+            mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device)
+            out = F.scaled_dot_product_attention(q, k, v, mask.tril(past), scale=self.scale)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
+        return out[0].transpose(0, 1)[..., : self.v_dim]
 
     def decode(self, x: torch.Tensor, angles: torch.Tensor, batch: DecodeBatch) -> torch.Tensor:
         """One new token per request, x (B, D) → (B, D), attending through the latent cache.

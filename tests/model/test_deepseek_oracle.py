@@ -81,3 +81,33 @@ def test_packed_prompts_equal_each_prompt_alone(pair):
         alone_hidden, alone_cache = ours.prefill(ours.embed(prompt))
         torch.testing.assert_close(piece, alone_hidden, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(part.tensor(), alone_cache.tensor(), rtol=1e-5, atol=1e-5)
+
+
+@torch.inference_mode()
+def test_prompts_prefilled_in_chunks_equal_them_prefilled_whole(pair):
+    """Chunked prefill: each chunk starts where its prompt's cache ends and attends to it, packed
+    with another prompt's chunk; the last chunk's logits match transformers on the whole prompt."""
+    ours, oracle = pair
+    prompts = [PROMPT, PROMPT[2:9]]
+    chunks = [[(0, 4), (4, 5), (5, 11), (11, 13)], [(0, 3), (3, 4), (4, 7)]]  # per prompt
+    caches: list[LatentCache | None] = [None, None]
+    hidden: list[list[torch.Tensor]] = [[], []]
+    for step in range(4):
+        taking = [i for i in range(2) if step < len(chunks[i])]
+        pieces = [prompts[i][slice(*chunks[i][step])] for i in taking]
+        lengths = [len(piece) for piece in pieces]
+        out, rows = ours.prefill(
+            ours.embed(torch.cat(pieces)), lengths, [caches[i] for i in taking]
+        )
+        for i, h, part in zip(taking, out.split(lengths), rows.split(lengths), strict=True):
+            hidden[i].append(h)
+            if caches[i] is None:
+                caches[i] = LatentCache.from_tensor(part.tensor().clone())
+            else:
+                caches[i].extend(part.tensor())
+    for prompt, h, cache in zip(prompts, hidden, caches, strict=True):
+        whole_hidden, whole_cache = ours.prefill(ours.embed(prompt))
+        torch.testing.assert_close(torch.cat(h), whole_hidden, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(cache.tensor(), whole_cache.tensor(), rtol=1e-5, atol=1e-5)
+    expected = oracle(PROMPT[None]).logits[0, -1]
+    assert rel_err(ours.logits(hidden[0][-1][-1]), expected) <= 1e-4
