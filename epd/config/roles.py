@@ -16,6 +16,7 @@ from epd.dtypes import MODEL_DTYPES
 DTYPE_CHOICES = ("auto", *MODEL_DTYPES)
 ADDRESS_SCHEMES = ("tcp://", "ipc://", "inproc://")
 LOG_LEVELS = ("debug", "info", "warning", "error")
+AUTOMATIC = ("threads", "batch_patches", "max_prefill_tokens")  # 0: chosen for the device
 
 
 def option(default: Any, help: str) -> Any:
@@ -34,14 +35,14 @@ def _check_value(name: str, value: Any) -> str | None:
         return "must be a port number, 1 to 65535"
     if name.endswith("_s") and not value > 0:
         return "must be a positive number of seconds"
+    if name in AUTOMATIC:
+        return "must be 0 (automatic) or a positive number" if value < 0 else None
     if name.startswith("max_") and not value >= 1:
         return "must be at least 1"
     if name == "log_level" and value.lower() not in ("", *LOG_LEVELS):
         return f"must be one of {', '.join(LOG_LEVELS)}"
     if name == "log_format" and value not in ("text", "json"):
         return "must be text or json"
-    if name in ("threads", "batch_patches") and value < 0:
-        return "must be 0 (automatic) or a positive number"
     addresses = value if isinstance(value, tuple) else (value,)
     is_address = name in ("bind", "encoders", "decoders", "prefills") or (
         name == "advertise" and value
@@ -153,7 +154,9 @@ class PrefillConfig(ModelOptions):
     default_max_tokens: int = option(1024, "max_tokens when a request gives none")
     max_n: int = option(16, "most choices (n) one request may ask for, up to 128")
     max_prefill_tokens: int = option(
-        4096, "prompt tokens prefilled in one forward: waiting prompts are packed up to it"
+        0,
+        "prompt tokens prefilled in one forward: waiting prompts fill it, one that does not fit "
+        "runs in chunks (0: 512 on a CPU, 4096 on a GPU)",
     )
     image_cache_bytes: int = option(
         512 * 1024 * 1024, "memory for embeddings of images seen before (0: no cache)"

@@ -1,11 +1,17 @@
 """Prompts that wait for prefill together run together, packed into one forward.
 
 One model, one queue: the batcher takes the prompts waiting in arrival order up to a token
-budget (a longer prompt runs alone) and prefills them in one call on the engine's thread, so a
-burst of requests costs one large forward instead of many small ones. A request whose caller has
-gone is skipped; at most WAITING_BUDGETS budgets of prompt tokens may wait, and a request beyond
-that is refused at once (503) rather than queued without end. When the batcher stops, for any
-reason, every request still waiting fails.
+budget and prefills them in one call on the engine's thread, so a burst of requests costs one
+large forward instead of many small ones. The budget is filled exactly: a prompt that does not
+fit whole runs in chunks, the first one filling the rest of this forward, the next ones heading
+the following forwards (first come, first served, as vLLM and SGLang schedule a chunked prompt).
+So a forward's time and activation memory are bounded by the budget whatever a prompt's length,
+and forwards stay short enough that hand-offs reach decode as a stream, not in waves.
+
+A request whose caller has gone is skipped (its chunks so far dropped); at most WAITING_BUDGETS
+budgets of prompt tokens may wait, and a request beyond that is refused at once (503) rather
+than queued without end. When the batcher stops, for any reason, every request still waiting
+fails.
 """
 
 from __future__ import annotations
@@ -16,19 +22,36 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from epd.prefill.engine import PrefillEngine, Prompt
+import torch
+
+from epd.model.latent_cache import LatentCache
+from epd.prefill.engine import Chunk, PrefillEngine, Prompt
 from epd.prefill.errors import Unavailable
 from epd.prefill.metrics import PrefillMetrics
 from epd.wire.messages import KVHandoff
 
 WAITING_BUDGETS = 8
+# Tokens per forward unless configured. On a CPU, a forward of 512 (two 240-token prompts)
+# gave 1.3x the output tokens of 4096 at 16 streams: long forwards make decode wait for whole
+# waves of requests (docs/benchmarks.md). The GPU figure is the earlier default, unmeasured.
+CPU_BUDGET, GPU_BUDGET = 512, 4096
 
 
-@dataclass
+def token_budget(configured: int, device: torch.device) -> int:
+    return configured or (GPU_BUDGET if device.type == "cuda" else CPU_BUDGET)
+
+
+@dataclass(eq=False)
 class Job:
     prompt: Prompt
     future: asyncio.Future[KVHandoff]
     queued_at: float = field(default_factory=time.perf_counter)
+    done: int = 0  # prompt tokens prefilled so far, by earlier chunks
+    cache: LatentCache | None = None  # theirs
+
+    @property
+    def left(self) -> int:
+        return len(self.prompt.prompt_ids) - self.done
 
 
 class PrefillBatcher:
@@ -49,7 +72,7 @@ class PrefillBatcher:
 
     async def prefill(self, prompt: Prompt) -> KVHandoff:
         """The prompt's hand-off, once a forward has taken it; Unavailable if too many wait."""
-        waiting = sum(len(job.prompt.prompt_ids) for job in self.waiting)
+        waiting = sum(job.left for job in self.waiting)
         if waiting >= WAITING_BUDGETS * self.max_tokens:
             raise Unavailable(f"prefill is full: {waiting} prompt tokens are waiting")
         future: asyncio.Future[KVHandoff] = asyncio.get_running_loop().create_future()
@@ -71,22 +94,27 @@ class PrefillBatcher:
                     job.future.set_exception(Unavailable("prefill stopped before this request"))
             self.waiting.clear()
 
-    async def prefill_batch(self, batch: list[Job]) -> None:
-        prompts = [job.prompt for job in batch]
+    async def prefill_batch(self, batch: list[tuple[Job, Chunk]]) -> None:
         self.sizes.append(len(batch))
         started = time.perf_counter()
-        for job in batch:
-            self.metrics.queue_time.observe(started - job.queued_at)
+        for job, _ in batch:
+            if not job.done:  # its first chunk: the wait ends
+                self.metrics.queue_time.observe(started - job.queued_at)
         self.busy = True
         try:
             results = await asyncio.get_running_loop().run_in_executor(
-                self.executor, self.engine.run_batch, prompts, self.reply_to
+                self.executor, self.engine.run_chunks, [chunk for _, chunk in batch], self.reply_to
             )
         except Exception as e:  # not one prompt's fault: all of them fail
             results = [e] * len(batch)
         finally:
             self.busy = False
-        for job, result in zip(batch, results, strict=True):
+        for (job, chunk), result in zip(batch, results, strict=True):
+            if isinstance(result, LatentCache):  # more chunks to come: it stays first in line
+                job.done, job.cache = chunk.stop, result
+                continue
+            if job in self.waiting:  # a chunked prompt ends, one way or the other
+                self.waiting.remove(job)
             if job.future.done():  # its caller left meanwhile
                 continue
             if isinstance(result, Exception):
@@ -95,20 +123,22 @@ class PrefillBatcher:
                 self.metrics.prompt_tokens.inc(result.prompt_tokens)
                 job.future.set_result(result)
 
-    def take(self) -> list[Job]:
-        """The waiting jobs, oldest first, up to the token budget (at least one)."""
-        batch: list[Job] = []
-        tokens = 0
-        while self.waiting:
+    def take(self) -> list[tuple[Job, Chunk]]:
+        """Chunks of the waiting jobs, oldest first, filling the token budget. A job that does
+        not fit whole gives a chunk and stays first in line for the next forward."""
+        batch: list[tuple[Job, Chunk]] = []
+        room = self.max_tokens
+        while self.waiting and room:
             job = self.waiting[0]
             if job.future.done():
                 self.waiting.popleft()
                 continue
-            size = len(job.prompt.prompt_ids)
-            if batch and tokens + size > self.max_tokens:
+            size = min(job.left, room)
+            batch.append((job, Chunk(job.prompt, job.done, job.done + size, job.cache)))
+            if size < job.left:
                 break
-            batch.append(self.waiting.popleft())
-            tokens += size
+            self.waiting.popleft()
+            room -= size
         return batch
 
     def status(self) -> dict[str, object]:

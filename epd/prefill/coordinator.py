@@ -19,7 +19,7 @@ import torch
 
 from epd.config.roles import PrefillConfig
 from epd.multimodal.grids import kimi_vl_grids
-from epd.prefill.batcher import PrefillBatcher
+from epd.prefill.batcher import PrefillBatcher, token_budget
 from epd.prefill.engine import PrefillEngine, Prompt
 from epd.prefill.errors import Internal, PrefillError, TimedOut, Unavailable, from_failure
 from epd.prefill.image_cache import ImageCache, digests
@@ -100,9 +100,8 @@ class Coordinator:
         rows = config.max_images * max_image_tokens
         largest = rows * engine.lm.config.hidden_size * 4  # float32 embeddings of every image
         self.inbox = Inbox(async_context(), config.bind, largest, curve=keys)
-        self.batcher = PrefillBatcher(
-            engine, config.max_prefill_tokens, config.reply_address, self.metrics
-        )
+        budget = token_budget(config.max_prefill_tokens, engine.device)
+        self.batcher = PrefillBatcher(engine, budget, config.reply_address, self.metrics)
         self.images = ImageCache(config.image_cache_bytes)
         self.waits: dict[tuple[str, int], EncodeWait] = {}
         self.streams: dict[str, Stream] = {}

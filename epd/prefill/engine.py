@@ -1,7 +1,9 @@
 """The prefill step, free of I/O: prompts + image embeddings → first tokens + latent KV.
 
 Several prompts run packed into one forward (each attends only to itself); a prompt that cannot
-be prefilled fails alone: its slot holds the exception, the others their hand-offs.
+be prefilled fails alone: its slot holds the exception, the others their hand-offs. A long prompt
+may run in chunks, one forward each: a chunk continues from the cache of the chunks before it,
+and only the last one samples the first token.
 """
 
 from __future__ import annotations
@@ -35,6 +37,24 @@ class Prompt:
     prompt_ids: list[int]
     image_embeddings: torch.Tensor | None  # (N, hidden) for the N placeholder slots
     sampling: SamplingParams
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """A prompt's tokens [start, stop), prefilled after `past`: the cache of its tokens before."""
+
+    prompt: Prompt
+    start: int
+    stop: int
+    past: LatentCache | None = None
+
+    @classmethod
+    def whole(cls, prompt: Prompt) -> Chunk:
+        return cls(prompt, 0, len(prompt.prompt_ids))
+
+    @property
+    def last(self) -> bool:
+        return self.stop == len(self.prompt.prompt_ids)
 
 
 @dataclass(frozen=True)
@@ -81,25 +101,42 @@ class PrefillEngine:
             raise result
         return result
 
-    @torch.inference_mode()
     def run_batch(self, prompts: list[Prompt], reply_to: str = "") -> list[KVHandoff | Exception]:
-        """Prefill prompts packed into one forward; each gets its hand-off or its error."""
-        results: dict[int, KVHandoff | Exception] = {}
+        """Prefill whole prompts packed into one forward; each gets its hand-off or its error."""
+        results = self.run_chunks([Chunk.whole(p) for p in prompts], reply_to)
+        return [r for r in results if not isinstance(r, LatentCache)]
+
+    @torch.inference_mode()
+    def run_chunks(
+        self, chunks: list[Chunk], reply_to: str = ""
+    ) -> list[KVHandoff | LatentCache | Exception]:
+        """Prefill chunks packed into one forward. A last chunk gets its prompt's hand-off; an
+        earlier one the prompt's cache so far (its past, grown); a chunk that fails its error."""
+        results: dict[int, KVHandoff | LatentCache | Exception] = {}
         embeds: dict[int, torch.Tensor] = {}
-        for i, prompt in enumerate(prompts):
+        for i, chunk in enumerate(chunks):
             try:
-                embeds[i] = self.embed(prompt)
+                embeds[i] = self.embed(chunk.prompt)[chunk.start : chunk.stop]
             except Exception as e:  # e.g. image rows that do not fit the placeholders
                 results[i] = e
-        for i, outcome in zip(embeds, self.forward(list(embeds.values())), strict=True):
+        pasts = [chunks[i].past for i in embeds]
+        for i, outcome in zip(embeds, self.forward(list(embeds.values()), pasts), strict=True):
             if isinstance(outcome, Exception):
                 results[i] = outcome
+                continue
+            chunk, (logits, rows) = chunks[i], outcome
+            cache = grown(chunk.past, rows)
+            if chunk.last:
+                results[i] = self.hand_off(chunk.prompt, logits, cache, reply_to)
             else:
-                results[i] = self.hand_off(prompts[i], *outcome, reply_to)
-        return [results[i] for i in range(len(prompts))]
+                results[i] = cache
+        return [results[i] for i in range(len(chunks))]
 
     def embed(self, prompt: Prompt) -> torch.Tensor:
-        """Input embeddings (T, hidden) with the image rows in their placeholder slots."""
+        """Input embeddings (T, hidden) with the image rows in their placeholder slots.
+
+        A chunk takes its rows of the whole prompt's: a lookup and a copy, far below a forward.
+        """
         ids = torch.tensor(prompt.prompt_ids, device=self.device)
         embeds = self.lm.embed(ids)
         if prompt.image_embeddings is None:
@@ -108,22 +145,27 @@ class PrefillEngine:
         return scatter_image_embeddings(embeds, ids, rows, self.placeholder_id)
 
     def forward(
-        self, embeds: list[torch.Tensor]
+        self, embeds: list[torch.Tensor], pasts: list[LatentCache | None]
     ) -> list[tuple[torch.Tensor, LatentCache] | Exception]:
-        """Last-token logits (vocab,) and cache of each prompt; alone if the packed run fails."""
+        """Each chunk's last-token logits (vocab,) and its new cache rows; alone if the packed
+        run fails."""
         if not embeds:
             return []
         lengths = [e.shape[0] for e in embeds]
         try:
-            hidden, cache = self.lm.prefill(torch.cat(embeds), lengths)
+            hidden, cache = self.lm.prefill(torch.cat(embeds), lengths, pasts)
             last = [end - 1 for end in itertools.accumulate(lengths)]
-            logits = self.lm.logits(hidden[last])  # (prompts, vocab)
+            logits = self.lm.logits(hidden[last])  # (chunks, vocab)
             return list(zip(logits, cache.split(lengths), strict=True))
         except Exception as e:
             if len(embeds) == 1:
                 return [e]
-            log.exception("a packed prefill of %d prompts failed: running them alone", len(embeds))
-            return [outcome for e in embeds for outcome in self.forward([e])]
+            log.exception("a packed prefill of %d chunks failed: running them alone", len(embeds))
+            return [
+                outcome
+                for e, past in zip(embeds, pasts, strict=True)
+                for outcome in self.forward([e], [past])
+            ]
 
     def hand_off(
         self, prompt: Prompt, logits: torch.Tensor, cache: LatentCache, reply_to: str
@@ -162,3 +204,13 @@ class PrefillEngine:
             return BadRequest(str(e))
         except Exception as e:  # e.g. a cache with NaN from an overflow: this request only
             return e
+
+
+def grown(past: LatentCache | None, rows: LatentCache) -> LatentCache:
+    """A prompt's cache after a chunk: its past with the chunk's rows appended, or, for a first
+    chunk, the rows themselves (a view of the packed forward's cache: the hand-off copies it,
+    and a next chunk's append moves it to memory of its own)."""
+    if past is None:
+        return rows
+    past.extend(rows.tensor())
+    return past

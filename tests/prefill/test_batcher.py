@@ -47,7 +47,7 @@ def test_a_prompt_that_cannot_be_prefilled_fails_alone(engine):
     assert [r.request_id for r in (results[0], results[2])] == ["r0", "r2"]
 
 
-def test_waiting_prompts_are_packed_under_the_token_budget(engine):
+def test_waiting_prompts_fill_the_token_budget_and_a_long_one_runs_in_chunks(engine):
     async def main():
         batcher = PrefillBatcher(engine, max_tokens=16, reply_to="")
         runner = asyncio.create_task(batcher.run())
@@ -58,7 +58,53 @@ def test_waiting_prompts_are_packed_under_the_token_budget(engine):
 
     handoffs, sizes = asyncio.run(main())
     assert [h.request_id for h in handoffs] == ["r0", "r1", "r2", "r3"]
-    assert sizes == [3, 1]  # 4 + 7 + 2 tokens fit in 16; the 40-token prompt runs alone
+    # 4 + 7 + 2 tokens and the 40-token prompt's first 3 fill 16; then 16, 16 and its last 5.
+    assert sizes == [4, 1, 1, 1]
+    alone = engine.run("r3", PROMPTS[3], None, prompt(3).sampling)
+    assert handoffs[3].first_tokens == alone.first_tokens
+    assert handoffs[3].first_logprobs[0].logprob == pytest.approx(
+        alone.first_logprobs[0].logprob, abs=1e-5
+    )
+    torch.testing.assert_close(handoffs[3].cache, alone.cache, atol=1e-5, rtol=1e-5)
+
+
+def test_chunks_of_a_prompt_with_images_give_what_it_gets_whole(engine):
+    """Chunk boundaries fall inside the image's slots: each chunk takes its own rows."""
+    placeholder, hidden = engine.placeholder_id, engine.lm.config.hidden_size
+    ids = [5, 17, *[placeholder] * 6, 42, 99, *[placeholder] * 3, 7]
+    images = torch.randn(9, hidden, generator=torch.Generator().manual_seed(0))
+    whole = engine.run("r", ids, images, prompt(0).sampling)
+
+    async def main():
+        batcher = PrefillBatcher(engine, max_tokens=4, reply_to="")
+        runner = asyncio.create_task(batcher.run())
+        handoff = await batcher.prefill(prompt(0, ids=ids, images=images))
+        runner.cancel()
+        batcher.close()
+        return handoff, list(batcher.sizes)
+
+    chunked, sizes = asyncio.run(main())
+    assert sizes == [1, 1, 1, 1]  # 14 tokens in chunks of 4, 4, 4 and 2
+    assert chunked.first_tokens == whole.first_tokens
+    torch.testing.assert_close(chunked.cache, whole.cache, atol=1e-5, rtol=1e-5)
+
+
+def test_a_chunked_prompt_whose_caller_left_is_dropped_between_chunks(engine):
+    async def main():
+        batcher = PrefillBatcher(engine, max_tokens=16, reply_to="")
+        runner = asyncio.create_task(batcher.run())
+        long = asyncio.ensure_future(batcher.prefill(prompt(3)))  # 40 tokens: 3 forwards
+        while not batcher.sizes:  # its first chunk's forward has begun
+            await asyncio.sleep(0.001)
+        long.cancel()  # its client goes away during it
+        after = await batcher.prefill(prompt(0))
+        runner.cancel()
+        batcher.close()
+        return after, list(batcher.sizes), len(batcher.waiting)
+
+    after, sizes, waiting = asyncio.run(main())
+    assert after.request_id == "r0" and waiting == 0
+    assert sizes == [1, 1]  # the long prompt's first chunk (cancelled during it), then r0 alone
 
 
 def test_a_request_whose_caller_left_is_skipped_and_a_stop_fails_the_rest(engine):
@@ -85,10 +131,10 @@ def test_a_forward_that_raises_fails_its_whole_batch_and_a_full_queue_refuses(en
     async def main():
         batcher = PrefillBatcher(engine, max_tokens=4, reply_to="")
 
-        def broken(prompts, reply_to):
+        def broken(chunks, reply_to):
             raise RuntimeError("device lost")
 
-        batcher.engine = type("Broken", (), {"run_batch": staticmethod(broken)})()
+        batcher.engine = type("Broken", (), {"run_chunks": staticmethod(broken)})()
         runner = asyncio.create_task(batcher.run())
         results = await asyncio.gather(
             *(batcher.prefill(prompt(i)) for i in range(2)), return_exceptions=True
