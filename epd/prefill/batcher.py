@@ -8,9 +8,9 @@ the following forwards (first come, first served, as vLLM and SGLang schedule a 
 So a forward's time and activation memory are bounded by the budget whatever a prompt's length,
 and forwards stay short enough that hand-offs reach decode as a stream, not in waves.
 
-A request whose caller has gone is skipped (its chunks so far dropped); at most WAITING_BUDGETS
-budgets of prompt tokens may wait, and a request beyond that is refused at once (503) rather
-than queued without end. When the batcher stops, for any reason, every request still waiting
+A request whose caller has gone is skipped (its chunks so far dropped); at most
+`max_waiting_tokens` prompt tokens may wait, and a request beyond that is refused at once (503)
+rather than queued without end. When the batcher stops, for any reason, every request still waiting
 fails.
 """
 
@@ -30,7 +30,7 @@ from epd.prefill.errors import Unavailable
 from epd.prefill.metrics import PrefillMetrics
 from epd.wire.messages import KVHandoff
 
-WAITING_BUDGETS = 8
+WAITING_TOKENS = 32768  # prompt tokens that may wait: 8 forwards at the GPU budget
 # Tokens per forward unless configured. On a CPU, a forward of 512 (two 240-token prompts)
 # gave 1.3x the output tokens of 4096 at 16 streams: long forwards make decode wait for whole
 # waves of requests (docs/benchmarks.md). The GPU figure is the earlier default, unmeasured.
@@ -61,8 +61,10 @@ class PrefillBatcher:
         max_tokens: int,
         reply_to: str,
         metrics: PrefillMetrics | None = None,
+        max_waiting_tokens: int = WAITING_TOKENS,
     ) -> None:
         self.engine, self.max_tokens, self.reply_to = engine, max_tokens, reply_to
+        self.max_waiting_tokens = max_waiting_tokens  # not tied to the budget, which is small
         self.metrics = metrics or PrefillMetrics()
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="prefill")  # one model
         self.waiting: deque[Job] = deque()
@@ -73,7 +75,7 @@ class PrefillBatcher:
     async def prefill(self, prompt: Prompt) -> KVHandoff:
         """The prompt's hand-off, once a forward has taken it; Unavailable if too many wait."""
         waiting = sum(job.left for job in self.waiting)
-        if waiting >= WAITING_BUDGETS * self.max_tokens:
+        if waiting >= self.max_waiting_tokens:
             raise Unavailable(f"prefill is full: {waiting} prompt tokens are waiting")
         future: asyncio.Future[KVHandoff] = asyncio.get_running_loop().create_future()
         self.waiting.append(Job(prompt, future))

@@ -141,8 +141,8 @@ def test_a_forward_that_raises_fails_its_whole_batch_and_a_full_queue_refuses(en
         )
         runner.cancel()
         await asyncio.gather(runner, return_exceptions=True)
-        full = PrefillBatcher(engine, max_tokens=4, reply_to="")  # 8 budgets: 32 tokens wait
-        full.waiting.append(Job(prompt(3), asyncio.get_running_loop().create_future()))
+        full = PrefillBatcher(engine, max_tokens=4, reply_to="", max_waiting_tokens=40)
+        full.waiting.append(Job(prompt(3), asyncio.get_running_loop().create_future()))  # 40
         refused = await asyncio.gather(full.prefill(prompt(0)), return_exceptions=True)
         batcher.close(), full.close()
         return results, refused
