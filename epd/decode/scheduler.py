@@ -2,7 +2,8 @@
 
 New sequences join between steps (their first token, sampled by prefill, is emitted on
 arrival); finished and aborted ones leave between steps and their caches are freed. Beyond
-`max_batch_size` sequences wait, in arrival order, for a free slot.
+`max_batch_size` sequences wait, in arrival order, for a free slot. A running sequence's cache
+lives in a `LatentPool`, which a step reads in place instead of copying every cache.
 
 A step samples every row in one batched call (one finiteness check, the requests' penalties,
 biases and bans applied batched, one transfer to the host).
@@ -28,6 +29,7 @@ from epd.generation.sampling import restore_generator, sample_batch
 from epd.generation.sequence import Output, Sequence
 from epd.model.deepseek import DeepseekV3ForCausalLM
 from epd.model.latent_cache import LatentCache
+from epd.model.latent_pool import LatentPool
 from epd.wire.messages import KVHandoff
 
 log = logging.getLogger(__name__)
@@ -64,6 +66,8 @@ class Scheduler:
         self.device = lm.lm_head.weight.device
         self.running: dict[tuple[str, int], Sequence] = {}  # by (request id, choice)
         self.waiting: deque[Sequence] = deque()
+        config, dtype = lm.config, lm.lm_head.weight.dtype
+        self.pool = LatentPool(config.num_hidden_layers, config.latent_dim, self.device, dtype)
 
     @cached_property
     def grammars(self) -> Grammars:  # built on first use: a large vocabulary takes a second
@@ -139,7 +143,7 @@ class Scheduler:
         """Drop a request, every choice of it, wherever it is; its caches go with it."""
         keys = [key for key in self.running if key[0] == request_id]
         for key in keys:
-            del self.running[key]
+            self._leave(self.running[key])
         kept = [s for s in self.waiting if s.request_id != request_id]
         found = bool(keys) or len(kept) != len(self.waiting)
         self.waiting = deque(kept)
@@ -149,6 +153,7 @@ class Scheduler:
         """Remove and return every sequence, running or waiting."""
         sequences = self.sequences()
         self.running.clear()
+        self.pool.clear()
         self.waiting.clear()
         return sequences
 
@@ -157,10 +162,13 @@ class Scheduler:
         """Advance every running sequence by one token; say what each produced or why it failed."""
         while self.waiting and len(self.running) < self.max_batch_size:
             sequence = self.waiting.popleft()
+            sequence.cache = self.pool.admit(sequence.cache)
             self.running[sequence.key] = sequence
         step = Step()
         good: list[tuple[Sequence, torch.Tensor]] = []
-        for sequence, row in self._logits(list(self.running.values())):
+        running = list(self.running.values())
+        batch = [running[i] for i in self.pool.in_order([s.cache for s in running])]
+        for sequence, row in self._logits(batch):
             if isinstance(row, Exception):
                 self._fail(step, sequence, row)
             else:
@@ -178,8 +186,12 @@ class Scheduler:
                 continue
             step.produced.append((sequence, output))
             if sequence.finish_reason is not None:
-                del self.running[sequence.key]
+                self._leave(sequence)
         return step
+
+    def _leave(self, sequence: Sequence) -> None:
+        del self.running[sequence.key]
+        self.pool.release(sequence.cache)
 
     def _fail(self, step: Step, sequence: Sequence, error: Exception) -> None:
         if isinstance(error, NoTokenAllowed | GrammarError):  # what it asked for, not a fault
@@ -188,7 +200,7 @@ class Scheduler:
         else:
             log.error("request %s failed in a decode step", sequence.request_id, exc_info=error)
             step.failed.append((sequence, f"decode failed: {type(error).__name__}: {error}"))
-        del self.running[sequence.key]
+        self._leave(sequence)
 
     def _sample(
         self, batch: list[tuple[Sequence, torch.Tensor]], logits: torch.Tensor
@@ -241,4 +253,5 @@ class Scheduler:
 
     def _forward(self, batch: list[Sequence]) -> torch.Tensor:
         tokens = torch.tensor([s.last_token for s in batch], device=self.device)
-        return self.lm.logits(self.lm.decode(tokens, [s.cache for s in batch]))  # (B, vocab)
+        caches = self.pool.batch([s.cache for s in batch])
+        return self.lm.logits(self.lm.decode(tokens, caches))  # (B, vocab)

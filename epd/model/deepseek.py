@@ -103,9 +103,14 @@ class DeepseekV3ForCausalLM(nn.Module):
             latents.append(latent)
         return self.model.norm(x), LatentCache.from_tensor(torch.stack(latents))
 
-    def decode(self, input_ids: torch.Tensor, caches: list[LatentCache]) -> torch.Tensor:
-        """One token per request (B,) → final hidden states (B, D); each cache grows by one."""
-        batch = DecodeBatch(caches)
+    def decode(
+        self, input_ids: torch.Tensor, caches: list[LatentCache] | DecodeBatch
+    ) -> torch.Tensor:
+        """One token per request (B,) → final hidden states (B, D); each cache grows by one.
+
+        `caches` may come as a DecodeBatch already, e.g. one that reads a LatentPool in place.
+        """
+        batch = caches if isinstance(caches, DecodeBatch) else DecodeBatch(caches)
         angles = self.angles(batch.positions)
         x = self.embed(input_ids)
         for layer in self.model.decoder_layers():
