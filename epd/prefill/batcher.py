@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -62,8 +63,12 @@ class PrefillBatcher:
         reply_to: str,
         metrics: PrefillMetrics | None = None,
         max_waiting_tokens: int = WAITING_TOKENS,
+        progressed: Callable[[], None] = lambda: None,
     ) -> None:
         self.engine, self.max_tokens, self.reply_to = engine, max_tokens, reply_to
+        # Called as each forward ends: under steady load the batcher is never idle, and only
+        # this tells the watchdog that it is alive (it once took back-to-back forwards for a hang).
+        self.progressed = progressed
         self.max_waiting_tokens = max_waiting_tokens  # not tied to the budget, which is small
         self.metrics = metrics or PrefillMetrics()
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="prefill")  # one model
@@ -111,6 +116,7 @@ class PrefillBatcher:
             results = [e] * len(batch)
         finally:
             self.busy = False
+            self.progressed()
         for (job, chunk), result in zip(batch, results, strict=True):
             if isinstance(result, LatentCache):  # more chunks to come: it stays first in line
                 job.done, job.cache = chunk.stop, result

@@ -101,7 +101,13 @@ class Coordinator:
         largest = rows * engine.lm.config.hidden_size * 4  # float32 embeddings of every image
         self.inbox = Inbox(async_context(), config.bind, largest, curve=keys)
         budget = token_budget(config.max_prefill_tokens, engine.device)
-        self.batcher = PrefillBatcher(engine, budget, config.reply_address, self.metrics)
+        self.batcher = PrefillBatcher(
+            engine,
+            budget,
+            config.reply_address,
+            self.metrics,
+            progressed=lambda: watchdog.beat("prefill"),
+        )
         self.images = ImageCache(config.image_cache_bytes)
         self.waits: dict[tuple[str, int], EncodeWait] = {}
         self.streams: dict[str, Stream] = {}

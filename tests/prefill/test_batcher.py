@@ -75,8 +75,10 @@ def test_chunks_of_a_prompt_with_images_give_what_it_gets_whole(engine):
     images = torch.randn(9, hidden, generator=torch.Generator().manual_seed(0))
     whole = engine.run("r", ids, images, prompt(0).sampling)
 
+    beats = []
+
     async def main():
-        batcher = PrefillBatcher(engine, max_tokens=4, reply_to="")
+        batcher = PrefillBatcher(engine, 4, "", progressed=lambda: beats.append(1))
         runner = asyncio.create_task(batcher.run())
         handoff = await batcher.prefill(prompt(0, ids=ids, images=images))
         runner.cancel()
@@ -85,6 +87,7 @@ def test_chunks_of_a_prompt_with_images_give_what_it_gets_whole(engine):
 
     chunked, sizes = asyncio.run(main())
     assert sizes == [1, 1, 1, 1]  # 14 tokens in chunks of 4, 4, 4 and 2
+    assert len(beats) == 4  # back to back, never idle: each forward's end tells the watchdog
     assert chunked.first_tokens == whole.first_tokens
     torch.testing.assert_close(chunked.cache, whole.cache, atol=1e-5, rtol=1e-5)
 
