@@ -67,7 +67,13 @@ class Scheduler:
         self.running: dict[tuple[str, int], Sequence] = {}  # by (request id, choice)
         self.waiting: deque[Sequence] = deque()
         config, dtype = lm.config, lm.lm_head.weight.dtype
-        self.pool = LatentPool(config.num_hidden_layers, config.latent_dim, self.device, dtype)
+        self.pool = LatentPool(
+            config.num_hidden_layers,
+            config.latent_dim,
+            self.device,
+            dtype,
+            config.max_position_embeddings,
+        )
 
     @cached_property
     def grammars(self) -> Grammars:  # built on first use: a large vocabulary takes a second
@@ -160,11 +166,22 @@ class Scheduler:
     @torch.inference_mode()
     def step(self) -> Step:
         """Advance every running sequence by one token; say what each produced or why it failed."""
+        step = Step()
         while self.waiting and len(self.running) < self.max_batch_size:
             sequence = self.waiting.popleft()
-            sequence.cache = self.pool.admit(sequence.cache)
+            try:
+                sequence.cache = self.pool.admit(sequence.cache)
+            except Exception as e:  # e.g. no memory for its cache: it fails alone
+                log.error("request %s could not join the batch", sequence.request_id, exc_info=e)
+                step.failed.append((sequence, f"decode failed: {type(e).__name__}: {e}"))
+                continue
             self.running[sequence.key] = sequence
-        step = Step()
+        try:
+            self.pool.make_room()
+        except Exception as e:  # the pool could not grow: only the longest needed it
+            longest = [s for s in self.running.values() if s.cache.length >= self.pool.capacity]
+            for sequence in longest:
+                self._fail(step, sequence, e)
         good: list[tuple[Sequence, torch.Tensor]] = []
         running = list(self.running.values())
         batch = [running[i] for i in self.pool.in_order([s.cache for s in running])]

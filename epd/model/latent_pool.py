@@ -7,9 +7,11 @@ last slot's rows move into its place. A step over the slots in order attends ove
 `storage[layer, :n, :T]`, a view, where a batch of separate caches is copied into a padded tensor
 in every layer of every step. So a departure costs one copy of one cache, and a step none.
 
-The price is memory: n slots × the longest running sequence (capacity doubles when one outgrows
-it), not the sum of their lengths. A paged pool would avoid that waste but needs a paged
-attention kernel to avoid the gather, and torch has none on a CPU.
+The price is memory: n slots × the longest running sequence, not the sum of their lengths.
+Capacity doubles when one outgrows it, up to the context length, and halves again once the
+longest left fits a quarter of it (the storage goes entirely when the last cache leaves). A paged
+pool would avoid the waste but needs a paged attention kernel to avoid the gather, and torch has
+none on a CPU.
 """
 
 from __future__ import annotations
@@ -36,9 +38,15 @@ class PooledBatch(DecodeBatch):
 
 class LatentPool:
     def __init__(
-        self, layers: int, latent_dim: int, device: torch.device, dtype: torch.dtype
+        self,
+        layers: int,
+        latent_dim: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        max_length: int = 1 << 62,
     ) -> None:
         self.storage = torch.empty(layers, 0, 0, latent_dim, device=device, dtype=dtype)
+        self.max_length = max_length  # no cache grows past the context
         self.caches: list[LatentCache] = []  # by slot
         self.slot: dict[int, int] = {}  # id(cache) → its slot
 
@@ -65,11 +73,16 @@ class LatentPool:
         last = self.caches.pop()
         if last is not cache:
             self.storage[:, slot, : last.length] = last.tensor()
-            self.storage[:, slot, last.length : cache.length] = 0
+            self.storage[:, slot, last.length : cache.length + 1] = 0  # + a failed step's row
             last.data = self.storage[:, slot]
             self.caches[slot] = last
             self.slot[id(last)] = slot
         self.storage[:, vacated, : max(last.length, cache.length) + 1] = 0
+        longest = max((c.length for c in self.caches), default=0)
+        if not self.caches:
+            self.clear()
+        elif 4 * (longest + 1) <= self.storage.shape[2]:  # a long one left: give memory back
+            self.reallocate(self.storage.shape[1], max(2 * (longest + 1), 16))
 
     def clear(self) -> None:
         """Forget every cache and give back the memory."""
@@ -82,11 +95,20 @@ class LatentPool:
         """The positions of `caches` sorted by slot: the order a step reads them in place."""
         return sorted(range(len(caches)), key=lambda i: self.slot[id(caches[i])])
 
-    def batch(self, caches: list[LatentCache]) -> DecodeBatch:
-        """A decode step over pooled caches, room made for its new row: read in place when they
-        are every slot in order, gathered otherwise (e.g. one sequence run alone)."""
+    @property
+    def capacity(self) -> int:
+        return self.storage.shape[2]
+
+    def make_room(self) -> None:
+        """Room for one more row in every slot: a step's. Raises (e.g. out of memory) if the
+        storage cannot grow; only the caches longer than `capacity` then need what failed."""
         if self.caches:
             self.fit(len(self.caches), max(c.length for c in self.caches) + 1)
+
+    def batch(self, caches: list[LatentCache]) -> DecodeBatch:
+        """A decode step over pooled caches: read in place when they are every slot in order,
+        gathered otherwise (e.g. one sequence run alone)."""
+        self.make_room()
         if len(caches) == len(self.caches) and all(
             a is b for a, b in zip(caches, self.caches, strict=True)
         ):
@@ -96,16 +118,20 @@ class LatentPool:
     @torch.inference_mode()
     def fit(self, slots: int, length: int) -> None:
         """Grow the storage, doubling, to hold `slots` caches of `length` rows."""
-        layers, have_slots, capacity, width = self.storage.shape
+        _, have_slots, capacity, _ = self.storage.shape
         if slots <= have_slots and length <= capacity:
             return
-        grown = self.storage.new_zeros(
-            layers,
+        self.reallocate(
             max(slots, have_slots if slots <= have_slots else 2 * have_slots),
-            max(length, capacity if length <= capacity else 2 * capacity, 16),
-            width,
+            min(max(length, capacity if length <= capacity else 2 * capacity, 16), self.max_length),
         )
+
+    @torch.inference_mode()
+    def reallocate(self, slots: int, capacity: int) -> None:
+        """Move every cache into new zeroed storage of this size."""
+        layers, _, _, width = self.storage.shape
+        moved = self.storage.new_zeros(layers, slots, capacity, width)
         for slot, cache in enumerate(self.caches):
-            grown[:, slot, : cache.length] = cache.tensor()
-            cache.data = grown[:, slot]
-        self.storage = grown
+            moved[:, slot, : cache.length] = cache.tensor()
+            cache.data = moved[:, slot]
+        self.storage = moved

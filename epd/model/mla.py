@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.bias import causal_lower_right
 
 from epd.model.config import TextConfig
 from epd.model.latent_cache import DecodeBatch
@@ -96,10 +97,11 @@ class MLAttention(nn.Module):
         # with zeros and drop the padding after. Shapes (1, H, T, ·), the 4-D form they take.
         v = F.pad(v, (0, max(0, q.shape[-1] - self.v_dim)))
         q, k, v = (t.transpose(0, 1)[None] for t in (q, k, v))
-        past = k.shape[2] - q.shape[2]
-        if past:  # causal from the bottom right: query i sees the past and new rows up to i
-            mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device)
-            out = F.scaled_dot_product_attention(q, k, v, mask.tril(past), scale=self.scale)
+        if k.shape[2] > q.shape[2]:  # after a past: query i sees the past and new rows up to i
+            # Causal from the bottom right, as a bias object rather than a boolean mask, so CUDA
+            # keeps its fused kernels.
+            bias = causal_lower_right(q.shape[2], k.shape[2])
+            out = F.scaled_dot_product_attention(q, k, v, bias, scale=self.scale)
         else:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
         return out[0].transpose(0, 1)[..., : self.v_dim]

@@ -5,8 +5,9 @@ budget and prefills them in one call on the engine's thread, so a burst of reque
 large forward instead of many small ones. The budget is filled exactly: a prompt that does not
 fit whole runs in chunks, the first one filling the rest of this forward, the next ones heading
 the following forwards (first come, first served, as vLLM and SGLang schedule a chunked prompt).
-So a forward's time and activation memory are bounded by the budget whatever a prompt's length,
-and forwards stay short enough that hand-offs reach decode as a stream, not in waves.
+So a forward takes at most the budget's new tokens whatever a prompt's length (its attention
+still reads the prompt's past), and forwards stay short enough that hand-offs reach decode as a
+stream, not in waves.
 
 A request whose caller has gone is skipped (its chunks so far dropped); at most
 `max_waiting_tokens` prompt tokens may wait, and a request beyond that is refused at once (503)
@@ -31,7 +32,7 @@ from epd.prefill.errors import Unavailable
 from epd.prefill.metrics import PrefillMetrics
 from epd.wire.messages import KVHandoff
 
-WAITING_TOKENS = 32768  # prompt tokens that may wait: 8 forwards at the GPU budget
+WAITING_TOKENS = 32768  # prompt tokens that may wait, at least: 8 forwards at the GPU budget
 # Tokens per forward unless configured. On a CPU, a forward of 512 (two 240-token prompts)
 # gave 1.3x the output tokens of 4096 at 16 streams: long forwards make decode wait for whole
 # waves of requests (docs/benchmarks.md). The GPU figure is the earlier default, unmeasured.
@@ -62,14 +63,15 @@ class PrefillBatcher:
         max_tokens: int,
         reply_to: str,
         metrics: PrefillMetrics | None = None,
-        max_waiting_tokens: int = WAITING_TOKENS,
+        max_waiting_tokens: int = 0,
         progressed: Callable[[], None] = lambda: None,
     ) -> None:
         self.engine, self.max_tokens, self.reply_to = engine, max_tokens, reply_to
         # Called as each forward ends: under steady load the batcher is never idle, and only
         # this tells the watchdog that it is alive (it once took back-to-back forwards for a hang).
         self.progressed = progressed
-        self.max_waiting_tokens = max_waiting_tokens  # not tied to the budget, which is small
+        # Not 8 budgets when the budget is small: 32 streams of 240 tokens would be refused.
+        self.max_waiting_tokens = max_waiting_tokens or max(WAITING_TOKENS, 8 * max_tokens)
         self.metrics = metrics or PrefillMetrics()
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="prefill")  # one model
         self.waiting: deque[Job] = deque()

@@ -104,6 +104,7 @@ class PrefillEngine:
     def run_batch(self, prompts: list[Prompt], reply_to: str = "") -> list[KVHandoff | Exception]:
         """Prefill whole prompts packed into one forward; each gets its hand-off or its error."""
         results = self.run_chunks([Chunk.whole(p) for p in prompts], reply_to)
+        assert not any(isinstance(r, LatentCache) for r in results)  # whole prompts end
         return [r for r in results if not isinstance(r, LatentCache)]
 
     @torch.inference_mode()
@@ -116,7 +117,7 @@ class PrefillEngine:
         embeds: dict[int, torch.Tensor] = {}
         for i, chunk in enumerate(chunks):
             try:
-                embeds[i] = self.embed(chunk.prompt)[chunk.start : chunk.stop]
+                embeds[i] = self.embed(chunk.prompt, chunk.start, chunk.stop)
             except Exception as e:  # e.g. image rows that do not fit the placeholders
                 results[i] = e
         pasts = [chunks[i].past for i in embeds]
@@ -132,17 +133,24 @@ class PrefillEngine:
                 results[i] = cache
         return [results[i] for i in range(len(chunks))]
 
-    def embed(self, prompt: Prompt) -> torch.Tensor:
-        """Input embeddings (T, hidden) with the image rows in their placeholder slots.
-
-        A chunk takes its rows of the whole prompt's: a lookup and a copy, far below a forward.
-        """
+    def embed(self, prompt: Prompt, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """Input embeddings (stop - start, hidden) of tokens [start, stop), with the image rows
+        of their placeholder slots in place."""
         ids = torch.tensor(prompt.prompt_ids, device=self.device)
-        embeds = self.lm.embed(ids)
+        chunk = ids[start:stop]
+        embeds = self.lm.embed(chunk)
         if prompt.image_embeddings is None:
             return embeds
-        rows = prompt.image_embeddings.to(self.device)
-        return scatter_image_embeddings(embeds, ids, rows, self.placeholder_id)
+        slots = ids == self.placeholder_id
+        rows = prompt.image_embeddings
+        if int(slots.sum()) != rows.shape[0]:  # checked on the whole prompt, for every chunk
+            raise ValueError(
+                f"prompt has {int(slots.sum())} image token slots but the images gave "
+                f"{rows.shape[0]} embedding rows"
+            )
+        first = int(slots[:start].sum())  # the chunk's first image row
+        mine = rows[first : first + int(slots[start:stop].sum())].to(self.device)
+        return scatter_image_embeddings(embeds, chunk, mine, self.placeholder_id)
 
     def forward(
         self, embeds: list[torch.Tensor], pasts: list[LatentCache | None]

@@ -260,3 +260,27 @@ def test_n_choices_decode_apart_and_abort_together(parts):
     scheduler.step()
     assert sorted(scheduler.running) == [("many", 0), ("many", 1), ("many", 2)]
     assert scheduler.abort("many") and len(scheduler) == 0
+
+
+def test_a_pool_that_cannot_grow_fails_only_the_sequence_that_needs_it(parts):
+    lm, tokenizer, engine, eos = parts
+    scheduler = Scheduler(lm, tokenizer, eos)
+    expected = run_alone(parts, 0, max_tokens=8)
+    produced = list(scheduler.add(handoff(engine, 0, max_tokens=8))[0][1].token_ids)
+    scheduler.add(engine.run("long", [9] * 40, None, SamplingParams(8, temperature=0)))
+    pool, reallocate = scheduler.pool, scheduler.pool.reallocate
+
+    def out_of_memory_past_41_rows(slots, capacity):
+        if capacity > 41:
+            raise RuntimeError("out of memory")
+        reallocate(slots, capacity)
+
+    pool.reallocate = out_of_memory_past_41_rows  # the long one's second row needs 42
+    failed = []
+    while len(scheduler):
+        step = scheduler.step()
+        failed += [(s.request_id, why) for s, why in step.failed]
+        produced += [t for s, d in step.produced if s.request_id == "r0" for t in d.token_ids]
+    assert failed == [("long", "decode failed: RuntimeError: out of memory")]
+    assert produced == expected  # its neighbour never noticed
+    assert len(pool) == 0 and pool.storage.numel() == 0

@@ -89,11 +89,12 @@ def test_prompts_prefilled_in_chunks_equal_them_prefilled_whole(pair):
     with another prompt's chunk; the last chunk's logits match transformers on the whole prompt."""
     ours, oracle = pair
     prompts = [PROMPT, PROMPT[2:9]]
-    chunks = [[(0, 4), (4, 5), (5, 11), (11, 13)], [(0, 3), (3, 4), (4, 7)]]  # per prompt
+    # Each step's chunk per prompt; the second starts fresh beside the first's continuation.
+    chunks = [[(0, 4), (4, 5), (5, 11), (11, 13)], [None, (0, 3), (3, 4), (4, 7)]]
     caches: list[LatentCache | None] = [None, None]
     hidden: list[list[torch.Tensor]] = [[], []]
     for step in range(4):
-        taking = [i for i in range(2) if step < len(chunks[i])]
+        taking = [i for i in range(2) if chunks[i][step] is not None]
         pieces = [prompts[i][slice(*chunks[i][step])] for i in taking]
         lengths = [len(piece) for piece in pieces]
         out, rows = ours.prefill(

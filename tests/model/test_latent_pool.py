@@ -95,3 +95,23 @@ def test_the_last_slot_freed_full_of_nan_is_zeros_for_the_next_one(lm):
     newcomer = pool.admit(prefilled(lm, PROMPTS[0]))  # shorter than what was there
     logits = lm.logits(lm.decode(torch.tensor([4, 5]), pool.batch([kept, newcomer])))
     assert torch.isfinite(logits).all()
+
+
+@torch.inference_mode()
+def test_memory_goes_back_when_the_long_ones_leave(lm):
+    pool, config = pool_for(lm), lm.config
+    short = pool.admit(prefilled(lm, PROMPTS[0]))
+    long = pool.admit(
+        LatentCache.from_tensor(torch.zeros(config.num_hidden_layers, 300, config.latent_dim))
+    )
+    assert pool.capacity >= 301
+    pool.release(long)  # the longest left fits a quarter: halved to twice it, at least 16
+    assert pool.capacity == 16 and short.tensor().shape[1] == 4
+    torch.testing.assert_close(short.tensor(), prefilled(lm, PROMPTS[0]).tensor())
+    pool.release(short)
+    assert pool.storage.numel() == 0  # the last one out gives it all back
+    cpu, layers, width = torch.device("cpu"), config.num_hidden_layers, config.latent_dim
+    capped = LatentPool(layers, width, cpu, torch.float32, max_length=40)
+    capped.admit(prefilled(lm, PROMPTS[3]))  # 20 rows (+ a step's): capacity 21
+    capped.admit(prefilled(lm, [9] * 30))  # 31 needed: doubling would give 42, past the context
+    assert capped.capacity == 40

@@ -1,6 +1,8 @@
 """Prompts waiting together are prefilled together, each as if alone; a bad one fails alone."""
 
 import asyncio
+import threading
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -93,21 +95,31 @@ def test_chunks_of_a_prompt_with_images_give_what_it_gets_whole(engine):
 
 
 def test_a_chunked_prompt_whose_caller_left_is_dropped_between_chunks(engine):
+    started, go = threading.Event(), threading.Event()
+
+    def gated(chunks, reply_to):  # the first forward waits until the test lets it go
+        started.set()
+        go.wait(10)
+        return engine.run_chunks(chunks, reply_to)
+
     async def main():
         batcher = PrefillBatcher(engine, max_tokens=16, reply_to="")
+        batcher.engine = SimpleNamespace(run_chunks=gated)
         runner = asyncio.create_task(batcher.run())
         long = asyncio.ensure_future(batcher.prefill(prompt(3)))  # 40 tokens: 3 forwards
-        while not batcher.sizes:  # its first chunk's forward has begun
-            await asyncio.sleep(0.001)
+        await asyncio.to_thread(started.wait, 10)  # its first chunk's forward is under way
         long.cancel()  # its client goes away during it
-        after = await batcher.prefill(prompt(0))
+        after = asyncio.ensure_future(batcher.prefill(prompt(0)))
+        await asyncio.sleep(0)
+        go.set()
+        after = await after
         runner.cancel()
         batcher.close()
         return after, list(batcher.sizes), len(batcher.waiting)
 
     after, sizes, waiting = asyncio.run(main())
     assert after.request_id == "r0" and waiting == 0
-    assert sizes == [1, 1]  # the long prompt's first chunk (cancelled during it), then r0 alone
+    assert sizes == [1, 1]  # the long prompt's first chunk, then r0 alone: no more chunks
 
 
 def test_a_request_whose_caller_left_is_skipped_and_a_stop_fails_the_rest(engine):
