@@ -118,8 +118,9 @@ class Scheduler:
             raise Busy(f"decode is full: {len(self.waiting)} sequences wait for a batch slot")
 
     def add(self, handoff: KVHandoff) -> list[tuple[Sequence, Output]]:
-        """Admit a prefilled request, a sequence per choice, each with its own copy of the
-        prompt's cache; each first token is accepted (and may already finish its choice)."""
+        """Admit a prefilled request, a sequence per choice; the choices share the prompt's cache
+        until each joins the batch, where the pool copies it into the choice's own slot. Each
+        first token is accepted (and may already finish its choice)."""
         self.check(handoff)
         try:
             generators = [restore_generator(state) for state in handoff.rng_states]
@@ -133,7 +134,7 @@ class Scheduler:
                 handoff.request_id,
                 handoff.sampling,
                 generator,
-                LatentCache.from_tensor(cache if index == 0 else cache.clone()),
+                LatentCache.from_tensor(cache),  # shared while waiting; copied on joining
                 self.tokenizer,
                 self.eos_ids,
                 handoff.prompt_ids,
