@@ -48,6 +48,7 @@ class Job:
     prompt: Prompt
     future: asyncio.Future[KVHandoff]
     queued_at: float = field(default_factory=time.perf_counter)
+    started: float = 0.0  # when its first chunk's forward began
     done: int = 0  # prompt tokens prefilled so far, by earlier chunks
     cache: LatentCache | None = None  # theirs
 
@@ -108,6 +109,7 @@ class PrefillBatcher:
         started = time.perf_counter()
         for job, _ in batch:
             if not job.done:  # its first chunk: the wait ends
+                job.started = started
                 self.metrics.queue_time.observe(started - job.queued_at)
         self.busy = True
         try:
@@ -131,6 +133,7 @@ class PrefillBatcher:
                 job.future.set_exception(result)
             else:
                 self.metrics.prompt_tokens.inc(result.prompt_tokens)
+                self.metrics.prefill_time.observe(time.perf_counter() - job.started)
                 job.future.set_result(result)
 
     def take(self) -> list[tuple[Job, Chunk]]:

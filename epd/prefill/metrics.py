@@ -19,6 +19,11 @@ class PrefillMetrics(RoleMetrics):
         self.queue_time = seconds(
             "request_queue_time_seconds", "Time a prompt waited for a prefill forward."
         )
+        self.prefill_time = seconds(
+            "request_prefill_time_seconds",
+            "From a prompt's first forward starting to its last ending (its chunks, packed with "
+            "other prompts, and any forwards between them).",
+        )
         self.prompt_tokens = counter(
             "prompt_tokens", "Prompt tokens prefilled (image tokens included)."
         )

@@ -138,6 +138,7 @@ def test_metrics_count_real_requests_in_every_role(client, locked_stack):
     assert grew(0, "epd:generation_tokens_total") == 6
     assert grew(0, "epd:prompt_tokens_total") > 2 * 3  # the image alone has 12 tokens
     assert grew(0, "epd:time_to_first_token_seconds_count") == 2
+    assert grew(0, "epd:request_prefill_time_seconds_count") == 2
     assert grew(0, "epd:inter_token_latency_seconds_count") >= 2
     assert grew(0, "epd:e2e_request_latency_seconds_count") == 2
     assert grew(0, "epd:request_queue_time_seconds_count") == 2
