@@ -78,6 +78,7 @@ class PrefillBatcher:
         self.waiting: deque[Job] = deque()
         self.arrived = asyncio.Event()
         self.busy = False  # a forward is running
+        self.forward: list[Job] = []  # the jobs it runs
         self.sizes: deque[int] = deque(maxlen=1000)  # prompts per forward, for /health
 
     async def prefill(self, prompt: Prompt) -> KVHandoff:
@@ -99,7 +100,7 @@ class PrefillBatcher:
                 while batch := self.take():
                     await self.prefill_batch(batch)
         finally:
-            for job in self.waiting:
+            for job in [*self.forward, *self.waiting]:  # in the forward it left, or waiting
                 if not job.future.done():
                     job.future.set_exception(Unavailable("prefill stopped before this request"))
             self.waiting.clear()
@@ -111,7 +112,7 @@ class PrefillBatcher:
             if not job.done:  # its first chunk: the wait ends
                 job.started = started
                 self.metrics.queue_time.observe(started - job.queued_at)
-        self.busy = True
+        self.busy, self.forward = True, [job for job, _ in batch]
         try:
             results = await asyncio.get_running_loop().run_in_executor(
                 self.executor, self.engine.run_chunks, [chunk for _, chunk in batch], self.reply_to
@@ -121,6 +122,7 @@ class PrefillBatcher:
         finally:
             self.busy = False
             self.progressed()
+        self.forward = []  # kept when cancelled, so that run() fails them
         for (job, chunk), result in zip(batch, results, strict=True):
             if isinstance(result, LatentCache):  # more chunks to come: it stays first in line
                 job.done, job.cache = chunk.stop, result

@@ -165,3 +165,27 @@ def test_a_forward_that_raises_fails_its_whole_batch_and_a_full_queue_refuses(en
     results, refused = asyncio.run(main())
     assert all(isinstance(r, RuntimeError) and "device lost" in str(r) for r in results)
     assert isinstance(refused[0], Unavailable) and "prefill is full" in str(refused[0])
+
+
+def test_a_stop_during_a_forward_fails_the_prompts_in_it(engine):
+    started, go = threading.Event(), threading.Event()
+
+    def gated(chunks, reply_to):
+        started.set()
+        go.wait(10)
+        return engine.run_chunks(chunks, reply_to)
+
+    async def main():
+        batcher = PrefillBatcher(engine, max_tokens=16, reply_to="")
+        batcher.engine = SimpleNamespace(run_chunks=gated)
+        runner = asyncio.create_task(batcher.run())
+        inside = asyncio.ensure_future(batcher.prefill(prompt(0)))
+        await asyncio.to_thread(started.wait, 10)
+        runner.cancel()  # the coordinator stops while r0's forward runs
+        await asyncio.gather(runner, return_exceptions=True)
+        go.set()
+        batcher.close()
+        return await asyncio.wait_for(asyncio.gather(inside, return_exceptions=True), 10)
+
+    (result,) = asyncio.run(main())
+    assert isinstance(result, Unavailable)  # answered, not left waiting for ever
