@@ -127,8 +127,8 @@ class PrefillBatcher:
             if isinstance(result, LatentCache):  # more chunks to come: it stays first in line
                 job.done, job.cache = chunk.stop, result
                 continue
-            if job in self.waiting:  # a chunked prompt ends, one way or the other
-                self.waiting.remove(job)
+            if self.waiting and self.waiting[0] is job:  # a chunked prompt, still first in line
+                self.waiting.popleft()
             if job.future.done():  # its caller left meanwhile
                 continue
             if isinstance(result, Exception):

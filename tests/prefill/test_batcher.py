@@ -2,7 +2,6 @@
 
 import asyncio
 import threading
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -94,17 +93,26 @@ def test_chunks_of_a_prompt_with_images_give_what_it_gets_whole(engine):
     torch.testing.assert_close(chunked.cache, whole.cache, atol=1e-5, rtol=1e-5)
 
 
-def test_a_chunked_prompt_whose_caller_left_is_dropped_between_chunks(engine):
-    started, go = threading.Event(), threading.Event()
+class Gate:
+    """An engine whose forwards wait until the test lets them go, so a test can act during one."""
 
-    def gated(chunks, reply_to):  # the first forward waits until the test lets it go
-        started.set()
-        go.wait(10)
-        return engine.run_chunks(chunks, reply_to)
+    def __init__(self, engine):
+        self.started, self.go = threading.Event(), threading.Event()
+        self.engine = engine
+
+    def run_chunks(self, chunks, reply_to):
+        self.started.set()
+        self.go.wait(10)
+        return self.engine.run_chunks(chunks, reply_to)
+
+
+def test_a_chunked_prompt_whose_caller_left_is_dropped_between_chunks(engine):
+    gate = Gate(engine)
+    started, go = gate.started, gate.go
 
     async def main():
         batcher = PrefillBatcher(engine, max_tokens=16, reply_to="")
-        batcher.engine = SimpleNamespace(run_chunks=gated)
+        batcher.engine = gate
         runner = asyncio.create_task(batcher.run())
         long = asyncio.ensure_future(batcher.prefill(prompt(3)))  # 40 tokens: 3 forwards
         await asyncio.to_thread(started.wait, 10)  # its first chunk's forward is under way
@@ -168,16 +176,12 @@ def test_a_forward_that_raises_fails_its_whole_batch_and_a_full_queue_refuses(en
 
 
 def test_a_stop_during_a_forward_fails_the_prompts_in_it(engine):
-    started, go = threading.Event(), threading.Event()
-
-    def gated(chunks, reply_to):
-        started.set()
-        go.wait(10)
-        return engine.run_chunks(chunks, reply_to)
+    gate = Gate(engine)
+    started, go = gate.started, gate.go
 
     async def main():
         batcher = PrefillBatcher(engine, max_tokens=16, reply_to="")
-        batcher.engine = SimpleNamespace(run_chunks=gated)
+        batcher.engine = gate
         runner = asyncio.create_task(batcher.run())
         inside = asyncio.ensure_future(batcher.prefill(prompt(0)))
         await asyncio.to_thread(started.wait, 10)
