@@ -105,21 +105,27 @@ class Gate:
         self.go.wait(10)
         return self.engine.run_chunks(chunks, reply_to)
 
+    def batcher(self):
+        """A running batcher of 16-token forwards on this engine, and its task."""
+        batcher = PrefillBatcher(self.engine, max_tokens=16, reply_to="")
+        batcher.engine = self
+        return batcher, asyncio.create_task(batcher.run())
+
+    async def entered(self):
+        await asyncio.to_thread(self.started.wait, 10)
+
 
 def test_a_chunked_prompt_whose_caller_left_is_dropped_between_chunks(engine):
     gate = Gate(engine)
-    started, go = gate.started, gate.go
 
     async def main():
-        batcher = PrefillBatcher(engine, max_tokens=16, reply_to="")
-        batcher.engine = gate
-        runner = asyncio.create_task(batcher.run())
+        batcher, runner = gate.batcher()
         long = asyncio.ensure_future(batcher.prefill(prompt(3)))  # 40 tokens: 3 forwards
-        await asyncio.to_thread(started.wait, 10)  # its first chunk's forward is under way
+        await gate.entered()  # its first chunk's forward is under way
         long.cancel()  # its client goes away during it
         after = asyncio.ensure_future(batcher.prefill(prompt(0)))
         await asyncio.sleep(0)
-        go.set()
+        gate.go.set()
         after = await after
         runner.cancel()
         batcher.close()
@@ -177,17 +183,14 @@ def test_a_forward_that_raises_fails_its_whole_batch_and_a_full_queue_refuses(en
 
 def test_a_stop_during_a_forward_fails_the_prompts_in_it(engine):
     gate = Gate(engine)
-    started, go = gate.started, gate.go
 
     async def main():
-        batcher = PrefillBatcher(engine, max_tokens=16, reply_to="")
-        batcher.engine = gate
-        runner = asyncio.create_task(batcher.run())
+        batcher, runner = gate.batcher()
         inside = asyncio.ensure_future(batcher.prefill(prompt(0)))
-        await asyncio.to_thread(started.wait, 10)
+        await gate.entered()
         runner.cancel()  # the coordinator stops while r0's forward runs
         await asyncio.gather(runner, return_exceptions=True)
-        go.set()
+        gate.go.set()
         batcher.close()
         return await asyncio.wait_for(asyncio.gather(inside, return_exceptions=True), 10)
 
