@@ -37,6 +37,8 @@ def _check_value(name: str, value: Any) -> str | None:
         return "must be a positive number of seconds"
     if name in AUTOMATIC:
         return "must be 0 (automatic) or a positive number" if value < 0 else None
+    if name == "min_chunk_tokens" and value < 0:
+        return "must be 0 (off) or a positive number"
     if name.startswith("max_") and not value >= 1:
         return "must be at least 1"
     if name == "log_level" and value.lower() not in ("", *LOG_LEVELS):
@@ -157,6 +159,12 @@ class PrefillConfig(ModelOptions):
         0,
         "prompt tokens prefilled in one forward: waiting prompts fill it, one that does not fit "
         "runs in chunks (0: 512 on a CPU, 4096 on a GPU)",
+    )
+    min_chunk_tokens: int = option(
+        0,
+        "0: prompts behind one that runs in chunks wait for its last chunk (first come, first "
+        "served); N: those that fit whole may pass it into a forward while its chunk keeps at "
+        "least N tokens",
     )
     image_cache_bytes: int = option(
         512 * 1024 * 1024, "memory for embeddings of images seen before (0: no cache)"

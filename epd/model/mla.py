@@ -4,7 +4,8 @@ Per token: q = q_proj(x) → (q_nope, q_pe) per head; kv_a_proj_with_mqa(x) → 
 k_pe is one head shared by all. The cache keeps c_kv after `kv_a_layernorm` and k_pe after RoPE.
 Prefill expands c_kv with `kv_b_proj` into per-head k_nope and v. Decode never expands the cache:
 it absorbs kv_b_proj's key half into the query and its value half into the output, so scores are
-taken against c_kv directly (multi-query attention over the latent).
+taken against c_kv directly (multi-query attention over the latent). A small chunk after a long
+past (chunked prefill) does the same, rather than expand the whole past again (`absorbs`).
 """
 
 from __future__ import annotations
@@ -73,21 +74,55 @@ class MLAttention(nn.Module):
         `pasts` gives each prompt the cache rows (P, rank + rope) of its tokens prefilled before
         (chunked prefill): its T new tokens come after them and attend to them too.
         """
-        q_nope, q_pe = self.queries(x, angles)
-        q = torch.cat((q_nope, q_pe), dim=-1)  # (T, H, nope + rope)
+        q_nope, q_pe = self.queries(x, angles)  # (T, H, nope), (T, H, rope)
         latent = self.latent(x, angles)
         lengths = lengths or [x.shape[0]]
         pieces = [
-            self.attend(qi, rows if past is None else torch.cat((past, rows)))
-            for qi, rows, past in zip(
-                q.split(lengths), latent.split(lengths), pasts or [None] * len(lengths), strict=True
+            self.attend(qn, qp, rows, past)
+            for qn, qp, rows, past in zip(
+                q_nope.split(lengths),
+                q_pe.split(lengths),
+                latent.split(lengths),
+                pasts or [None] * len(lengths),
+                strict=True,
             )
         ]
         return self.o_proj(torch.cat(pieces).flatten(1)), latent
 
-    def attend(self, q: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """One prompt's queries q (T, H, nope + rope), the last T of its cache rows (P + T,
-        rank + rope) → attention output (T, H, v), query i seeing rows up to P + i."""
+    def absorbs(self, new: int) -> bool:
+        """Whether `new` queries after a past attend more cheaply through the latent (as decode
+        does) than by expanding every cache row with kv_b_proj. Per head and cache row, in
+        multiply-adds: absorbed, new × (2·rank + rope); expanded, rank × (nope + v) for the row's
+        up-projection plus new × (nope + rope + v). Small chunks after a long past take the
+        first: expanding the past again for each of them costs more than their attention."""
+        absorbed = new * (2 * self.rank + self.rope)
+        expanded = self.rank * (self.nope + self.v_dim) + new * (self.nope + self.rope + self.v_dim)
+        return absorbed < expanded
+
+    def attend(
+        self,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        rows: torch.Tensor,
+        past: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """One prompt's queries (T, H, ·) over its past rows (P, rank + rope), if any, and its
+        own (T, rank + rope) → attention output (T, H, v), query i seeing rows up to P + i."""
+        if past is None:
+            return self.expanded(q_nope, q_pe, rows)
+        rows = torch.cat((past, rows))
+        new, total = rows.shape[0] - past.shape[0], rows.shape[0]
+        if not self.absorbs(new):
+            return self.expanded(q_nope, q_pe, rows)
+        visible = torch.ones(new, total, dtype=torch.bool, device=rows.device).tril(total - new)
+        return self.through_latent(q_nope, q_pe, rows, visible)
+
+    def expanded(
+        self, q_nope: torch.Tensor, q_pe: torch.Tensor, rows: torch.Tensor
+    ) -> torch.Tensor:
+        """Queries (T, H, ·) over the last T of rows (P + T, rank + rope), keys and values
+        expanded per head by kv_b_proj for a fused attention kernel → (T, H, v)."""
+        q = torch.cat((q_nope, q_pe), dim=-1)  # (T, H, nope + rope)
         c_kv, k_pe = rows.split([self.rank, self.rope], dim=-1)
         k_nope, v = (
             self.kv_b_proj(c_kv).unflatten(-1, (self.heads, -1)).split([self.nope, self.v_dim], -1)
@@ -114,14 +149,22 @@ class MLAttention(nn.Module):
         """
         q_nope, q_pe = self.queries(x, angles)
         cache = batch.append_and_gather(self.layer, self.latent(x, angles))  # (B, T, rank + rope)
+        out = self.through_latent(q_nope, q_pe, cache, batch.mask)  # (B, H, v)
+        return self.o_proj(out.flatten(1))
+
+    def through_latent(
+        self, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, visible: torch.Tensor
+    ) -> torch.Tensor:
+        """Queries (N, H, ·) scored against latent cache rows, never expanded: the rows are
+        (N, K, rank + rope), each query its own, or (K, rank + rope), shared by all; query n
+        sees the rows where visible (N, K) holds → (N, H, v)."""
         w_kv = self.kv_b_proj.weight.unflatten(0, (self.heads, -1))  # (H, nope + v, rank)
         w_uk, w_uv = w_kv.split([self.nope, self.v_dim], dim=1)
         # Absorb the key up-projection: q_nope·(W_uk c) = (q_nope W_uk)·c.
-        q_latent = torch.einsum("bhn,hnr->bhr", q_nope, w_uk)
-        q = torch.cat((q_latent, q_pe), dim=-1)  # (B, H, rank + rope)
-        scores = torch.bmm(q, cache.transpose(1, 2)) * self.scale  # (B, H, T)
-        scores = scores.masked_fill(~batch.mask[:, None, :], float("-inf"))
+        q_latent = torch.einsum("nhc,hcr->nhr", q_nope, w_uk)
+        q = torch.cat((q_latent, q_pe), dim=-1)  # (N, H, rank + rope)
+        scores = torch.matmul(q, cache.mT) * self.scale  # (N, H, K)
+        scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
         weights = scores.float().softmax(-1).to(cache.dtype)
-        out = torch.bmm(weights, cache[..., : self.rank])  # (B, H, rank): W_uv applied after
-        out = torch.einsum("bhr,hvr->bhv", out, w_uv)  # (B, H, v)
-        return self.o_proj(out.flatten(1))
+        out = torch.matmul(weights, cache[..., : self.rank])  # (N, H, rank): W_uv applied after
+        return torch.einsum("nhr,hvr->nhv", out, w_uv)

@@ -4,10 +4,12 @@ One model, one queue: the batcher takes the prompts waiting in arrival order up 
 budget and prefills them in one call on the engine's thread, so a burst of requests costs one
 large forward instead of many small ones. The budget is filled exactly: a prompt that does not
 fit whole runs in chunks, the first one filling the rest of this forward, the next ones heading
-the following forwards (first come, first served, as vLLM and SGLang schedule a chunked prompt).
-So a forward takes at most the budget's new tokens whatever a prompt's length (its attention
-still reads the prompt's past), and forwards stay short enough that hand-offs reach decode as a
-stream, not in waves.
+the following forwards (as vLLM and SGLang schedule a chunked prompt). So a forward takes at
+most the budget's new tokens whatever a prompt's length (its attention still reads the prompt's
+past), and forwards stay short enough that hand-offs reach decode as a stream, not in waves.
+With `min_chunk` set, prompts that fit whole may also pass a chunked one, into what of each
+forward its chunk does not need, so one long prompt does not hold every request behind it for
+all of its chunks (a trade measured in docs/benchmarks.md: the long prompt itself takes longer).
 
 A request whose caller has gone is skipped (its chunks so far dropped); at most
 `max_waiting_tokens` prompt tokens may wait, and a request beyond that is refused at once (503)
@@ -66,8 +68,10 @@ class PrefillBatcher:
         metrics: PrefillMetrics | None = None,
         max_waiting_tokens: int = 0,
         progressed: Callable[[], None] = lambda: None,
+        min_chunk: int = 0,
     ) -> None:
         self.engine, self.max_tokens, self.reply_to = engine, max_tokens, reply_to
+        self.min_chunk = min_chunk  # 0: nothing passes a chunked prompt
         # Called as each forward ends: under steady load the batcher is never idle, and only
         # this tells the watchdog that it is alive (it once took back-to-back forwards for a hang).
         self.progressed = progressed
@@ -127,8 +131,8 @@ class PrefillBatcher:
             if isinstance(result, LatentCache):  # more chunks to come: it stays first in line
                 job.done, job.cache = chunk.stop, result
                 continue
-            if self.waiting and self.waiting[0] is job:  # a chunked prompt, still first in line
-                self.waiting.popleft()
+            if job in self.waiting:  # a chunked prompt, still in line, whose chunk failed
+                self.waiting.remove(job)
             if job.future.done():  # its caller left meanwhile
                 continue
             if isinstance(result, Exception):
@@ -139,21 +143,31 @@ class PrefillBatcher:
                 job.future.set_result(result)
 
     def take(self) -> list[tuple[Job, Chunk]]:
-        """Chunks of the waiting jobs, oldest first, filling the token budget. A job that does
-        not fit whole gives a chunk and stays first in line for the next forward."""
+        """Chunks of the waiting jobs, oldest first, filling the token budget.
+
+        The first job that does not fit whole gives a chunk of the room left and stays first in
+        line. With `min_chunk`, jobs behind it that fit whole may pass it into that room while
+        its chunk keeps at least `min_chunk` tokens (vLLM's partial-prefill limits serve the
+        same end); without, they wait for its last chunk (first come, first served)."""
         batch: list[tuple[Job, Chunk]] = []
-        room = self.max_tokens
-        while self.waiting and room:
-            job = self.waiting[0]
-            if job.future.done():
-                self.waiting.popleft()
-                continue
-            size = min(job.left, room)
-            batch.append((job, Chunk(job.prompt, job.done, job.done + size, job.cache)))
-            if size < job.left:
+        room, owed = self.max_tokens, 0
+        chunked: Job | None = None  # the first job that does not fit whole
+        for job in self.waiting:
+            if room == owed:
                 break
-            self.waiting.popleft()
-            room -= size
+            if job.future.done():
+                continue
+            if job.left <= room - owed:
+                batch.append((job, Chunk(job.prompt, job.done, job.done + job.left, job.cache)))
+                room -= job.left
+            elif chunked is None:
+                chunked, owed = job, min(room, self.min_chunk or room)
+        taken = {job for job, _ in batch}
+        self.waiting = deque(j for j in self.waiting if j not in taken and not j.future.done())
+        if chunked is not None:
+            batch.append(
+                (chunked, Chunk(chunked.prompt, chunked.done, chunked.done + room, chunked.cache))
+            )
         return batch
 
     def status(self) -> dict[str, object]:

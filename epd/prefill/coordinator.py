@@ -107,6 +107,7 @@ class Coordinator:
             config.reply_address,
             self.metrics,
             progressed=lambda: watchdog.beat("prefill"),
+            min_chunk=config.min_chunk_tokens,
         )
         self.images = ImageCache(config.image_cache_bytes)
         self.waits: dict[tuple[str, int], EncodeWait] = {}

@@ -76,6 +76,7 @@ def test_bad_files_name_the_key(tmp_path, text, message):
         (["--token-timeout-s", "-1"], "token_timeout_s=-1.0: must be a positive"),
         (["--encoders", "127.0.0.1:7101"], "encoders=.*must be ZeroMQ addresses"),
         (["--max-images", "0"], "max_images=0: must be at least 1"),
+        (["--min-chunk-tokens", "-1"], "min_chunk_tokens=-1: must be 0 .off. or a positive"),
     ],
 )
 def test_bad_values_name_the_setting(extra, message):

@@ -7,6 +7,8 @@ from transformers import DeepseekV3ForCausalLM
 from epd.checkpoint.export import export_language_model
 from epd.checkpoint.weights import load_model
 from epd.model.latent_cache import LatentCache
+from epd.model.config import TextConfig
+from epd.model.mla import MLAttention
 
 
 @pytest.fixture(scope="module", params=["tiny_checkpoint", "tiny_q_lora_checkpoint"])
@@ -83,10 +85,13 @@ def test_packed_prompts_equal_each_prompt_alone(pair):
         torch.testing.assert_close(part.tensor(), alone_cache.tensor(), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("absorbed", [True, False], ids=["through-latent", "expanded"])
 @torch.inference_mode()
-def test_prompts_prefilled_in_chunks_equal_them_prefilled_whole(pair):
+def test_prompts_prefilled_in_chunks_equal_them_prefilled_whole(pair, absorbed, monkeypatch):
     """Chunked prefill: each chunk starts where its prompt's cache ends and attends to it, packed
-    with another prompt's chunk; the last chunk's logits match transformers on the whole prompt."""
+    with another prompt's chunk; the last chunk's logits match transformers on the whole prompt.
+    Either way a chunk may attend to its past: through the latent or with it expanded."""
+    monkeypatch.setattr(MLAttention, "absorbs", lambda self, new: absorbed)
     ours, oracle = pair
     prompts = [PROMPT, PROMPT[2:9]]
     # Each step's chunk per prompt; the second starts fresh beside the first's continuation.
@@ -112,3 +117,23 @@ def test_prompts_prefilled_in_chunks_equal_them_prefilled_whole(pair):
         torch.testing.assert_close(cache.tensor(), whole_cache.tensor(), rtol=1e-5, atol=1e-5)
     expected = oracle(PROMPT[None]).logits[0, -1]
     assert rel_err(ours.logits(hidden[0][-1][-1]), expected) <= 1e-4
+
+
+def test_a_chunk_attends_through_the_latent_while_that_is_cheaper():
+    """Kimi-VL-A3B's attention (rank 512, rope 64, nope 128, v 128): expanding a past row for
+    all heads costs 512 x 256 multiply-adds per head; a query through the latent costs 1088,
+    expanded 320, so chunks of up to 170 tokens after a past take the latent."""
+    config = TextConfig(
+        vocab_size=8,
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        kv_lora_rank=512,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+    )
+    attention = MLAttention(config, layer=0)
+    assert attention.absorbs(1) and attention.absorbs(170)
+    assert not attention.absorbs(171) and not attention.absorbs(4096)

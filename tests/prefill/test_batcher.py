@@ -69,6 +69,42 @@ def test_waiting_prompts_fill_the_token_budget_and_a_long_one_runs_in_chunks(eng
     torch.testing.assert_close(handoffs[3].cache, alone.cache, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize(
+    "min_chunk, sizes, finished",
+    [
+        # r1 (7) passes into the 8 the long one's chunk does not need, which takes the other 9;
+        # then r0 and r2 (6) beside its 10; its next 16; its last 5.
+        (8, [2, 3, 1, 1], [1, 0, 2, 3]),
+        # First come, first served: 16, 16, its last 8 beside r1 (7) and r0's first token.
+        (0, [1, 1, 3, 2], [3, 1, 0, 2]),
+    ],
+)
+def test_short_prompts_pass_a_long_one_only_when_asked(engine, min_chunk, sizes, finished):
+    """With min_chunk, a long prompt's chunks do not hold the prompts behind it to its last."""
+    order = []
+
+    async def main():
+        batcher = PrefillBatcher(engine, max_tokens=16, reply_to="", min_chunk=min_chunk)
+        runner = asyncio.create_task(batcher.run())
+
+        async def ask(i):
+            handoff = await batcher.prefill(prompt(i))
+            order.append(i)
+            return handoff
+
+        handoffs = await asyncio.gather(*(ask(i) for i in (3, 1, 0, 2)))  # 40, 7, 4, 2 tokens
+        runner.cancel()
+        batcher.close()
+        return handoffs, list(batcher.sizes)
+
+    handoffs, forwards = asyncio.run(main())
+    assert forwards == sizes and order == finished
+    for handoff, i in zip(handoffs, (3, 1, 0, 2), strict=True):
+        alone = engine.run(f"r{i}", PROMPTS[i], None, prompt(i).sampling)
+        assert handoff.first_tokens == alone.first_tokens
+        torch.testing.assert_close(handoff.cache, alone.cache, atol=1e-5, rtol=1e-5)
+
+
 def test_chunks_of_a_prompt_with_images_give_what_it_gets_whole(engine):
     """Chunk boundaries fall inside the image's slots: each chunk takes its own rows."""
     placeholder, hidden = engine.placeholder_id, engine.lm.config.hidden_size
