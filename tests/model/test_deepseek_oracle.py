@@ -6,8 +6,8 @@ from transformers import DeepseekV3ForCausalLM
 
 from epd.checkpoint.export import export_language_model
 from epd.checkpoint.weights import load_model
-from epd.model.latent_cache import LatentCache
 from epd.model.config import TextConfig
+from epd.model.latent_cache import LatentCache
 from epd.model.mla import MLAttention
 
 
