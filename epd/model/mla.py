@@ -89,15 +89,21 @@ class MLAttention(nn.Module):
         ]
         return self.o_proj(torch.cat(pieces).flatten(1)), latent
 
-    def absorbs(self, new: int) -> bool:
-        """Whether `new` queries after a past attend more cheaply through the latent (as decode
-        does) than by expanding every cache row with kv_b_proj. Per head and cache row, in
-        multiply-adds: absorbed, new × (2·rank + rope); expanded, rank × (nope + v) for the row's
-        up-projection plus new × (nope + rope + v). Small chunks after a long past take the
-        first: expanding the past again for each of them costs more than their attention."""
-        absorbed = new * (2 * self.rank + self.rope)
-        expanded = self.rank * (self.nope + self.v_dim) + new * (self.nope + self.rope + self.v_dim)
-        return absorbed < expanded
+    def absorbs(self, new: int, total: int) -> bool:
+        """Whether `new` queries over `total` cache rows (their past and their own) attend more
+        cheaply through the latent, as decode does, than with every row expanded by kv_b_proj.
+        Per head, in multiply-adds: through the latent, total × new × (2·rank + rope) plus
+        new × rank × (nope + v) to fold kv_b_proj into the queries and outputs; expanded,
+        total × rank × (nope + v) for the rows plus total × new × (nope + rope + v). Small
+        chunks after a long past take the first: expanding the past again for each of them
+        costs more than their attention."""
+        latent = total * new * (2 * self.rank + self.rope) + new * self.rank * (
+            self.nope + self.v_dim
+        )
+        expanded = total * (
+            self.rank * (self.nope + self.v_dim) + new * (self.nope + self.rope + self.v_dim)
+        )
+        return latent < expanded
 
     def attend(
         self,
@@ -112,7 +118,7 @@ class MLAttention(nn.Module):
             return self.expanded(q_nope, q_pe, rows)
         rows = torch.cat((past, rows))
         new, total = rows.shape[0] - past.shape[0], rows.shape[0]
-        if not self.absorbs(new):
+        if not self.absorbs(new, total):
             return self.expanded(q_nope, q_pe, rows)
         visible = torch.ones(new, total, dtype=torch.bool, device=rows.device).tril(total - new)
         return self.through_latent(q_nope, q_pe, rows, visible)
@@ -162,9 +168,9 @@ class MLAttention(nn.Module):
         w_uk, w_uv = w_kv.split([self.nope, self.v_dim], dim=1)
         # Absorb the key up-projection: q_nope·(W_uk c) = (q_nope W_uk)·c.
         q_latent = torch.einsum("nhc,hcr->nhr", q_nope, w_uk)
-        q = torch.cat((q_latent, q_pe), dim=-1)  # (N, H, rank + rope)
-        scores = torch.matmul(q, cache.mT) * self.scale  # (N, H, K)
-        scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
-        weights = scores.float().softmax(-1).to(cache.dtype)
+        q = torch.cat((q_latent, q_pe), dim=-1) * self.scale  # (N, H, rank + rope)
+        scores = torch.matmul(q, cache.mT)  # (N, H, K)
+        scores.masked_fill_(~visible[:, None, :], float("-inf"))
+        weights = scores.softmax(-1, dtype=torch.float32).to(cache.dtype)
         out = torch.matmul(weights, cache[..., : self.rank])  # (N, H, rank): W_uv applied after
         return torch.einsum("nhr,hvr->nhv", out, w_uv)

@@ -131,8 +131,8 @@ class PrefillBatcher:
             if isinstance(result, LatentCache):  # more chunks to come: it stays first in line
                 job.done, job.cache = chunk.stop, result
                 continue
-            if job in self.waiting:  # a chunked prompt, still in line, whose chunk failed
-                self.waiting.remove(job)
+            if self.waiting and self.waiting[0] is job:  # a chunked prompt whose chunk failed
+                self.waiting.popleft()
             if job.future.done():  # its caller left meanwhile
                 continue
             if isinstance(result, Exception):
@@ -162,6 +162,8 @@ class PrefillBatcher:
                 room -= job.left
             elif chunked is None:
                 chunked, owed = job, min(room, self.min_chunk or room)
+            else:  # only the chunked prompt is passed: the others keep their order
+                break
         taken = {job for job, _ in batch}
         self.waiting = deque(j for j in self.waiting if j not in taken and not j.future.done())
         if chunked is not None:

@@ -91,7 +91,7 @@ def test_prompts_prefilled_in_chunks_equal_them_prefilled_whole(pair, absorbed, 
     """Chunked prefill: each chunk starts where its prompt's cache ends and attends to it, packed
     with another prompt's chunk; the last chunk's logits match transformers on the whole prompt.
     Either way a chunk may attend to its past: through the latent or with it expanded."""
-    monkeypatch.setattr(MLAttention, "absorbs", lambda self, new: absorbed)
+    monkeypatch.setattr(MLAttention, "absorbs", lambda self, new, total: absorbed)
     ours, oracle = pair
     prompts = [PROMPT, PROMPT[2:9]]
     # Each step's chunk per prompt; the second starts fresh beside the first's continuation.
@@ -120,9 +120,9 @@ def test_prompts_prefilled_in_chunks_equal_them_prefilled_whole(pair, absorbed, 
 
 
 def test_a_chunk_attends_through_the_latent_while_that_is_cheaper():
-    """Kimi-VL-A3B's attention (rank 512, rope 64, nope 128, v 128): expanding a past row for
-    all heads costs 512 x 256 multiply-adds per head; a query through the latent costs 1088,
-    expanded 320, so chunks of up to 170 tokens after a past take the latent."""
+    """Kimi-VL-A3B's attention (rank 512, rope 64, nope 128, v 128): after a long past, chunks
+    of up to 170 tokens take the latent (1088 multiply-adds per head, query and row, against
+    320 and each row's 512 x 256 to expand it); after a short past, expanding it is cheaper."""
     config = TextConfig(
         vocab_size=8,
         hidden_size=64,
@@ -135,5 +135,7 @@ def test_a_chunk_attends_through_the_latent_while_that_is_cheaper():
         v_head_dim=128,
     )
     attention = MLAttention(config, layer=0)
-    assert attention.absorbs(1) and attention.absorbs(170)
-    assert not attention.absorbs(171) and not attention.absorbs(4096)
+    past = 100_000
+    assert attention.absorbs(1, past + 1) and attention.absorbs(170, past + 170)
+    assert not attention.absorbs(171, past + 171) and not attention.absorbs(4096, past + 4096)
+    assert attention.absorbs(100, 1000 + 100) and not attention.absorbs(100, 5 + 100)

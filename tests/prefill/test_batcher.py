@@ -105,6 +105,30 @@ def test_short_prompts_pass_a_long_one_only_when_asked(engine, min_chunk, sizes,
         torch.testing.assert_close(handoff.cache, alone.cache, atol=1e-5, rtol=1e-5)
 
 
+def test_only_the_chunked_prompt_is_passed_the_others_keep_their_order(engine):
+    """A prompt too large to pass the chunked one is not overtaken by a younger small one."""
+    order = []
+
+    async def main():
+        batcher = PrefillBatcher(engine, max_tokens=16, reply_to="", min_chunk=8)
+        runner = asyncio.create_task(batcher.run())
+
+        async def ask(i, ids):
+            await batcher.prefill(prompt(i, ids=ids))
+            order.append(i)
+
+        long, medium, small = [9] * 40, list(range(5, 15)), [31, 77]  # 40, 10 and 2 tokens
+        await asyncio.gather(ask(0, long), ask(1, medium), ask(2, small))
+        runner.cancel()
+        batcher.close()
+        return list(batcher.sizes)
+
+    # 16 and 16 of the long one (the medium one does not fit the 8 it may pass into, so the
+    # small one waits too); its last 8 beside the medium one's first 8; the rest of both.
+    assert asyncio.run(main()) == [1, 1, 2, 2]
+    assert order == [0, 1, 2]
+
+
 def test_chunks_of_a_prompt_with_images_give_what_it_gets_whole(engine):
     """Chunk boundaries fall inside the image's slots: each chunk takes its own rows."""
     placeholder, hidden = engine.placeholder_id, engine.lm.config.hidden_size
