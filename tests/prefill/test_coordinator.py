@@ -1,4 +1,5 @@
-"""Waits end: a silent encoder or decoder becomes a timeout error, never a hang."""
+"""Waits end: a silent encoder or decoder becomes a timeout error, never a hang. And the
+prefill settings reach the batcher."""
 
 import asyncio
 import base64
@@ -80,3 +81,18 @@ def test_silent_decoder_times_out(silent_peers):
     assert response.status_code == 504
     assert "decode sent nothing for 0.5s" in response.json()["error"]["message"]
     assert decode_sink.poll(1000)
+
+
+def test_the_prefill_budget_and_min_chunk_reach_the_batcher(tiny_checkpoint, tmp_path):
+    config = PrefillConfig(
+        model=str(tiny_checkpoint),
+        bind=f"ipc://{tmp_path}/prefill",
+        encoders=(f"ipc://{tmp_path}/encode",),
+        decoders=(f"ipc://{tmp_path}/decode",),
+        max_prefill_tokens=64,
+        min_chunk_tokens=8,
+    )
+    service = build_service(config)
+    with TestClient(create_app(service)):
+        batcher = service.coordinator.batcher
+        assert (batcher.max_tokens, batcher.min_chunk) == (64, 8)
