@@ -131,10 +131,12 @@ def test_local_launch_commands(make_serve):
                 text=True,
             )
             processes.append(process)
+            seen = []
             for output in process.stdout:
+                seen.append(output)
                 if " ready " in output:
                     break
-            assert process.poll() is None
+            assert process.poll() is None, f"{script} exited:\n{''.join(seen[-30:])}"
         result = subprocess.run(
             ["bash", "-c", with_port(block("curl-text"), base + 20)], capture_output=True, text=True
         )
