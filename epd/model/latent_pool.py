@@ -122,8 +122,7 @@ class LatentPool:
         if slots <= have_slots and length <= capacity:
             return
         self.reallocate(
-            max(slots, have_slots if slots <= have_slots else 2 * have_slots),
-            min(max(length, capacity if length <= capacity else 2 * capacity, 16), self.max_length),
+            doubled(have_slots, slots), min(max(doubled(capacity, length), 16), self.max_length)
         )
 
     @torch.inference_mode()
@@ -135,3 +134,8 @@ class LatentPool:
             moved[:, slot, : cache.length] = cache.tensor()
             cache.data = moved[:, slot]
         self.storage = moved
+
+
+def doubled(have: int, need: int) -> int:
+    """`have`, or twice it (at least `need`) when `need` does not fit."""
+    return have if need <= have else max(need, 2 * have)

@@ -116,8 +116,8 @@ class MLAttention(nn.Module):
         own (T, rank + rope) → attention output (T, H, v), query i seeing rows up to P + i."""
         if past is None:
             return self.expanded(q_nope, q_pe, rows)
-        rows = torch.cat((past, rows))
-        new, total = rows.shape[0] - past.shape[0], rows.shape[0]
+        new, rows = rows.shape[0], torch.cat((past, rows))
+        total = rows.shape[0]
         if not self.absorbs(new, total):
             return self.expanded(q_nope, q_pe, rows)
         visible = torch.ones(new, total, dtype=torch.bool, device=rows.device).tril(total - new)

@@ -55,16 +55,25 @@ def expand_placeholders(
     return expanded
 
 
-def scatter_image_embeddings(
-    embeds: torch.Tensor, input_ids: torch.Tensor, image_embeds: torch.Tensor, placeholder_id: int
+def image_slots(
+    input_ids: torch.Tensor, image_embeds: torch.Tensor, placeholder_id: int
 ) -> torch.Tensor:
-    """Replace placeholder rows of embeds (T, D) with image_embeds (N, D), in order."""
+    """Where the placeholders are in input_ids (T,), as a mask; raises unless there is one per
+    row of image_embeds (N, D)."""
     slots = input_ids == placeholder_id
     if int(slots.sum()) != image_embeds.shape[0]:
         raise ValueError(
             f"prompt has {int(slots.sum())} image token slots but the images gave "
             f"{image_embeds.shape[0]} embedding rows"
         )
+    return slots
+
+
+def scatter_image_embeddings(
+    embeds: torch.Tensor, input_ids: torch.Tensor, image_embeds: torch.Tensor, placeholder_id: int
+) -> torch.Tensor:
+    """Replace placeholder rows of embeds (T, D) with image_embeds (N, D), in order."""
+    slots = image_slots(input_ids, image_embeds, placeholder_id)
     out = embeds.clone()
     out[slots] = image_embeds.to(embeds.dtype)
     return out

@@ -24,7 +24,7 @@ from epd.generation.params import SamplingParams
 from epd.generation.sampling import make_generator, sample_batch, token_logprob
 from epd.model.deepseek import DeepseekV3ForCausalLM
 from epd.model.latent_cache import LatentCache
-from epd.multimodal.prompt import scatter_image_embeddings
+from epd.multimodal.prompt import image_slots, scatter_image_embeddings
 from epd.prefill.errors import BadRequest
 from epd.wire.messages import KVHandoff
 
@@ -141,13 +141,8 @@ class PrefillEngine:
         embeds = self.lm.embed(chunk)
         if prompt.image_embeddings is None:
             return embeds
-        slots = ids == self.placeholder_id
         rows = prompt.image_embeddings
-        if int(slots.sum()) != rows.shape[0]:  # checked on the whole prompt, for every chunk
-            raise ValueError(
-                f"prompt has {int(slots.sum())} image token slots but the images gave "
-                f"{rows.shape[0]} embedding rows"
-            )
+        slots = image_slots(ids, rows, self.placeholder_id)  # the whole prompt's, every chunk
         first = int(slots[:start].sum())  # the chunk's first image row
         mine = rows[first : first + int(slots[start:stop].sum())].to(self.device)
         return scatter_image_embeddings(embeds, chunk, mine, self.placeholder_id)
