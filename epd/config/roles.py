@@ -16,7 +16,7 @@ from epd.dtypes import MODEL_DTYPES
 DTYPE_CHOICES = ("auto", *MODEL_DTYPES)
 ADDRESS_SCHEMES = ("tcp://", "ipc://", "inproc://")
 LOG_LEVELS = ("debug", "info", "warning", "error")
-AUTOMATIC = ("threads", "batch_patches", "max_prefill_tokens")  # 0: chosen for the device
+AUTOMATIC = ("threads", "batch_patches", "max_prefill_tokens", "max_kv_tokens")  # 0: by device
 
 
 def option(default: Any, help: str) -> Any:
@@ -123,6 +123,11 @@ class DecodeConfig(ModelOptions):
     health_host: str = option("127.0.0.1", "host of the GET /health endpoint")
     health_port: int = option(7113, "port of the GET /health endpoint")
     max_batch_size: int = option(64, "most sequences advanced together in one decode step")
+    max_kv_tokens: int = option(
+        0,
+        "most tokens the KV cache holds over all running sequences, in blocks of 16; others "
+        "wait (0: every batch slot at the full context, or what half the free memory holds)",
+    )
     drain_timeout_s: float = option(
         30.0,
         "on SIGTERM, how long the sequences under way may take to finish (new hand-offs "

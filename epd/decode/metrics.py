@@ -15,5 +15,11 @@ class DecodeMetrics(RoleMetrics):
         )
         self.running = self.gauge("num_sequences_running", "Sequences (choices) being decoded.")
         self.waiting = self.gauge(
-            "num_sequences_waiting", "Sequences waiting for room in the batch."
+            "num_sequences_waiting", "Sequences waiting for room in the batch or the KV cache."
+        )
+        self.kv_usage = self.gauge(
+            "kv_cache_usage", "Fraction of the KV cache's blocks held by running sequences."
+        )
+        self.preemptions = self.counter(
+            "num_preemptions", "Running sequences sent back to wait for KV cache blocks."
         )

@@ -1,9 +1,12 @@
 """Continuous batching: every step advances all running sequences by one token together.
 
 New sequences join between steps (their first token, sampled by prefill, is emitted on
-arrival); finished and aborted ones leave between steps and their caches are freed. Beyond
-`max_batch_size` sequences wait, in arrival order, for a free slot. A running sequence's cache
-lives in a `LatentPool`, which a step reads in place instead of copying every cache.
+arrival); finished and aborted ones leave between steps and their caches are freed. A running
+sequence's cache lives in the blocks of a `LatentPool`, which holds at most `max_kv_tokens` rows.
+Sequences wait, in arrival order, for a batch slot (beyond `max_batch_size`) and for blocks
+enough for their cache; the first in line is never passed. When a running sequence needs a new
+block and none is free, the one that joined last goes back to the head of the line, its cache
+moved to host memory (preempted, as vLLM swaps), and joins again, unchanged, when blocks free up.
 
 A step samples every row in one batched call (one finiteness check, the requests' penalties,
 biases and bans applied batched, one transfer to the host).
@@ -15,6 +18,7 @@ alone (from its generator's earlier state) so only the ones that fail alone are 
 from __future__ import annotations
 
 import logging
+import os
 from collections import deque
 from collections.abc import Collection
 from dataclasses import dataclass, field
@@ -27,9 +31,10 @@ from epd.generation.grammar import GrammarError, Grammars
 from epd.generation.logits import NoTokenAllowed, adjust, require_a_token
 from epd.generation.sampling import restore_generator, sample_batch
 from epd.generation.sequence import Output, Sequence
+from epd.model.config import TextConfig
 from epd.model.deepseek import DeepseekV3ForCausalLM
 from epd.model.latent_cache import LatentCache
-from epd.model.latent_pool import LatentPool
+from epd.model.latent_pool import LatentPool, PagedCache, PoolFull
 from epd.wire.messages import KVHandoff
 
 log = logging.getLogger(__name__)
@@ -50,6 +55,7 @@ class Step:
     produced: list[tuple[Sequence, Output]] = field(default_factory=list)
     failed: list[tuple[Sequence, str]] = field(default_factory=list)
     refused: list[tuple[Sequence, str]] = field(default_factory=list)  # the request's own doing
+    preempted: int = 0  # sequences sent back to wait for blocks
 
 
 class Scheduler:
@@ -59,6 +65,7 @@ class Scheduler:
         tokenizer: PreTrainedTokenizerBase,
         eos_ids: Collection[int],
         max_batch_size: int = 64,
+        max_kv_tokens: int = 0,
     ) -> None:
         self.lm, self.tokenizer, self.eos_ids = lm, tokenizer, eos_ids
         self.max_batch_size = max_batch_size
@@ -67,12 +74,9 @@ class Scheduler:
         self.running: dict[tuple[str, int], Sequence] = {}  # by (request id, choice)
         self.waiting: deque[Sequence] = deque()
         config, dtype = lm.config, lm.lm_head.weight.dtype
+        budget = max_kv_tokens or default_kv_tokens(config, max_batch_size, self.device, dtype)
         self.pool = LatentPool(
-            config.num_hidden_layers,
-            config.latent_dim,
-            self.device,
-            dtype,
-            config.max_position_embeddings,
+            config.num_hidden_layers, config.latent_dim, self.device, dtype, budget
         )
 
     @cached_property
@@ -112,6 +116,12 @@ class Scheduler:
                 f"{handoff.sampling.max_tokens} exceed the context length "
                 f"{config.max_position_embeddings}"
             )
+        if total > self.pool.max_tokens:
+            raise ValueError(
+                f"{handoff.prompt_tokens} prompt tokens and max_tokens "
+                f"{handoff.sampling.max_tokens} exceed decode's KV cache of "
+                f"{self.pool.max_tokens} tokens (--max-kv-tokens)"
+            )
         if handoff.request_id in self:
             raise ValueError(f"request {handoff.request_id} is already decoding")
         if len(self.waiting) + handoff.sampling.n > self.max_waiting:
@@ -127,7 +137,9 @@ class Scheduler:
         except RuntimeError as e:
             raise ValueError(f"unusable sampler state: {e}") from None
         grammar = handoff.sampling.grammar
-        cache = handoff.cache.to(self.device, self.lm.lm_head.weight.dtype)
+        # Waiting caches stay where they arrived (host memory, from the wire); the pool's
+        # budget bounds the device's.
+        cache = handoff.cache.to(dtype=self.lm.lm_head.weight.dtype)
         added = []
         for index, generator in enumerate(generators):
             sequence = Sequence(
@@ -168,25 +180,10 @@ class Scheduler:
     def step(self) -> Step:
         """Advance every running sequence by one token; say what each produced or why it failed."""
         step = Step()
-        while self.waiting and len(self.running) < self.max_batch_size:
-            sequence = self.waiting.popleft()
-            try:
-                sequence.cache = self.pool.admit(sequence.cache)
-            except Exception as e:  # e.g. no memory for its cache: it fails alone
-                log.error("request %s could not join the batch", sequence.request_id, exc_info=e)
-                step.failed.append((sequence, f"decode failed: {type(e).__name__}: {e}"))
-                continue
-            self.running[sequence.key] = sequence
-        try:
-            self.pool.make_room()
-        except Exception as e:  # the pool could not grow: only the longest needed it
-            longest = [s for s in self.running.values() if s.cache.length >= self.pool.capacity]
-            for sequence in longest:
-                self._fail(step, sequence, e)
+        self._join(step)
+        self._make_room(step)
         good: list[tuple[Sequence, torch.Tensor]] = []
-        running = list(self.running.values())
-        batch = [running[i] for i in self.pool.in_order([s.cache for s in running])]
-        for sequence, row in self._logits(batch):
+        for sequence, row in self._logits(list(self.running.values())):
             if isinstance(row, Exception):
                 self._fail(step, sequence, row)
             else:
@@ -207,9 +204,50 @@ class Scheduler:
                 self._leave(sequence)
         return step
 
+    def _join(self, step: Step) -> None:
+        """Waiting sequences join, in order, while there are batch slots and free blocks."""
+        while self.waiting and len(self.running) < self.max_batch_size:
+            if not self.pool.can_admit(self.waiting[0].cache.length):
+                return  # the first in line waits for blocks, and nobody passes it
+            sequence = self.waiting.popleft()
+            try:
+                sequence.cache = self.pool.admit(sequence.cache)
+            except Exception as e:  # e.g. no memory for its cache: it fails alone
+                log.error("request %s could not join the batch", sequence.request_id, exc_info=e)
+                step.failed.append((sequence, f"decode failed: {type(e).__name__}: {e}"))
+                continue
+            self.running[sequence.key] = sequence
+
+    def _make_room(self, step: Step) -> None:
+        """A row for every running sequence's next token. When no block is free, the sequence
+        that joined last goes back to wait (it may be the one in need), until the rest fit:
+        `check` made sure any one of them fits alone."""
+        for sequence in list(self.running.values()):  # in the order they joined
+            while sequence.key in self.running:
+                try:
+                    self.pool.make_room(paged(sequence))
+                    break
+                except PoolFull:
+                    self._preempt(step, list(self.running.values())[-1])
+                except Exception as e:  # e.g. out of memory growing the storage
+                    self._fail(step, sequence, e)
+
+    def _preempt(self, step: Step, sequence: Sequence) -> None:
+        """Send a running sequence back to the head of the line, its cache in host memory."""
+        del self.running[sequence.key]
+        try:
+            sequence.cache = self.pool.evict(paged(sequence))
+        except Exception as e:
+            self.running[sequence.key] = sequence  # so that failing it releases its blocks
+            self._fail(step, sequence, e)
+            return
+        self.waiting.appendleft(sequence)
+        step.preempted += 1
+        log.info("request %s waits for KV cache blocks", sequence.request_id)
+
     def _leave(self, sequence: Sequence) -> None:
         del self.running[sequence.key]
-        self.pool.release(sequence.cache)
+        self.pool.release(paged(sequence))
 
     def _fail(self, step: Step, sequence: Sequence, error: Exception) -> None:
         if isinstance(error, NoTokenAllowed | GrammarError):  # what it asked for, not a fault
@@ -271,5 +309,25 @@ class Scheduler:
 
     def _forward(self, batch: list[Sequence]) -> torch.Tensor:
         tokens = torch.tensor([s.last_token for s in batch], device=self.device)
-        caches = self.pool.batch([s.cache for s in batch])
+        caches = self.pool.batch([paged(s) for s in batch])
         return self.lm.logits(self.lm.decode(tokens, caches))  # (B, vocab)
+
+
+def paged(sequence: Sequence) -> PagedCache:
+    """A running sequence's cache, which lives in the pool."""
+    assert isinstance(sequence.cache, PagedCache), "the sequence is not running"
+    return sequence.cache
+
+
+def default_kv_tokens(
+    config: TextConfig, max_batch_size: int, device: torch.device, dtype: torch.dtype
+) -> int:
+    """Decode's KV cache budget when none is set: every batch slot at the full context, or what
+    half the device's free memory holds if that is less, but always one whole context."""
+    per_token = config.num_hidden_layers * config.latent_dim * dtype.itemsize
+    context = config.max_position_embeddings
+    if device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0]
+    else:
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return max(context, min(max_batch_size * context, free // 2 // per_token))

@@ -47,6 +47,8 @@ class DecodeServer:
         self.registry = self.metrics.registry
         self.metrics.running.set_function(lambda: len(scheduler.running))
         self.metrics.waiting.set_function(lambda: len(scheduler.waiting))
+        pool = scheduler.pool
+        self.metrics.kv_usage.set_function(lambda: pool.used_blocks / (pool.max_blocks - 1))
         self.reply_to: dict[str, str] = {}  # request id → its prefill, while decode holds it
         self.taking = True  # False once a stop was asked for: the drain
         self.open_choices: dict[str, int] = {}  # request id → its choices not finished yet
@@ -183,6 +185,7 @@ class DecodeServer:
             log.exception("a decode step failed")
             self.fail_all("internal", f"decode failed: {type(e).__name__}: {e}")
             return
+        self.metrics.preemptions.inc(step.preempted)
         if batch:
             self.metrics.batch_size.observe(batch)
             self.metrics.step_seconds.observe(time.perf_counter() - start)
@@ -212,16 +215,24 @@ def largest_frame(checkpoint: str) -> int:
     return text.num_hidden_layers * text.max_position_embeddings * text.latent_dim * 4
 
 
+def load_scheduler(config: DecodeConfig) -> Scheduler:
+    """The model, tokenizer and limits the config names, as a scheduler."""
+    model = load_model(config.model, "language", config.device, model_dtype(config.dtype))
+    tokenizer = load_tokenizer(config.model, config.trust_remote_code)
+    eos_ids = stop_token_ids(config.model, tokenizer)
+    scheduler = Scheduler(
+        model.language_model, tokenizer, eos_ids, config.max_batch_size, config.max_kv_tokens
+    )
+    with contextlib.suppress(GrammarError):  # built now, not on the loop at the first grammar
+        scheduler.grammars  # noqa: B018
+    return scheduler
+
+
 def run(config: DecodeConfig) -> None:
     def build(_: Watchdog) -> DecodeServer:
         prefills = Prefills.parse(config.prefills)  # a bad pattern fails before the model loads
         keys = process_keys(config.zmq_curve_keys)  # so do missing keys
-        model = load_model(config.model, "language", config.device, model_dtype(config.dtype))
-        tokenizer = load_tokenizer(config.model, config.trust_remote_code)
-        eos_ids = stop_token_ids(config.model, tokenizer)
-        scheduler = Scheduler(model.language_model, tokenizer, eos_ids, config.max_batch_size)
-        with contextlib.suppress(GrammarError):  # built now, not on the loop at the first grammar
-            scheduler.grammars  # noqa: B018
+        scheduler = load_scheduler(config)
         context: zmq.Context = zmq.Context.instance()
         inbox = Inbox(context, config.bind, largest_frame(config.model), curve=keys)
         return DecodeServer(scheduler, inbox, Outbox(context, curve=keys), prefills)

@@ -23,6 +23,7 @@ from epd.generation.logits import presence
 from epd.generation.params import FinishReason, SamplingParams, TokenLogprob
 from epd.generation.sampling import token_logprob
 from epd.model.latent_cache import LatentCache
+from epd.model.latent_pool import PagedCache
 
 
 @dataclass(frozen=True)
@@ -42,7 +43,7 @@ class Sequence:
         request_id: str,
         sampling: SamplingParams,
         generator: torch.Generator,
-        cache: LatentCache,
+        cache: LatentCache | PagedCache,  # paged while it runs in decode's batch
         tokenizer: PreTrainedTokenizerBase,
         eos_ids: Collection[int],
         prompt_ids: torch.Tensor,

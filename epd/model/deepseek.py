@@ -108,7 +108,7 @@ class DeepseekV3ForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """One token per request (B,) → final hidden states (B, D); each cache grows by one.
 
-        `caches` may come as a DecodeBatch already, e.g. one that reads a LatentPool in place.
+        `caches` may come as a DecodeBatch already, e.g. one over a LatentPool's blocks.
         """
         batch = caches if isinstance(caches, DecodeBatch) else DecodeBatch(caches)
         angles = self.angles(batch.positions)

@@ -58,12 +58,15 @@ class DecodeBatch:
         self.caches = caches
         for cache in caches:
             cache.reserve(1)
-        lengths = torch.tensor([c.length + 1 for c in caches])
-        self.positions = lengths - 1  # position of the token being decoded, (B,)
+        self.index([c.length for c in caches], caches[0].data.device)
+
+    def index(self, past: list[int], device: torch.device) -> None:
+        """Positions (B,) of the tokens being decoded after `past` rows each, the longest
+        cache's length after the step, and the mask (B, T_max) of each cache's real rows."""
+        lengths = torch.tensor(past) + 1
+        self.positions = (lengths - 1).to(device)
         self.max_length = int(lengths.max())
-        device = caches[0].data.device
         self.mask = (torch.arange(self.max_length)[None, :] < lengths[:, None]).to(device)
-        self.positions = self.positions.to(device)
 
     def append_and_gather(self, layer: int, latent: torch.Tensor) -> torch.Tensor:
         """latent (B, latent_dim) → padded caches (B, T_max, latent_dim) including it."""

@@ -1,17 +1,19 @@
-"""The running sequences' latent caches side by side, so a decode step reads them in place.
+"""The running sequences' latent caches in fixed-size blocks of one storage, under a budget.
 
-`storage` is (layers, slots, capacity, latent_dim). A sequence that joins the running batch
-moves its cache into the next slot, and its `LatentCache` then views `storage[:, slot]`, so code
-that appends to one cache keeps working. Slots stay packed, 0..n-1: when a sequence leaves, the
-last slot's rows move into its place. A step over the slots in order attends over
-`storage[layer, :n, :T]`, a view, where a batch of separate caches is copied into a padded tensor
-in every layer of every step. So a departure costs one copy of one cache, and a step none.
+`storage` is (layers, blocks, BLOCK_TOKENS, latent_dim). A sequence that joins the running batch
+copies its cache into free blocks; its `PagedCache` lists them (its block table), so its row t
+is `storage[:, blocks[t // BLOCK_TOKENS], t % BLOCK_TOKENS]`. The pool holds at most
+`max_tokens` rows, so memory is the sum of the running caches' lengths, rounded up to blocks,
+and bounded: a sequence joins only when blocks for it are free (`can_admit`), and one that must
+grow when none is free makes the scheduler send another back to wait (`evict`).
 
-The price is memory: n slots × the longest running sequence, not the sum of their lengths.
-Capacity doubles when one outgrows it, up to the context length, and halves again once the
-longest left fits a quarter of it (the storage goes entirely when the last cache leaves). A paged
-pool would avoid the waste but needs a paged attention kernel to avoid the gather, and torch has
-none on a CPU.
+A step gathers every running cache's blocks, padded to the longest, into one
+(B, T_max, latent_dim) tensor per layer. A paged attention kernel would read the blocks in place;
+torch has none on a CPU, and the copy costs a few percent of a step there (docs/benchmarks.md).
+
+Block 0 is never handed out: it stays zeros and pads the tables of shorter caches. Freed blocks
+are zeroed too. Rows past a cache's length are read, masked, by every step, and a masked NaN
+left by an earlier owner would still poison the weighted sums (0 × NaN).
 """
 
 from __future__ import annotations
@@ -20,20 +22,59 @@ import torch
 
 from epd.model.latent_cache import DecodeBatch, LatentCache
 
+BLOCK_TOKENS = 16  # rows per block: vLLM's default; smaller wastes less, larger gathers fewer
 
-class PooledBatch(DecodeBatch):
-    """A step over every slot of a pool, in slot order: caches are read where they lie."""
 
-    def __init__(self, storage: torch.Tensor, caches: list[LatentCache]) -> None:
-        super().__init__(caches)  # the pool made room: each cache's reserve(1) is a no-op
-        self.storage = storage
-        self.slots = torch.arange(len(caches), device=storage.device)
+class PoolFull(RuntimeError):
+    """Not enough free blocks under the pool's budget."""
+
+
+def blocks_for(tokens: int) -> int:
+    return -(-tokens // BLOCK_TOKENS)
+
+
+class PagedCache:
+    """A running sequence's cache in a pool's blocks (its table), `length` rows long."""
+
+    def __init__(self, pool: LatentPool, blocks: list[int], length: int) -> None:
+        self.pool, self.blocks, self.length = pool, blocks, length
+
+    def tensor(self) -> torch.Tensor:
+        """The filled part, (layers, length, latent_dim): a copy out of the blocks."""
+        return self.pool.storage[:, self.blocks].flatten(1, 2)[:, : self.length]
+
+    def reserve(self, tokens: int) -> None:
+        """Blocks are the pool's to hand out (`LatentPool.make_room`); here only checked."""
+        assert blocks_for(self.length + tokens) <= len(self.blocks), "no room made in the pool"
+
+
+class PagedBatch(DecodeBatch):
+    """A decode step over pooled caches: each writes its row into its own block, and the step
+    attends over their blocks gathered by table."""
+
+    def __init__(self, storage: torch.Tensor, caches: list[PagedCache]) -> None:
+        for cache in caches:
+            cache.reserve(1)
+        self.storage, self.paged = storage, caches
+        self.index([c.length for c in caches], storage.device)
+        width = blocks_for(self.max_length)
+        table = [c.blocks[:width] + [0] * (width - len(c.blocks[:width])) for c in caches]
+        self.table = torch.tensor(table, device=storage.device)  # (B, width), 0 pads
+        rows = torch.arange(len(caches), device=storage.device)
+        self.block = self.table[rows, self.positions // BLOCK_TOKENS]  # (B,) where each writes
+        self.offset = self.positions % BLOCK_TOKENS
 
     def append_and_gather(self, layer: int, latent: torch.Tensor) -> torch.Tensor:
-        """latent (B, latent_dim) → the caches (B, T_max, latent_dim), a view of the pool."""
-        rows = self.storage[layer]  # (slots, capacity, latent_dim)
-        rows[self.slots, self.positions] = latent
-        return rows[: len(self.caches), : self.max_length]
+        """latent (B, latent_dim) → the caches including it, (B, T_max, latent_dim), a copy."""
+        blocks = self.storage[layer]  # (blocks, BLOCK_TOKENS, latent_dim)
+        blocks[self.block, self.offset] = latent
+        # index_select copies whole blocks; indexing with the 2-D table is ~4x slower on a CPU
+        rows = blocks.index_select(0, self.table.flatten())  # (B · width, BLOCK_TOKENS, latent)
+        return rows.view(len(self.paged), -1, blocks.shape[-1])[:, : self.max_length]
+
+    def advance(self) -> None:
+        for cache in self.paged:
+            cache.length += 1
 
 
 class LatentPool:
@@ -43,99 +84,109 @@ class LatentPool:
         latent_dim: int,
         device: torch.device,
         dtype: torch.dtype,
-        max_length: int = 1 << 62,
+        max_tokens: int,
     ) -> None:
-        self.storage = torch.empty(layers, 0, 0, latent_dim, device=device, dtype=dtype)
-        self.max_length = max_length  # no cache grows past the context
-        self.caches: list[LatentCache] = []  # by slot
-        self.slot: dict[int, int] = {}  # id(cache) → its slot
+        self.max_blocks = 1 + blocks_for(max_tokens)  # + the zero block
+        self.storage = torch.zeros(layers, 1, BLOCK_TOKENS, latent_dim, device=device, dtype=dtype)
+        self.free: list[int] = []  # blocks in storage that no cache holds, lowest last
+        self.caches: set[PagedCache] = set()
 
     def __len__(self) -> int:
         return len(self.caches)
 
-    @torch.inference_mode()
-    def admit(self, cache: LatentCache) -> LatentCache:
-        """Copy a cache into the next slot; the cache returned views it there."""
-        self.fit(len(self.caches) + 1, cache.length + 1)
-        slot = len(self.caches)
-        self.storage[:, slot, : cache.length] = cache.tensor()
-        pooled = LatentCache(self.storage[:, slot], cache.length)
-        self.caches.append(pooled)
-        self.slot[id(pooled)] = slot
-        return pooled
-
-    @torch.inference_mode()  # the storage is an inference tensor: abort runs outside a step
-    def release(self, cache: LatentCache) -> None:
-        """Free a cache's slot: the last slot's cache moves into it. Rows no cache owns are
-        zeros: a step reads them, masked, and a masked NaN would still poison its neighbours'
-        weighted sums (0 × NaN)."""
-        slot, vacated = self.slot.pop(id(cache)), len(self.caches) - 1
-        last = self.caches.pop()
-        if last is not cache:
-            self.storage[:, slot, : last.length] = last.tensor()
-            self.storage[:, slot, last.length : cache.length + 1] = 0  # + a failed step's row
-            last.data = self.storage[:, slot]
-            self.caches[slot] = last
-            self.slot[id(last)] = slot
-        self.storage[:, vacated, : max(last.length, cache.length) + 1] = 0
-        longest = max((c.length for c in self.caches), default=0)
-        if not self.caches:
-            self.clear()
-        elif 4 * (longest + 1) <= self.storage.shape[2]:  # a long one left: give memory back
-            self.reallocate(self.storage.shape[1], max(2 * (longest + 1), 16))
-
-    def clear(self) -> None:
-        """Forget every cache and give back the memory."""
-        self.caches.clear()
-        self.slot.clear()
-        layers, _, _, width = self.storage.shape
-        self.storage = self.storage.new_empty(layers, 0, 0, width)
-
-    def in_order(self, caches: list[LatentCache]) -> list[int]:
-        """The positions of `caches` sorted by slot: the order a step reads them in place."""
-        return sorted(range(len(caches)), key=lambda i: self.slot[id(caches[i])])
+    @property
+    def max_tokens(self) -> int:
+        return (self.max_blocks - 1) * BLOCK_TOKENS
 
     @property
-    def capacity(self) -> int:
-        return self.storage.shape[2]
+    def free_blocks(self) -> int:
+        """Blocks a cache may still take: free in storage, or not allocated yet."""
+        return len(self.free) + self.max_blocks - self.storage.shape[1]
 
-    def make_room(self) -> None:
-        """Room for one more row in every slot: a step's. Raises (e.g. out of memory) if the
-        storage cannot grow; only the caches longer than `capacity` then need what failed."""
-        if self.caches:
-            self.fit(len(self.caches), max(c.length for c in self.caches) + 1)
+    @property
+    def used_blocks(self) -> int:
+        return self.max_blocks - 1 - self.free_blocks
 
-    def batch(self, caches: list[LatentCache]) -> DecodeBatch:
-        """A decode step over pooled caches: read in place when they are every slot in order,
-        gathered otherwise (e.g. one sequence run alone)."""
-        self.make_room()
-        if len(caches) == len(self.caches) and all(
-            a is b for a, b in zip(caches, self.caches, strict=True)
-        ):
-            return PooledBatch(self.storage, caches)
-        return DecodeBatch(caches)
+    def can_admit(self, length: int) -> bool:
+        """Whether a cache of `length` rows, and its next step's, fits in the free blocks, with
+        a block to spare for each running cache's next step (so a join does not at once send
+        another back to wait)."""
+        return blocks_for(length + 1) + len(self.caches) <= self.free_blocks
 
     @torch.inference_mode()
-    def fit(self, slots: int, length: int) -> None:
-        """Grow the storage, doubling, to hold `slots` caches of `length` rows."""
-        _, have_slots, capacity, _ = self.storage.shape
-        if slots <= have_slots and length <= capacity:
-            return
-        self.reallocate(
-            doubled(have_slots, slots), min(max(doubled(capacity, length), 16), self.max_length)
-        )
+    def admit(self, cache: LatentCache | PagedCache) -> PagedCache:
+        """Copy a cache (on any device) into free blocks, with room for a step's row.
+
+        Raises PoolFull when the blocks are not free, or e.g. out of memory while growing.
+        """
+        blocks = self.take(blocks_for(cache.length + 1))
+        rows = cache.tensor()
+        whole, rest = divmod(cache.length, BLOCK_TOKENS)
+        used = blocks[: whole + (rest > 0)]
+        padded = rows.new_zeros(rows.shape[0], len(used) * BLOCK_TOKENS, rows.shape[2])
+        padded[:, : cache.length] = rows
+        self.storage[:, used] = padded.unflatten(1, (len(used), BLOCK_TOKENS)).to(self.storage)
+        paged = PagedCache(self, blocks, cache.length)
+        self.caches.add(paged)
+        return paged
+
+    def make_room(self, cache: PagedCache) -> None:
+        """A block for the cache's next row, if its blocks are full. Raises PoolFull."""
+        if blocks_for(cache.length + 1) > len(cache.blocks):
+            cache.blocks += self.take(1)
+
+    def has_room(self, cache: PagedCache) -> bool:
+        return blocks_for(cache.length + 1) <= len(cache.blocks)
+
+    @torch.inference_mode()  # the storage is an inference tensor: abort runs outside a step
+    def release(self, cache: PagedCache) -> None:
+        """Give a cache's blocks back, zeroed (see the module's note on NaN)."""
+        self.caches.discard(cache)
+        self.storage[:, cache.blocks] = 0
+        self.free += cache.blocks
+        self.free.sort(reverse=True)
+        cache.blocks = []
+        if not self.caches:
+            self.clear()
+
+    def evict(self, cache: PagedCache) -> LatentCache:
+        """Move a cache out of the pool, into host memory, freeing its blocks."""
+        kept = LatentCache.from_tensor(cache.tensor().cpu())
+        self.release(cache)
+        return kept
 
     @torch.inference_mode()
-    def reallocate(self, slots: int, capacity: int) -> None:
-        """Move every cache into new zeroed storage of this size."""
-        layers, _, _, width = self.storage.shape
-        moved = self.storage.new_zeros(layers, slots, capacity, width)
-        for slot, cache in enumerate(self.caches):
-            moved[:, slot, : cache.length] = cache.tensor()
-            cache.data = moved[:, slot]
-        self.storage = moved
+    def clear(self) -> None:
+        """Forget every cache and give back the memory (the zero block stays)."""
+        self.caches.clear()
+        self.free.clear()
+        self.storage = self.storage[:, :1].clone()
 
+    def batch(self, caches: list[PagedCache]) -> PagedBatch:
+        """A decode step over these caches, in this order; each must have room (`make_room`)."""
+        return PagedBatch(self.storage, caches)
 
-def doubled(have: int, need: int) -> int:
-    """`have`, or twice it (at least `need`) when `need` does not fit."""
-    return have if need <= have else max(need, 2 * have)
+    @torch.inference_mode()
+    def take(self, count: int) -> list[int]:
+        """`count` free blocks, growing the storage (doubling, up to the budget) if needed."""
+        if count > self.free_blocks:
+            raise PoolFull(
+                f"{count} blocks of {BLOCK_TOKENS} rows asked for, {self.free_blocks} free "
+                f"of {self.max_blocks - 1}"
+            )
+        if count > len(self.free):
+            have = self.storage.shape[1]
+            self.grow(min(max(2 * have, have + count - len(self.free)), self.max_blocks))
+        taken = self.free[-count:][::-1]
+        del self.free[-count:]
+        return taken
+
+    @torch.inference_mode()
+    def grow(self, blocks: int) -> None:
+        """Move the storage into a larger one of `blocks` blocks; the new ones are free."""
+        have = self.storage.shape[1]
+        storage = self.storage.new_empty(self.storage.shape[0], blocks, *self.storage.shape[2:])
+        storage[:, :have] = self.storage
+        storage[:, have:] = 0
+        self.storage = storage
+        self.free = sorted([*self.free, *range(have, blocks)], reverse=True)

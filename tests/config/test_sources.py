@@ -213,3 +213,8 @@ def test_serve_passes_each_child_setting_to_the_roles_that_have_it(tmp_path):
     assert children["prefill"].allowed_media_domains == ("a.example", "b.example")
     with pytest.raises(SystemExit):  # serve owns the addresses that join its children
         plan(args("serve", "--config", path, "--decoders", "tcp://10.0.0.1:1"))
+
+
+def test_a_negative_kv_budget_is_refused():
+    with pytest.raises(ValueError, match="max_kv_tokens=-1: must be 0 .automatic. or a positive"):
+        resolve(DecodeConfig, "decode", args("decode", "--model", "/m", "--max-kv-tokens", "-1"))

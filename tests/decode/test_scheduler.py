@@ -2,11 +2,12 @@
 
 import msgspec
 import pytest
+import torch
 
 from epd.checkpoint.config import load_generation_config, load_model_config
 from epd.checkpoint.tokenizer import load_tokenizer
 from epd.checkpoint.weights import load_model
-from epd.decode.scheduler import Busy, Scheduler
+from epd.decode.scheduler import Busy, Scheduler, default_kv_tokens
 from epd.generation.grammar import choice_grammar
 from epd.generation.params import SamplingParams
 from epd.prefill.engine import PrefillEngine
@@ -267,15 +268,16 @@ def test_a_pool_that_cannot_grow_fails_only_the_sequence_that_needs_it(parts):
     scheduler = Scheduler(lm, tokenizer, eos)
     expected = run_alone(parts, 0, max_tokens=8)
     produced = list(scheduler.add(handoff(engine, 0, max_tokens=8))[0][1].token_ids)
-    scheduler.add(engine.run("long", [9] * 40, None, SamplingParams(8, temperature=0)))
-    pool, reallocate = scheduler.pool, scheduler.pool.reallocate
+    scheduler.add(engine.run("long", [9] * 46, None, SamplingParams(8, temperature=0)))
+    pool, grow = scheduler.pool, scheduler.pool.grow
 
-    def out_of_memory_past_41_rows(slots, capacity):
-        if capacity > 41:
+    def out_of_memory_past_5_blocks(blocks):
+        if blocks > 5:
             raise RuntimeError("out of memory")
-        reallocate(slots, capacity)
+        grow(blocks)
 
-    pool.reallocate = out_of_memory_past_41_rows  # the long one's second row needs 42
+    # r0 holds one block and the long one three (47 rows); its 49th row needs a fourth
+    pool.grow = out_of_memory_past_5_blocks
     failed = []
     while len(scheduler):
         step = scheduler.step()
@@ -283,4 +285,63 @@ def test_a_pool_that_cannot_grow_fails_only_the_sequence_that_needs_it(parts):
         produced += [t for s, d in step.produced if s.request_id == "r0" for t in d.token_ids]
     assert failed == [("long", "decode failed: RuntimeError: out of memory")]
     assert produced == expected  # its neighbour never noticed
-    assert len(pool) == 0 and pool.storage.numel() == 0
+    assert len(pool) == 0 and pool.storage.shape[1] == 1
+
+
+def run_all(scheduler, handoffs):
+    """Every request's tokens, and how many times a sequence was sent back to wait."""
+    produced, preempted = {}, 0
+    for h in handoffs:
+        for sequence, delta in scheduler.add(h):
+            produced.setdefault(sequence.key, []).extend(delta.token_ids)
+    while len(scheduler):
+        step = scheduler.step()
+        assert not step.failed and not step.refused
+        assert scheduler.pool.storage.shape[1] <= scheduler.pool.max_blocks
+        preempted += step.preempted
+        for sequence, delta in step.produced:
+            produced.setdefault(sequence.key, []).extend(delta.token_ids)
+    return produced, preempted
+
+
+def test_a_small_kv_budget_makes_sequences_wait_and_changes_no_token(parts):
+    """Four requests in a cache of 4 blocks (64 rows) where together they need 9: they wait to
+    join, and those that joined last go back to wait when the others need blocks; greedy and
+    seeded tokens are those of an unbounded cache."""
+    lm, tokenizer, engine, eos = parts
+
+    def handoffs():
+        greedy = SamplingParams(24, temperature=0)
+        seeded = SamplingParams(24, temperature=1.5, top_k=50, seed=7, n=2)
+        return [
+            engine.run("a", [9] * 20, None, greedy),
+            engine.run("b", PROMPTS[1], None, seeded),
+            engine.run("c", PROMPTS[0], None, greedy),
+        ]
+
+    expected, none = run_all(Scheduler(lm, tokenizer, eos), handoffs())
+    bounded = Scheduler(lm, tokenizer, eos, max_kv_tokens=64)
+    produced, preempted = run_all(bounded, handoffs())
+    assert none == 0 and preempted > 0
+    assert produced == expected
+    assert all(len(tokens) == 24 for tokens in produced.values())
+
+
+def test_a_request_larger_than_the_kv_budget_is_refused(parts):
+    lm, tokenizer, engine, eos = parts
+    scheduler = Scheduler(lm, tokenizer, eos, max_kv_tokens=32)
+    with pytest.raises(ValueError, match="exceed decode's KV cache of 32 tokens"):
+        scheduler.add(engine.run("big", [9] * 20, None, SamplingParams(13, temperature=0)))
+    scheduler.add(engine.run("fits", [9] * 20, None, SamplingParams(12, temperature=0)))
+
+
+def test_the_default_kv_budget_is_every_slot_at_full_context_if_memory_allows(parts, monkeypatch):
+    config, cpu = parts[0].config, torch.device("cpu")
+    context = config.max_position_embeddings
+    assert default_kv_tokens(config, 4, cpu, torch.float32) == 4 * context  # the tiny model
+    per_token = config.num_hidden_layers * config.latent_dim * 4
+    pages = {"SC_AVPHYS_PAGES": 3 * context * per_token // 4096, "SC_PAGE_SIZE": 4096}
+    monkeypatch.setattr("os.sysconf", pages.__getitem__)
+    assert default_kv_tokens(config, 4, cpu, torch.float32) == 3 * context // 2  # half of free
+    pages["SC_AVPHYS_PAGES"] //= 10
+    assert default_kv_tokens(config, 4, cpu, torch.float32) == context  # but one whole context

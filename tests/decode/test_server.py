@@ -12,8 +12,9 @@ import zmq
 from epd.checkpoint.config import load_generation_config, load_model_config
 from epd.checkpoint.tokenizer import load_tokenizer
 from epd.checkpoint.weights import load_model
+from epd.config.roles import DecodeConfig
 from epd.decode.scheduler import Scheduler
-from epd.decode.server import DecodeServer
+from epd.decode.server import DecodeServer, load_scheduler
 from epd.generation.params import SamplingParams
 from epd.prefill.engine import PrefillEngine
 from epd.wire.addresses import Prefills
@@ -167,3 +168,31 @@ def test_stopping_fails_what_is_still_held(wired):
     while isinstance(message := received(timeout_ms=500), TokenDelta):
         pass
     assert isinstance(message, Failure) and message.code == "unavailable"
+
+
+def test_the_kv_budget_reaches_the_scheduler_and_its_use_is_measured(
+    model, tiny_checkpoint, tmp_path
+):
+    lm, tokenizer, engine, eos = model
+    config = DecodeConfig(model=str(tiny_checkpoint), max_batch_size=3, max_kv_tokens=48)
+    loaded = load_scheduler(config)
+    assert (loaded.pool.max_tokens, loaded.max_batch_size) == (48, 3)
+    context = zmq.Context()
+    scheduler = Scheduler(lm, tokenizer, eos, max_kv_tokens=48)  # 3 blocks of 16
+    server = DecodeServer(
+        scheduler, Inbox(context, f"ipc://{tmp_path}/d"), Outbox(context), Prefills.parse(())
+    )
+    sample = server.registry.get_sample_value
+    try:
+        for name in ("a", "b"):  # 3 + 20 rows each: two blocks, four together
+            scheduler.add(engine.run(name, [5, 6, 7], None, SamplingParams(20, temperature=0)))
+        server.step()
+        assert sample("epd:kv_cache_usage") == pytest.approx(2 / 3)  # a block each
+        while len(scheduler):
+            server.step()
+        # a took its second block; b needed one too and went back to wait until a was done
+        assert sample("epd:num_preemptions_total") == 1
+        assert sample("epd:kv_cache_usage") == 0
+    finally:
+        server.inbox.close(), server.outbox.close()
+        context.destroy(linger=0)
