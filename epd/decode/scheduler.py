@@ -56,6 +56,7 @@ class Step:
     failed: list[tuple[Sequence, str]] = field(default_factory=list)
     refused: list[tuple[Sequence, str]] = field(default_factory=list)  # the request's own doing
     preempted: int = 0  # sequences sent back to wait for blocks
+    batch: int = 0  # sequences the forward ran for
 
 
 class Scheduler:
@@ -182,6 +183,7 @@ class Scheduler:
         step = Step()
         self._join(step)
         self._make_room(step)
+        step.batch = len(self.running)
         good: list[tuple[Sequence, torch.Tensor]] = []
         for sequence, row in self._logits(list(self.running.values())):
             if isinstance(row, Exception):

@@ -178,7 +178,7 @@ class DecodeServer:
     def step(self) -> None:
         self.check_peers()
         self.take_messages()
-        batch, start = min(len(self.scheduler), self.scheduler.max_batch_size), time.perf_counter()
+        start = time.perf_counter()
         try:
             step = self.scheduler.step()
         except Exception as e:  # not any one request's fault: fail them all, keep the process
@@ -186,8 +186,8 @@ class DecodeServer:
             self.fail_all("internal", f"decode failed: {type(e).__name__}: {e}")
             return
         self.metrics.preemptions.inc(step.preempted)
-        if batch:
-            self.metrics.batch_size.observe(batch)
+        if step.batch:
+            self.metrics.batch_size.observe(step.batch)
             self.metrics.step_seconds.observe(time.perf_counter() - start)
         for sequence, output in step.produced:
             self.send(sequence, output)

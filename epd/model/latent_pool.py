@@ -9,7 +9,9 @@ grow when none is free makes the scheduler send another back to wait (`evict`).
 
 A step gathers every running cache's blocks, padded to the longest, into one
 (B, T_max, latent_dim) tensor per layer. A paged attention kernel would read the blocks in place;
-torch has none on a CPU, and the copy costs a few percent of a step there (docs/benchmarks.md).
+torch has none on a CPU, and the copy costs 10-20% of a step at 700-1500-token caches there
+(docs/benchmarks.md). The padding is transient but real: one very long cache in a large batch
+makes every row of that tensor, and the attention over it, as long as itself.
 
 Block 0 is never handed out: it stays zeros and pads the tables of shorter caches. Freed blocks
 are zeroed too. Rows past a cache's length are read, masked, by every step, and a masked NaN
@@ -44,8 +46,10 @@ class PagedCache:
         return self.pool.storage[:, self.blocks].flatten(1, 2)[:, : self.length]
 
     def reserve(self, tokens: int) -> None:
-        """Blocks are the pool's to hand out (`LatentPool.make_room`); here only checked."""
-        assert blocks_for(self.length + tokens) <= len(self.blocks), "no room made in the pool"
+        """Blocks are the pool's to hand out (`LatentPool.make_room`); here only checked: a
+        row past the blocks would be written into the zero block, which pads every table."""
+        if blocks_for(self.length + tokens) > len(self.blocks):
+            raise RuntimeError(f"no room was made in the pool for {tokens} more rows")
 
 
 class PagedBatch(DecodeBatch):
@@ -120,12 +124,15 @@ class LatentPool:
         Raises PoolFull when the blocks are not free, or e.g. out of memory while growing.
         """
         blocks = self.take(blocks_for(cache.length + 1))
-        rows = cache.tensor()
-        whole, rest = divmod(cache.length, BLOCK_TOKENS)
-        used = blocks[: whole + (rest > 0)]
-        padded = rows.new_zeros(rows.shape[0], len(used) * BLOCK_TOKENS, rows.shape[2])
-        padded[:, : cache.length] = rows
-        self.storage[:, used] = padded.unflatten(1, (len(used), BLOCK_TOKENS)).to(self.storage)
+        try:
+            rows = cache.tensor()
+            used = blocks[: blocks_for(cache.length)]
+            padded = rows.new_zeros(rows.shape[0], len(used) * BLOCK_TOKENS, rows.shape[2])
+            padded[:, : cache.length] = rows
+            self.storage[:, used] = padded.unflatten(1, (len(used), BLOCK_TOKENS)).to(self.storage)
+        except BaseException:  # e.g. out of memory copying it in: the blocks are still free
+            self.give_back(blocks)
+            raise
         paged = PagedCache(self, blocks, cache.length)
         self.caches.add(paged)
         return paged
@@ -142,12 +149,15 @@ class LatentPool:
     def release(self, cache: PagedCache) -> None:
         """Give a cache's blocks back, zeroed (see the module's note on NaN)."""
         self.caches.discard(cache)
-        self.storage[:, cache.blocks] = 0
-        self.free += cache.blocks
-        self.free.sort(reverse=True)
+        self.give_back(cache.blocks)
         cache.blocks = []
         if not self.caches:
             self.clear()
+
+    def give_back(self, blocks: list[int]) -> None:
+        """Blocks no cache holds any more: zeroed, and free."""
+        self.storage[:, blocks] = 0
+        self.free = sorted([*self.free, *blocks], reverse=True)
 
     def evict(self, cache: PagedCache) -> LatentCache:
         """Move a cache out of the pool, into host memory, freeing its blocks."""

@@ -289,15 +289,24 @@ def test_a_pool_that_cannot_grow_fails_only_the_sequence_that_needs_it(parts):
 
 
 def run_all(scheduler, handoffs):
-    """Every request's tokens, and how many times a sequence was sent back to wait."""
+    """Every request's tokens, and how many times a sequence was sent back to wait. Each step
+    checks who was: those that joined last, back at the head of the line in the order they
+    had joined."""
     produced, preempted = {}, 0
     for h in handoffs:
         for sequence, delta in scheduler.add(h):
             produced.setdefault(sequence.key, []).extend(delta.token_ids)
     while len(scheduler):
+        before = list(scheduler.running)
         step = scheduler.step()
         assert not step.failed and not step.refused
         assert scheduler.pool.storage.shape[1] <= scheduler.pool.max_blocks
+        waiting = [s.key for s in scheduler.waiting]
+        back = [key for key in before if key in waiting]
+        assert len(back) == step.preempted
+        stayed = [before.index(key) for key in before if key in scheduler.running]
+        assert all(before.index(key) > max(stayed, default=-1) for key in back)
+        assert waiting[: len(back)] == back
         preempted += step.preempted
         for sequence, delta in step.produced:
             produced.setdefault(sequence.key, []).extend(delta.token_ids)
@@ -345,3 +354,15 @@ def test_the_default_kv_budget_is_every_slot_at_full_context_if_memory_allows(pa
     assert default_kv_tokens(config, 4, cpu, torch.float32) == 3 * context // 2  # half of free
     pages["SC_AVPHYS_PAGES"] //= 10
     assert default_kv_tokens(config, 4, cpu, torch.float32) == context  # but one whole context
+
+
+def test_the_first_in_line_waits_for_blocks_and_nobody_passes_it(parts):
+    lm, tokenizer, engine, eos = parts
+    scheduler = Scheduler(lm, tokenizer, eos, max_kv_tokens=64)  # 4 blocks
+    greedy = SamplingParams(20, temperature=0)
+    scheduler.add(engine.run("running", [9] * 20, None, greedy))  # 2 blocks
+    scheduler.add(engine.run("big", [9] * 40, None, greedy))  # 3 blocks: not free
+    scheduler.add(engine.run("small", [9] * 3, None, greedy))  # 1 block would be free
+    scheduler.step()
+    assert list(scheduler.running) == [("running", 0)]
+    assert [s.request_id for s in scheduler.waiting] == ["big", "small"]

@@ -53,10 +53,12 @@ def test_steps_over_blocks_equal_steps_over_separate_caches(lm):
 @torch.inference_mode()
 def test_any_subset_in_any_order_reads_its_own_blocks(lm):
     pool = pool_for(lm)
-    pooled = [pool.admit(prefilled(lm, p)) for p in PROMPTS[:3]]
-    alone = [prefilled(lm, PROMPTS[i]) for i in (2, 0)]
+    pooled = [pool.admit(prefilled(lm, p)) for p in PROMPTS]
+    alone = [prefilled(lm, PROMPTS[i]) for i in (3, 0)]
     tokens = torch.tensor([9, 4])
-    ours = lm.decode(tokens, pool.batch([pooled[2], pooled[0]]))
+    batch = pool.batch([pooled[3], pooled[0]])
+    assert batch.table.tolist() == [pooled[3].blocks, [*pooled[0].blocks, 0]]  # the zero block
+    ours = lm.decode(tokens, batch)
     torch.testing.assert_close(ours, lm.decode(tokens, alone), rtol=1e-5, atol=1e-5)
     assert pooled[1].length == len(PROMPTS[1])  # not in the step: untouched
 
@@ -111,3 +113,16 @@ def test_a_full_block_takes_a_new_one_only_when_the_next_row_needs_it(lm):
     cache.length += BLOCK_TOKENS
     with pytest.raises(PoolFull):
         pool.make_room(cache)
+
+
+@torch.inference_mode()
+def test_a_cache_that_fails_to_join_leaves_its_blocks_free(lm):
+    pool = pool_for(lm, max_tokens=4 * BLOCK_TOKENS)
+    kept = pool.admit(prefilled(lm, PROMPTS[0]))
+    broken = prefilled(lm, [9] * 40)
+    broken.tensor = lambda: (_ for _ in ()).throw(RuntimeError("out of memory"))
+    with pytest.raises(RuntimeError, match="out of memory"):
+        pool.admit(broken)
+    assert pool.free_blocks == 3 and len(pool) == 1
+    assert pool.admit(prefilled(lm, [9] * 40)).blocks  # the blocks it had taken
+    assert (pool.storage[:, 0] == 0).all() and kept.length == len(PROMPTS[0])
