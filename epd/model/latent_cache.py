@@ -8,6 +8,8 @@ process as one tensor and resumed there with `LatentCache.from_tensor`.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 
@@ -47,11 +49,19 @@ class LatentCache:
         self.data = grown
 
 
+class Part(NamedTuple):
+    """Some of a decode step's requests, for one attention call."""
+
+    rows: torch.Tensor | None  # (n,) which rows of the batch; None: all of them, in order
+    cache: torch.Tensor  # (n, T, latent_dim): their caches padded to the longest of them
+    visible: torch.Tensor  # (n, T): the real rows
+
+
 class DecodeBatch:
     """One decode step over several requests: each appends one token to its own cache.
 
-    Layers call `append_and_gather` to store the step's latent row and get back every request's
-    cache padded to a common length, with `mask` (B, T_max) marking the real entries.
+    Layers call `append_and_gather` to store the step's latent row and get back the requests'
+    caches padded to a common length, in parts (here one: every request, padded to T_max).
     """
 
     def __init__(self, caches: list[LatentCache]) -> None:
@@ -68,13 +78,13 @@ class DecodeBatch:
         self.max_length = int(lengths.max())
         self.mask = (torch.arange(self.max_length)[None, :] < lengths[:, None]).to(device)
 
-    def append_and_gather(self, layer: int, latent: torch.Tensor) -> torch.Tensor:
-        """latent (B, latent_dim) → padded caches (B, T_max, latent_dim) including it."""
+    def append_and_gather(self, layer: int, latent: torch.Tensor) -> list[Part]:
+        """latent (B, latent_dim) → the caches including it, padded (B, T_max, latent_dim)."""
         padded = latent.new_zeros(len(self.caches), self.max_length, latent.shape[-1])
         for i, cache in enumerate(self.caches):
             cache.data[layer, cache.length] = latent[i]
             padded[i, : cache.length + 1] = cache.data[layer, : cache.length + 1]
-        return padded
+        return [Part(None, padded, self.mask)]
 
     def advance(self) -> None:
         for cache in self.caches:

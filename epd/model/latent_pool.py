@@ -7,11 +7,11 @@ is `storage[:, blocks[t // BLOCK_TOKENS], t % BLOCK_TOKENS]`. The pool holds at 
 and bounded: a sequence joins only when blocks for it are free (`can_admit`), and one that must
 grow when none is free makes the scheduler send another back to wait (`evict`).
 
-A step gathers every running cache's blocks, padded to the longest, into one
-(B, T_max, latent_dim) tensor per layer. A paged attention kernel would read the blocks in place;
-torch has none on a CPU, and the copy costs 10-20% of a step at 700-1500-token caches there
-(docs/benchmarks.md). The padding is transient but real: one very long cache in a large batch
-makes every row of that tensor, and the attention over it, as long as itself.
+A step gathers the running caches' blocks into padded (n, T, latent_dim) tensors per layer, in
+parts of similar lengths (none padded past twice its own), so that one long cache does not make
+every short one's gathered rows and attention as long as itself. A paged attention kernel would
+read the blocks in place; torch has none on a CPU, and the copy costs 10-20% of a step at
+700-1500-token caches there (docs/benchmarks.md).
 
 Block 0 is never handed out: it stays zeros and pads the tables of shorter caches. Freed blocks
 are zeroed too. Rows past a cache's length are read, masked, by every step, and a masked NaN
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from epd.model.latent_cache import DecodeBatch, LatentCache
+from epd.model.latent_cache import DecodeBatch, LatentCache, Part
 
 BLOCK_TOKENS = 16  # rows per block: vLLM's default; smaller wastes less, larger gathers fewer
 
@@ -33,6 +33,20 @@ class PoolFull(RuntimeError):
 
 def blocks_for(tokens: int) -> int:
     return -(-tokens // BLOCK_TOKENS)
+
+
+def by_length(lengths: list[int]) -> list[list[int]]:
+    """Positions grouped so that none is padded to more than twice its length: longest first,
+    a new group where a length falls to half its group's longest. All in one group keep their
+    order (the common case: one attention call, no reordering)."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    groups: list[list[int]] = []
+    for i in order:
+        if groups and 2 * lengths[i] > lengths[groups[-1][0]]:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return [list(range(len(lengths)))] if len(groups) == 1 else groups
 
 
 class PagedCache:
@@ -54,27 +68,43 @@ class PagedCache:
 
 class PagedBatch(DecodeBatch):
     """A decode step over pooled caches: each writes its row into its own block, and the step
-    attends over their blocks gathered by table."""
+    attends over their blocks gathered by table, in parts of similar lengths (`by_length`), so
+    that one long cache does not pad every short one to its length."""
 
     def __init__(self, storage: torch.Tensor, caches: list[PagedCache]) -> None:
         for cache in caches:
             cache.reserve(1)
         self.storage, self.paged = storage, caches
         self.index([c.length for c in caches], storage.device)
-        width = blocks_for(self.max_length)
-        table = [c.blocks[:width] + [0] * (width - len(c.blocks[:width])) for c in caches]
-        self.table = torch.tensor(table, device=storage.device)  # (B, width), 0 pads
-        rows = torch.arange(len(caches), device=storage.device)
-        self.block = self.table[rows, self.positions // BLOCK_TOKENS]  # (B,) where each writes
-        self.offset = self.positions % BLOCK_TOKENS
+        where = [divmod(c.length, BLOCK_TOKENS) for c in caches]
+        self.block = torch.tensor([c.blocks[i] for c, (i, _) in zip(caches, where, strict=True)])
+        self.offset = torch.tensor([offset for _, offset in where])
+        self.block, self.offset = self.block.to(storage.device), self.offset.to(storage.device)
+        self.tables = [self.table(part) for part in by_length([c.length + 1 for c in caches])]
 
-    def append_and_gather(self, layer: int, latent: torch.Tensor) -> torch.Tensor:
-        """latent (B, latent_dim) → the caches including it, (B, T_max, latent_dim), a copy."""
+    def table(self, part: list[int]) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+        """Of some of the caches (by position in the batch): the rows (None: all, in order),
+        their blocks, padded with the zero block, flat (n · width,), and their visible rows."""
+        device, caches = self.storage.device, [self.paged[i] for i in part]
+        lengths = torch.tensor([c.length + 1 for c in caches])
+        longest = int(lengths.max())
+        width = blocks_for(longest)
+        blocks = [b for c in caches for b in (c.blocks + [0] * width)[:width]]
+        visible = (torch.arange(longest)[None, :] < lengths[:, None]).to(device)
+        rows = None if len(part) == len(self.paged) else torch.tensor(part, device=device)
+        return rows, torch.tensor(blocks, device=device), visible
+
+    def append_and_gather(self, layer: int, latent: torch.Tensor) -> list[Part]:
+        """latent (B, latent_dim) → the caches including it, in parts, copies."""
         blocks = self.storage[layer]  # (blocks, BLOCK_TOKENS, latent_dim)
         blocks[self.block, self.offset] = latent
-        # index_select copies whole blocks; indexing with the 2-D table is ~4x slower on a CPU
-        rows = blocks.index_select(0, self.table.flatten())  # (B · width, BLOCK_TOKENS, latent)
-        return rows.view(len(self.paged), -1, blocks.shape[-1])[:, : self.max_length]
+        parts = []
+        for rows, table, visible in self.tables:
+            # index_select copies whole blocks; indexing with a 2-D table was ~4x slower here
+            gathered = blocks.index_select(0, table)  # (n · width, BLOCK_TOKENS, latent)
+            cache = gathered.view(len(visible), -1, blocks.shape[-1])[:, : visible.shape[1]]
+            parts.append(Part(rows, cache, visible))
+        return parts
 
     def advance(self) -> None:
         for cache in self.paged:

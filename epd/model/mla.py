@@ -154,8 +154,13 @@ class MLAttention(nn.Module):
         over the cache as it is (multi-query attention), never a per-head copy of it.
         """
         q_nope, q_pe = self.queries(x, angles)
-        cache = batch.append_and_gather(self.layer, self.latent(x, angles))  # (B, T, rank + rope)
-        out = self.through_latent(q_nope, q_pe, cache, batch.mask)  # (B, H, v)
+        parts = batch.append_and_gather(self.layer, self.latent(x, angles))
+        if len(parts) == 1:  # every request in one call: (B, T, rank + rope) caches
+            out = self.through_latent(q_nope, q_pe, parts[0].cache, parts[0].visible)
+        else:  # requests of similar lengths together, so a long one pads only its own part
+            out = q_nope.new_empty(*q_nope.shape[:2], self.v_dim)  # (B, H, v)
+            for rows, cache, visible in parts:
+                out[rows] = self.through_latent(q_nope[rows], q_pe[rows], cache, visible)
         return self.o_proj(out.flatten(1))
 
     def through_latent(

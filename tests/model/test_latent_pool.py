@@ -6,7 +6,7 @@ import torch
 
 from epd.checkpoint.weights import load_model
 from epd.model.latent_cache import LatentCache
-from epd.model.latent_pool import BLOCK_TOKENS, LatentPool, PoolFull
+from epd.model.latent_pool import BLOCK_TOKENS, LatentPool, PoolFull, by_length
 
 PROMPTS = [[5, 17, 42, 99], [7, 300, 12, 64, 128, 3, 250], [31, 77], [9] * 20]
 
@@ -53,14 +53,25 @@ def test_steps_over_blocks_equal_steps_over_separate_caches(lm):
 @torch.inference_mode()
 def test_any_subset_in_any_order_reads_its_own_blocks(lm):
     pool = pool_for(lm)
-    pooled = [pool.admit(prefilled(lm, p)) for p in PROMPTS]
-    alone = [prefilled(lm, PROMPTS[i]) for i in (3, 0)]
-    tokens = torch.tensor([9, 4])
-    batch = pool.batch([pooled[3], pooled[0]])
-    assert batch.table.tolist() == [pooled[3].blocks, [*pooled[0].blocks, 0]]  # the zero block
+    prompts = [*PROMPTS, [8] * 12]
+    pooled = [pool.admit(prefilled(lm, p)) for p in prompts]
+    order = [3, 4, 0]  # 20 tokens (+ the step's: 2 blocks), 12 (1 block), 4 (1 block)
+    batch = pool.batch([pooled[i] for i in order])
+    (long, long_blocks, _), (short, short_blocks, _) = batch.tables  # 21 and 13 rows together
+    assert long.tolist() == [0, 1] and short.tolist() == [2]  # 5 rows: padded to 21, no
+    assert long_blocks.tolist() == [*pooled[3].blocks, *pooled[4].blocks, 0]  # the zero block
+    assert short_blocks.tolist() == pooled[0].blocks
+    tokens = torch.tensor([9, 4, 7])
     ours = lm.decode(tokens, batch)
-    torch.testing.assert_close(ours, lm.decode(tokens, alone), rtol=1e-5, atol=1e-5)
+    alone = lm.decode(tokens, [prefilled(lm, prompts[i]) for i in order])
+    torch.testing.assert_close(ours, alone, rtol=1e-5, atol=1e-5)
     assert pooled[1].length == len(PROMPTS[1])  # not in the step: untouched
+
+
+def test_caches_are_grouped_so_none_is_padded_past_twice_its_length():
+    assert by_length([5, 21, 12, 11]) == [[1, 2, 3], [0]]
+    assert by_length([300, 310, 155, 7000]) == [[3], [1, 0], [2]]
+    assert by_length([310, 300, 305]) == [[0, 1, 2]]  # one group keeps the batch's order
 
 
 @torch.inference_mode()
