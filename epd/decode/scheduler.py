@@ -67,6 +67,7 @@ class Scheduler:
         eos_ids: Collection[int],
         max_batch_size: int = 64,
         max_kv_tokens: int = 0,
+        preallocate: bool = False,
     ) -> None:
         self.lm, self.tokenizer, self.eos_ids = lm, tokenizer, eos_ids
         self.max_batch_size = max_batch_size
@@ -76,9 +77,14 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         config, dtype = lm.config, lm.lm_head.weight.dtype
         budget = max_kv_tokens or default_kv_tokens(config, max_batch_size, self.device, dtype)
-        self.pool = LatentPool(
-            config.num_hidden_layers, config.latent_dim, self.device, dtype, budget
-        )
+        layers, width = config.num_hidden_layers, config.latent_dim
+        try:
+            self.pool = LatentPool(layers, width, self.device, dtype, budget, preallocate)
+        except torch.OutOfMemoryError as e:
+            raise RuntimeError(
+                f"decode's KV cache of {budget} tokens does not fit in memory: set a smaller "
+                "--max-kv-tokens"
+            ) from e
 
     @cached_property
     def grammars(self) -> Grammars:  # built on first use: a large vocabulary takes a second

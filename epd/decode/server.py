@@ -12,6 +12,7 @@ import contextlib
 import logging
 import time
 
+import torch
 import zmq
 
 from epd.checkpoint.config import load_model_config
@@ -221,7 +222,12 @@ def load_scheduler(config: DecodeConfig) -> Scheduler:
     tokenizer = load_tokenizer(config.model, config.trust_remote_code)
     eos_ids = stop_token_ids(config.model, tokenizer)
     scheduler = Scheduler(
-        model.language_model, tokenizer, eos_ids, config.max_batch_size, config.max_kv_tokens
+        model.language_model,
+        tokenizer,
+        eos_ids,
+        config.max_batch_size,
+        config.max_kv_tokens,
+        preallocate=torch.device(config.device).type == "cuda",  # a GPU of its own: take it now
     )
     with contextlib.suppress(GrammarError):  # built now, not on the loop at the first grammar
         scheduler.grammars  # noqa: B018

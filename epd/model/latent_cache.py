@@ -68,15 +68,16 @@ class DecodeBatch:
         self.caches = caches
         for cache in caches:
             cache.reserve(1)
-        self.index([c.length for c in caches], caches[0].data.device)
+        device = caches[0].data.device
+        self.index([c.length for c in caches], device)
+        lengths = torch.tensor([c.length + 1 for c in caches])
+        self.mask = (torch.arange(self.max_length)[None, :] < lengths[:, None]).to(device)
 
     def index(self, past: list[int], device: torch.device) -> None:
-        """Positions (B,) of the tokens being decoded after `past` rows each, the longest
-        cache's length after the step, and the mask (B, T_max) of each cache's real rows."""
-        lengths = torch.tensor(past) + 1
-        self.positions = (lengths - 1).to(device)
-        self.max_length = int(lengths.max())
-        self.mask = (torch.arange(self.max_length)[None, :] < lengths[:, None]).to(device)
+        """Positions (B,) of the tokens being decoded after `past` rows each, and the longest
+        cache's length after the step."""
+        self.positions = torch.tensor(past, device=device)
+        self.max_length = max(past) + 1
 
     def append_and_gather(self, layer: int, latent: torch.Tensor) -> list[Part]:
         """latent (B, latent_dim) → the caches including it, padded (B, T_max, latent_dim)."""

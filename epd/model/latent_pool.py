@@ -119,10 +119,18 @@ class LatentPool:
         device: torch.device,
         dtype: torch.dtype,
         max_tokens: int,
+        preallocate: bool = False,
     ) -> None:
+        """`preallocate`: take the whole budget now and keep it (on a GPU: growing by doubling
+        would need 1.5× the budget at once, and other allocations could take the memory);
+        otherwise grow by doubling and give the memory back whenever the pool empties."""
         self.max_blocks = 1 + blocks_for(max_tokens)  # + the zero block
-        self.storage = torch.zeros(layers, 1, BLOCK_TOKENS, latent_dim, device=device, dtype=dtype)
-        self.free: list[int] = []  # blocks in storage that no cache holds, lowest last
+        self.preallocated = preallocate
+        blocks = self.max_blocks if preallocate else 1
+        self.storage = torch.zeros(
+            layers, blocks, BLOCK_TOKENS, latent_dim, device=device, dtype=dtype
+        )
+        self.free = list(range(blocks - 1, 0, -1))  # blocks in storage no cache holds, lowest last
         self.caches: set[PagedCache] = set()
 
     def __len__(self) -> int:
@@ -172,17 +180,15 @@ class LatentPool:
         if blocks_for(cache.length + 1) > len(cache.blocks):
             cache.blocks += self.take(1)
 
-    def has_room(self, cache: PagedCache) -> bool:
-        return blocks_for(cache.length + 1) <= len(cache.blocks)
-
     @torch.inference_mode()  # the storage is an inference tensor: abort runs outside a step
     def release(self, cache: PagedCache) -> None:
         """Give a cache's blocks back, zeroed (see the module's note on NaN)."""
         self.caches.discard(cache)
         self.give_back(cache.blocks)
         cache.blocks = []
-        if not self.caches:
-            self.clear()
+        if not self.caches and not self.preallocated:  # the memory goes back
+            self.storage = self.storage[:, :1].clone()
+            self.free.clear()
 
     def give_back(self, blocks: list[int]) -> None:
         """Blocks no cache holds any more: zeroed, and free."""
@@ -197,10 +203,17 @@ class LatentPool:
 
     @torch.inference_mode()
     def clear(self) -> None:
-        """Forget every cache and give back the memory (the zero block stays)."""
+        """Forget every cache and start afresh: after a failed step nothing it held may be
+        trusted. Preallocated storage is kept, zeroed; otherwise the memory goes back."""
+        for cache in self.caches:
+            cache.blocks = []
         self.caches.clear()
-        self.free.clear()
-        self.storage = self.storage[:, :1].clone()
+        if self.preallocated:
+            self.storage.zero_()
+            self.free = list(range(self.max_blocks - 1, 0, -1))
+        else:
+            self.storage = self.storage[:, :1].clone()
+            self.free = []
 
     def batch(self, caches: list[PagedCache]) -> PagedBatch:
         """A decode step over these caches, in this order; each must have room (`make_room`)."""

@@ -366,3 +366,14 @@ def test_the_first_in_line_waits_for_blocks_and_nobody_passes_it(parts):
     scheduler.step()
     assert list(scheduler.running) == [("running", 0)]
     assert [s.request_id for s in scheduler.waiting] == ["big", "small"]
+
+
+def test_a_kv_budget_that_does_not_fit_says_which_setting_to_lower(parts, monkeypatch):
+    lm, tokenizer, _, eos = parts
+
+    def out_of_memory(*_):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr("epd.decode.scheduler.LatentPool", out_of_memory)
+    with pytest.raises(RuntimeError, match="KV cache of 4096 tokens .* smaller --max-kv-tokens"):
+        Scheduler(lm, tokenizer, eos, max_kv_tokens=4096, preallocate=True)

@@ -137,3 +137,29 @@ def test_a_cache_that_fails_to_join_leaves_its_blocks_free(lm):
     assert pool.free_blocks == 3 and len(pool) == 1
     assert pool.admit(prefilled(lm, [9] * 40)).blocks  # the blocks it had taken
     assert (pool.storage[:, 0] == 0).all() and kept.length == len(PROMPTS[0])
+
+
+@torch.inference_mode()
+def test_a_preallocated_pool_never_grows_and_keeps_its_memory(lm, monkeypatch):
+    """As on a GPU: growing by doubling would need 1.5x the budget at once."""
+    config = lm.config
+    pool = LatentPool(
+        config.num_hidden_layers, config.latent_dim, torch.device("cpu"), torch.float32, 64, True
+    )
+    monkeypatch.setattr(pool, "grow", None)  # calling it would fail the test
+    storage = pool.storage
+    assert storage.shape[1] == 5 and pool.free_blocks == 4
+    assert pool.admit(prefilled(lm, PROMPTS[0])).blocks == [1]  # lowest first
+    caches = [pool.admit(prefilled(lm, [9] * 20)), pool.admit(prefilled(lm, PROMPTS[2]))]
+    tokens = torch.tensor([4, 5])
+    separate = [prefilled(lm, [9] * 20), prefilled(lm, PROMPTS[2])]
+    torch.testing.assert_close(
+        lm.logits(lm.decode(tokens, pool.batch(caches))),
+        lm.logits(lm.decode(tokens, separate)),
+    )
+    storage[:, caches[0].blocks] = float("nan")
+    pool.clear()  # as decode's drain does after a failed step, with the caches still held
+    assert pool.storage is storage and len(pool) == 0 and pool.free_blocks == 4
+    assert (storage == 0).all()
+    again = pool.admit(prefilled(lm, PROMPTS[1]))
+    torch.testing.assert_close(again.tensor(), prefilled(lm, PROMPTS[1]).tensor())
