@@ -44,6 +44,10 @@ class NonFinite(ValueError):
     """A row of logits holds NaN or infinity: nothing can be sampled from it."""
 
 
+class TooLarge(ValueError):
+    """A request needs more KV cache than decode has in all: the client's to change."""
+
+
 class Busy(ValueError):
     """Decode holds as many requests as it may: this one must go elsewhere or come back later."""
 
@@ -124,7 +128,7 @@ class Scheduler:
                 f"{config.max_position_embeddings}"
             )
         if total > self.pool.max_tokens:
-            raise ValueError(
+            raise TooLarge(
                 f"{handoff.prompt_tokens} prompt tokens and max_tokens "
                 f"{handoff.sampling.max_tokens} exceed decode's KV cache of "
                 f"{self.pool.max_tokens} tokens (--max-kv-tokens)"

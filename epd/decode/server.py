@@ -20,7 +20,7 @@ from epd.checkpoint.tokenizer import load_tokenizer, stop_token_ids
 from epd.checkpoint.weights import load_model
 from epd.config.roles import DecodeConfig
 from epd.decode.metrics import DecodeMetrics
-from epd.decode.scheduler import Busy, Scheduler
+from epd.decode.scheduler import Busy, Scheduler, TooLarge
 from epd.dtypes import model_dtype
 from epd.generation.grammar import GrammarError
 from epd.generation.sequence import Output, Sequence
@@ -91,6 +91,7 @@ class DecodeServer:
         except Exception as e:  # a bad hand-off fails its own request, never the server
             log.warning("refused the hand-off of %s: %s", request_id, e)
             code = "unavailable" if isinstance(e, Busy) else "bad_handoff"
+            code = "bad_request" if isinstance(e, TooLarge) else code
             why = cut(f"decode refused the request: {e}")
             self.outbox.send(reply_to, Failure(request_id, code, why))
             return

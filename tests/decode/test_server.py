@@ -196,3 +196,14 @@ def test_the_kv_budget_reaches_the_scheduler_and_its_use_is_measured(
     finally:
         server.inbox.close(), server.outbox.close()
         context.destroy(linger=0)
+
+
+def test_a_request_larger_than_the_kv_budget_is_the_clients_to_change(wired):
+    server, send, handoff, received = wired
+    server.scheduler.pool.max_blocks = 3  # 32 tokens
+    send(handoff("large", max_tokens=30))  # 3 prompt tokens + 30
+    send(handoff("fits", max_tokens=29))
+    step_until(server, lambda: len(server.scheduler) == 1)
+    failure = received()
+    assert isinstance(failure, Failure) and failure.request_id == "large"
+    assert failure.code == "bad_request" and "KV cache of 32 tokens" in failure.message
