@@ -76,10 +76,11 @@ class PagedBatch(DecodeBatch):
             cache.reserve(1)
         self.storage, self.paged = storage, caches
         self.index([c.length for c in caches], storage.device)
-        where = [divmod(c.length, BLOCK_TOKENS) for c in caches]
-        self.block = torch.tensor([c.blocks[i] for c, (i, _) in zip(caches, where, strict=True)])
-        self.offset = torch.tensor([offset for _, offset in where])
-        self.block, self.offset = self.block.to(storage.device), self.offset.to(storage.device)
+        device = storage.device
+        self.block = torch.tensor(
+            [c.blocks[c.length // BLOCK_TOKENS] for c in caches], device=device
+        )
+        self.offset = self.positions % BLOCK_TOKENS  # (B,) where each writes its row
         self.tables = [self.table(part) for part in by_length([c.length + 1 for c in caches])]
 
     def table(self, part: list[int]) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
@@ -187,8 +188,7 @@ class LatentPool:
         self.give_back(cache.blocks)
         cache.blocks = []
         if not self.caches and not self.preallocated:  # the memory goes back
-            self.storage = self.storage[:, :1].clone()
-            self.free.clear()
+            self.clear()
 
     def give_back(self, blocks: list[int]) -> None:
         """Blocks no cache holds any more: zeroed, and free."""
