@@ -16,6 +16,7 @@ from safetensors import safe_open
 from epd.checkpoint.config import CheckpointError, load_model_config, read_json
 from epd.model.kimi_vl import ROLE_PREFIXES, KimiVL, Role
 from epd.model.moe import FLOAT32_TENSOR_SUFFIXES
+from epd.model.packed import pack_for_cpu
 
 SKIPPED_SUFFIXES = ("rotary_emb.inv_freq",)  # recomputed, never loaded
 
@@ -85,7 +86,8 @@ def load_model(
     device: str | torch.device = "cpu",
     dtype: torch.dtype | None = None,
 ) -> KimiVL:
-    """Build the role's part of Kimi-VL and fill it from the checkpoint, strictly."""
+    """Build the role's part of Kimi-VL and fill it from the checkpoint, strictly, for inference
+    (on a CPU its weights are then packed for oneDNN, `epd/model/packed.py`)."""
     checkpoint, device = Path(checkpoint), torch.device(device)
     config = load_model_config(checkpoint)
     with torch.device("meta"):
@@ -94,4 +96,6 @@ def load_model(
     files = select(tensor_files(checkpoint), role, set(shapes))
     state = read_tensors(files, shapes, device, dtype or default_dtype(device))
     model.load_state_dict(state, strict=True, assign=True)
+    if device.type == "cpu":
+        pack_for_cpu(model)
     return model.eval()

@@ -58,15 +58,21 @@ def test_loading_reports_a_missing_expert_by_name():
     assert "down_proj" in result.missing_keys and "gate_up_proj" in result.missing_keys
 
 
-@torch.inference_mode()
-def test_routed_equals_a_plain_loop_including_unused_experts():
+def moe_of(experts: Experts) -> MoE:
+    """A MoE of 5 experts (D 16, H 8), 2 per token, around the given experts."""
     sizes = dict(vocab_size=8, intermediate_size=8, num_hidden_layers=1, num_attention_heads=1)
     config = TextConfig(
         hidden_size=16, kv_lora_rank=4, qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=4,
         moe_intermediate_size=8, n_routed_experts=5, num_experts_per_tok=2, **sizes,
     )  # fmt: skip
     moe = MoE(config)
-    moe.experts = experts_of()
+    moe.experts = experts
+    return moe
+
+
+@torch.inference_mode()
+def test_routed_equals_a_plain_loop_including_unused_experts():
+    moe = moe_of(experts_of())
     generator = torch.Generator().manual_seed(1)
     x = torch.randn(7, 16, generator=generator)
     ids = torch.tensor([[0, 2], [2, 0], [4, 2], [2, 4], [0, 4], [2, 0], [4, 0]])  # 1, 3 unused
