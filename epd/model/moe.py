@@ -154,6 +154,6 @@ class MoE(nn.Module):
         order = ids.flatten().argsort(stable=True)  # (T·k,) slots grouped by expert
         counts = torch.bincount(ids.flatten(), minlength=len(self.experts))  # (E,)
         y = self.experts(x[order // k], counts)  # (T·k, D), in slot order
-        per_slot = torch.empty_like(y).index_copy_(0, order, y).view(tokens, k, -1)
+        per_slot = torch.empty_like(y).index_copy_(0, order, y).view(tokens, k, x.shape[-1])
         # Summing the k slots of a token in a fixed order keeps the result deterministic.
         return (per_slot * weights.to(x.dtype)[..., None]).sum(1)

@@ -13,8 +13,8 @@ the dense stacks stay, because state dicts name them.
 from __future__ import annotations
 
 import logging
-import os
 import platform
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -28,12 +28,15 @@ log = logging.getLogger(__name__)
 
 
 def can_pack(weight: torch.Tensor) -> bool:
-    """oneDNN's packed linear exists in torch's x86 CPU builds, for float32 and bfloat16."""
+    """oneDNN's packed linear exists in torch's x86 CPU builds, for float32, and for bfloat16
+    where the CPU converts it (AVX-512 or AVX-NE-CONVERT; elsewhere reordering raises)."""
     return (
         weight.device.type == "cpu"
         and weight.dtype in PACKED_DTYPES
         and torch.backends.mkldnn.is_available()
         and platform.machine().lower() in ("x86_64", "amd64")
+        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+        and (weight.dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported())
     )
 
 
@@ -58,12 +61,19 @@ class PackedExperts(Experts):
     gate_up: list[torch.Tensor]
     down: list[torch.Tensor]
 
+    def __init__(self, experts: int, dim: int, hidden: int) -> None:
+        super().__init__(experts, dim, hidden)
+        self.gate_up, self.down = [], []
+        # Loading new weights replaces the stacks: the packed copies must follow them.
+        self.register_load_state_dict_post_hook(lambda module, _: module.pack())
+
     @classmethod
     def of(cls, experts: Experts) -> PackedExperts:
         count, dim, hidden = len(experts), experts.down_proj.shape[1], experts.hidden
         with torch.device("meta"):
             new = cls(count, dim, hidden)
         new.gate_up_proj, new.down_proj = experts.gate_up_proj, experts.down_proj
+        new.train(experts.training)
         new.pack()
         return new
 
@@ -77,7 +87,7 @@ class PackedExperts(Experts):
 
         On a CPU the counts are already host memory, so reading them costs no sync.
         """
-        if not self.down or x.requires_grad:  # oneDNN's packed product has no backward
+        if not self.down or self.needs_graph(x):
             return super().forward(x, counts)
         out, end = torch.empty_like(x), 0
         for expert, rows in enumerate(counts.tolist()):
@@ -88,6 +98,11 @@ class PackedExperts(Experts):
                 )
                 out[start:end] = packed_linear(F.silu(gate) * up, self.down[expert])
         return out
+
+    def needs_graph(self, x: torch.Tensor) -> bool:
+        """oneDNN's packed product has no backward: autograd needs the grouped matmul."""
+        wanted = x.requires_grad or self.gate_up_proj.requires_grad or self.down_proj.requires_grad
+        return torch.is_grad_enabled() and wanted
 
     def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
         # .to(), .cuda(), .half() replace the stacks: the packed copies must follow them.
@@ -101,7 +116,7 @@ def pack_for_cpu(model: nn.Module) -> nn.Module:
     parameters; names, state dict and results (to rounding) stay the same.
 
     The packed copy doubles the routed experts' memory, so where it would take more than half
-    the host's free memory the model stays as it is (logged): slower, but it still fits.
+    of what this process may still use the model stays as it is (logged): slower, but it fits.
     """
     found = [
         (parent, name, child)
@@ -109,13 +124,15 @@ def pack_for_cpu(model: nn.Module) -> nn.Module:
         for name, child in parent.named_children()
         if isinstance(child, Experts) and not isinstance(child, PackedExperts)
     ]
+    found = [(parent, name, e) for parent, name, e in found if can_pack(e.down_proj)]
     copy = sum(e.gate_up_proj.nbytes + e.down_proj.nbytes for _, _, e in found)
-    if copy > free_host_memory() // 2:
+    room = available_memory()
+    if found and copy > room // 2:
         log.warning(
             "routed experts not packed for oneDNN: their copy (%.1f GiB) would take more than "
-            "half the free memory (%.1f GiB); decode runs slower without it",
+            "half the memory available (%.1f GiB); decode runs slower without it",
             copy / 2**30,
-            free_host_memory() / 2**30,
+            room / 2**30,
         )
         return model
     for parent, name, child in found:
@@ -123,9 +140,16 @@ def pack_for_cpu(model: nn.Module) -> nn.Module:
     return model
 
 
-def free_host_memory() -> int:
-    """Bytes of memory available now: Linux's MemAvailable (free pages plus the page cache it
-    can drop, such as the checkpoint files just read), else the free pages alone."""
+def available_memory() -> int:
+    """Bytes this process may still take: Linux's MemAvailable (free pages plus the page cache
+    it can drop, such as the checkpoint files just read), or less where a cgroup (a container's
+    memory limit) leaves less; 0 where neither can be read, so nothing is packed."""
+    figures = [meminfo_available(), cgroup_room()]
+    known = [f for f in figures if f is not None]
+    return min(known) if known else 0
+
+
+def meminfo_available() -> int | None:
     try:
         with open("/proc/meminfo") as meminfo:
             for line in meminfo:
@@ -133,4 +157,14 @@ def free_host_memory() -> int:
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return None
+
+
+def cgroup_room(root: Path = Path("/sys/fs/cgroup")) -> int | None:
+    """cgroup v2's memory.max less memory.current; None without a limit."""
+    try:
+        limit = (root / "memory.max").read_text().strip()
+        used = int((root / "memory.current").read_text())
+        return None if limit == "max" else max(0, int(limit) - used)
+    except (OSError, ValueError):  # no cgroup v2 here, or a file it does not write
+        return None

@@ -79,3 +79,10 @@ def test_routed_equals_a_plain_loop_including_unused_experts():
     weights = torch.rand(7, 2, generator=generator)
     got = moe.routed(x, weights, ids)
     assert rel_err(got, reference_routed(moe.experts, x, weights, ids)) <= 1e-6
+
+
+@torch.inference_mode()
+def test_no_tokens_route_to_no_rows():
+    moe = moe_of(experts_of())
+    empty = moe.routed(torch.zeros(0, 16), torch.zeros(0, 2), torch.zeros(0, 2, dtype=torch.long))
+    assert empty.shape == (0, 16)
