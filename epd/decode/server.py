@@ -34,6 +34,8 @@ from epd.wire.outbox import Outbox
 from epd.wire.transport import Inbox
 
 log = logging.getLogger(__name__)
+# A hand-off decode refuses, by why: full for now, or too large for it ever; otherwise bad.
+REFUSALS: dict[type[Exception], str] = {Busy: "unavailable", TooLarge: "bad_request"}
 INTAKE_S = 0.005  # most time one step spends taking messages while requests are decoding
 
 
@@ -90,8 +92,7 @@ class DecodeServer:
             added = self.scheduler.add(handoff)
         except Exception as e:  # a bad hand-off fails its own request, never the server
             log.warning("refused the hand-off of %s: %s", request_id, e)
-            code = "unavailable" if isinstance(e, Busy) else "bad_handoff"
-            code = "bad_request" if isinstance(e, TooLarge) else code
+            code = REFUSALS.get(type(e), "bad_handoff")
             why = cut(f"decode refused the request: {e}")
             self.outbox.send(reply_to, Failure(request_id, code, why))
             return

@@ -101,8 +101,9 @@ class PackedExperts(Experts):
 
     def needs_graph(self, x: torch.Tensor) -> bool:
         """oneDNN's packed product has no backward: autograd needs the grouped matmul."""
-        wanted = x.requires_grad or self.gate_up_proj.requires_grad or self.down_proj.requires_grad
-        return torch.is_grad_enabled() and wanted
+        return torch.is_grad_enabled() and (  # checked first: serving never records
+            x.requires_grad or self.gate_up_proj.requires_grad or self.down_proj.requires_grad
+        )
 
     def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
         # .to(), .cuda(), .half() replace the stacks: the packed copies must follow them.
@@ -122,9 +123,8 @@ def pack_for_cpu(model: nn.Module) -> nn.Module:
         (parent, name, child)
         for parent in model.modules()
         for name, child in parent.named_children()
-        if isinstance(child, Experts) and not isinstance(child, PackedExperts)
+        if type(child) is Experts and can_pack(child.down_proj)
     ]
-    found = [(parent, name, e) for parent, name, e in found if can_pack(e.down_proj)]
     copy = sum(e.gate_up_proj.nbytes + e.down_proj.nbytes for _, _, e in found)
     room = available_memory()
     if found and copy > room // 2:
