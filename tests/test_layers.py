@@ -19,7 +19,7 @@ LAYERS = [
     {"epd.checkpoint"},
     {"epd.model"},
     {"epd.config"},
-    {"epd.dtypes"},
+    {"epd.dtypes", "epd.memory"},
 ]
 LAYER = {package: depth for depth, packages in enumerate(LAYERS) for package in packages}
 

@@ -18,7 +18,6 @@ alone (from its generator's earlier state) so only the ones that fail alone are 
 from __future__ import annotations
 
 import logging
-import os
 from collections import deque
 from collections.abc import Collection
 from dataclasses import dataclass, field
@@ -31,6 +30,7 @@ from epd.generation.grammar import GrammarError, Grammars
 from epd.generation.logits import NoTokenAllowed, adjust, require_a_token
 from epd.generation.sampling import restore_generator, sample_batch
 from epd.generation.sequence import Output, Sequence
+from epd.memory import available_memory
 from epd.model.config import TextConfig
 from epd.model.deepseek import DeepseekV3ForCausalLM
 from epd.model.latent_cache import LatentCache
@@ -338,8 +338,5 @@ def default_kv_tokens(
     half the device's free memory holds if that is less, but always one whole context."""
     per_token = config.num_hidden_layers * config.latent_dim * dtype.itemsize
     context = config.max_position_embeddings
-    if device.type == "cuda":
-        free = torch.cuda.mem_get_info(device)[0]
-    else:
-        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else available_memory()
     return max(context, min(max_batch_size * context, free // 2 // per_token))

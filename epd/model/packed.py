@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import logging
 import platform
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from epd.memory import available_memory
 from epd.model.moe import Experts
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
@@ -117,7 +117,8 @@ def pack_for_cpu(model: nn.Module) -> nn.Module:
     parameters; names, state dict and results (to rounding) stay the same.
 
     The packed copy doubles the routed experts' memory, so where it would take more than half
-    of what this process may still use the model stays as it is (logged): slower, but it fits.
+    of what this process may still use (`available_memory`; nothing where that is unknown) the
+    model stays as it is (logged): slower, but it fits.
     """
     found = [
         (parent, name, child)
@@ -138,33 +139,3 @@ def pack_for_cpu(model: nn.Module) -> nn.Module:
     for parent, name, child in found:
         setattr(parent, name, PackedExperts.of(child))
     return model
-
-
-def available_memory() -> int:
-    """Bytes this process may still take: Linux's MemAvailable (free pages plus the page cache
-    it can drop, such as the checkpoint files just read), or less where a cgroup (a container's
-    memory limit) leaves less; 0 where neither can be read, so nothing is packed."""
-    figures = [meminfo_available(), cgroup_room()]
-    known = [f for f in figures if f is not None]
-    return min(known) if known else 0
-
-
-def meminfo_available() -> int | None:
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
-def cgroup_room(root: Path = Path("/sys/fs/cgroup")) -> int | None:
-    """cgroup v2's memory.max less memory.current; None without a limit."""
-    try:
-        limit = (root / "memory.max").read_text().strip()
-        used = int((root / "memory.current").read_text())
-        return None if limit == "max" else max(0, int(limit) - used)
-    except (OSError, ValueError):  # no cgroup v2 here, or a file it does not write
-        return None

@@ -349,10 +349,10 @@ def test_the_default_kv_budget_is_every_slot_at_full_context_if_memory_allows(pa
     context = config.max_position_embeddings
     assert default_kv_tokens(config, 4, cpu, torch.float32) == 4 * context  # the tiny model
     per_token = config.num_hidden_layers * config.latent_dim * 4
-    pages = {"SC_AVPHYS_PAGES": 3 * context * per_token // 4096, "SC_PAGE_SIZE": 4096}
-    monkeypatch.setattr("os.sysconf", pages.__getitem__)
+    free = [3 * context * per_token]
+    monkeypatch.setattr("epd.decode.scheduler.available_memory", lambda: free[0])
     assert default_kv_tokens(config, 4, cpu, torch.float32) == 3 * context // 2  # half of free
-    pages["SC_AVPHYS_PAGES"] //= 10
+    free[0] //= 10
     assert default_kv_tokens(config, 4, cpu, torch.float32) == context  # but one whole context
 
 

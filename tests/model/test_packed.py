@@ -104,22 +104,3 @@ def test_experts_stay_unpacked_where_their_copy_would_not_fit(monkeypatch, caplo
     assert type(moe.experts) is Experts and "not packed" in caplog.text
     monkeypatch.setattr(packed, "available_memory", lambda: 2 * copy)
     assert isinstance(pack_for_cpu(moe).experts, PackedExperts)
-
-
-def test_a_containers_memory_limit_bounds_what_is_available(tmp_path):
-    assert packed.cgroup_room(tmp_path) is None  # no cgroup v2 files
-    (tmp_path / "memory.max").write_text("max\n")
-    (tmp_path / "memory.current").write_text("400\n")
-    assert packed.cgroup_room(tmp_path) is None
-    (tmp_path / "memory.max").write_text("1000\n")
-    assert packed.cgroup_room(tmp_path) == 600
-
-
-def test_available_memory_is_the_least_of_what_is_known(monkeypatch):
-    monkeypatch.setattr(packed, "meminfo_available", lambda: 1000)
-    monkeypatch.setattr(packed, "cgroup_room", lambda: 600)
-    assert packed.available_memory() == 600
-    monkeypatch.setattr(packed, "cgroup_room", lambda: None)
-    assert packed.available_memory() == 1000
-    monkeypatch.setattr(packed, "meminfo_available", lambda: None)
-    assert packed.available_memory() == 0  # unknown: nothing is packed

@@ -1,0 +1,22 @@
+"""The host memory a process may still take: MemAvailable, bounded by a container's limit."""
+
+from epd import memory
+
+
+def test_a_containers_memory_limit_bounds_what_is_available(tmp_path):
+    assert memory.cgroup_room(tmp_path) is None  # no cgroup v2 files
+    (tmp_path / "memory.max").write_text("max\n")
+    (tmp_path / "memory.current").write_text("400\n")
+    assert memory.cgroup_room(tmp_path) is None
+    (tmp_path / "memory.max").write_text("1000\n")
+    assert memory.cgroup_room(tmp_path) == 600
+
+
+def test_available_memory_is_the_least_of_what_is_known(monkeypatch):
+    monkeypatch.setattr(memory, "meminfo_available", lambda: 1000)
+    monkeypatch.setattr(memory, "cgroup_room", lambda: 600)
+    assert memory.available_memory() == 600
+    monkeypatch.setattr(memory, "cgroup_room", lambda: None)
+    assert memory.available_memory() == 1000
+    monkeypatch.setattr(memory, "meminfo_available", lambda: None)
+    assert memory.available_memory() == 0  # unknown
