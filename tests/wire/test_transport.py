@@ -101,7 +101,9 @@ def test_distinct_reply_addresses_cannot_exhaust_descriptors(context, tmp_path):
         outbox.send(f"ipc://{tmp_path}/dead-{i}", Abort("r"))
         outbox.poll()
     assert len(outbox.peers) <= 16
-    assert open_fds() - before < 16 * 4
+    # libzmq's reaper thread frees a closed socket's descriptors a little later, later still
+    # on busy cores; what must hold is that they do not stay.
+    assert wait_until(lambda: open_fds() - before < 16 * 4)
     assert wait_until(lambda: outbox.poll() and not outbox.peers)  # dead ones are closed
     assert wait_until(lambda: open_fds() <= before)
 
