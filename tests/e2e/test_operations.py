@@ -217,7 +217,7 @@ def test_overload_is_refused_at_once_while_admitted_requests_finish(bounded, hel
             client.chat.completions.create(
                 model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2
             )
-        assert time.monotonic() - start < 1.0
+        assert time.monotonic() - start < 5.0  # not the held image's 20 s
         assert refused.value.status_code == 503
         assert refused.value.response.headers["retry-after"] == "1"
         assert "max_queued_requests" in refused.value.message

@@ -59,7 +59,7 @@ def test_a_dead_peer_costs_no_wait_and_is_reported_once(context, address):
     start = time.monotonic()
     for i in range(100):
         assert outbox.send(address, Abort(f"r{i}"))
-    assert time.monotonic() - start < 0.5
+    assert time.monotonic() - start < 2.0  # waiting on the peer would take 100 × 0.2 s
     losses = []
     assert wait_until(lambda: losses.extend(outbox.poll().requests) or len(losses) == 100)
     assert losses == [(address, f"r{i}") for i in range(100)]  # each request reported once
