@@ -87,7 +87,8 @@ def load_model(
     dtype: torch.dtype | None = None,
 ) -> KimiVL:
     """Build the role's part of Kimi-VL and fill it from the checkpoint, strictly, for inference
-    (on a CPU its weights are then packed for oneDNN, `epd/model/packed.py`)."""
+    (on a CPU the language model's weights are then packed for oneDNN, `epd/model/packed.py`;
+    the vision tower's products have too many rows to run packed)."""
     checkpoint, device = Path(checkpoint), torch.device(device)
     config = load_model_config(checkpoint)
     with torch.device("meta"):
@@ -96,6 +97,6 @@ def load_model(
     files = select(tensor_files(checkpoint), role, set(shapes))
     state = read_tensors(files, shapes, device, dtype or default_dtype(device))
     model.load_state_dict(state, strict=True, assign=True)
-    if device.type == "cpu":
-        pack_for_cpu(model)
+    if device.type == "cpu" and hasattr(model, "language_model"):
+        pack_for_cpu(model.language_model)
     return model.eval()

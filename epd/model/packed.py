@@ -1,19 +1,22 @@
-"""Routed experts' CPU weights in oneDNN's blocked layout, applied around a loaded model (as
-gpt-fast applies quantisation): `pack_for_cpu(model)` swaps each `Experts` for a
-`PackedExperts` over the same parameters.
+"""CPU weights in oneDNN's blocked layout, applied around a loaded model (as gpt-fast applies
+quantisation): `pack_for_cpu(model)` swaps each `Experts` for a `PackedExperts` and each large
+`nn.Linear` for a `PackedLinear`, over the same parameters.
 
-Why: a decode step multiplies a few rows by each expert (~4 at batch 16), and MKL runs such
-products from row-major weights at a third of this VM's memory bandwidth; oneDNN, from weights
-reordered once at load, runs them 1.7-1.9× faster. Other linears stay as they are: their
-products are too small for oneDNN's fixed cost per call to pay back at batch 1
-(docs/benchmarks.md). The packed copy is extra memory (the routed experts' weights twice):
-the dense stacks stay, because state dicts name them.
+Why: a decode step multiplies a few rows by each weight (1-16 by the dense ones, ~4 by each
+expert at batch 16), and MKL runs such products from row-major weights at a third to a half of
+this VM's memory bandwidth; oneDNN, from weights reordered once at load, runs them 1.3-1.9×
+faster. Small linears stay as they are: below `MIN_PACKED_LINEAR` weights, oneDNN's fixed cost
+per call (~10 µs) outweighs what it saves. Products of many rows (prefill's) run plain:
+oneDNN keeps a kernel per row count it meets (`MAX_PACKED_ROWS`). The packed copies are extra
+memory (those weights twice): the parameters stay, because state dicts name them
+(docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
 import logging
 import platform
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +26,12 @@ from epd.memory import available_memory
 from epd.model.moe import Experts
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
+# Linears of fewer weights run faster unpacked (a (512, 256) one gains; docs/benchmarks.md).
+MIN_PACKED_LINEAR = 256 * 512
+# oneDNN builds and keeps a kernel for every row count a packed weight meets, ~0.5-1 MiB each,
+# up to 1024 of them: products run packed only for the few rows of a decode step, their counts
+# rounded up, so a process meets at most 15 counts per weight shape (docs/benchmarks.md).
+MAX_PACKED_ROWS, ROW_STEP = 64, 8
 
 log = logging.getLogger(__name__)
 
@@ -46,12 +55,76 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 16)
 
 
-def packed_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-    """x (..., in) → x @ W.T (..., out), W packed by `pack`."""
-    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+def product(
+    x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x (N, in) → x @ weight.T + bias (N, out): through `packed` (weight packed by `pack`)
+    for 1 to MAX_PACKED_ROWS rows, their count above ROW_STEP rounded up to a multiple of it
+    (zero rows added, their results dropped); through the plain weight for more rows."""
+    rows = x.shape[0]
+    if not 0 < rows <= MAX_PACKED_ROWS:
+        return F.linear(x, weight, bias)
+    padded = rows if rows <= ROW_STEP else -(-rows // ROW_STEP) * ROW_STEP
+    if padded > rows:
+        x = F.pad(x, (0, 0, 0, padded - rows))
+    return onednn_linear(x, packed, bias)[:rows]
 
 
-class PackedExperts(Experts):
+def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def records_grad(x: torch.Tensor, *parameters: torch.Tensor | None) -> bool:
+    """oneDNN's packed product has no backward: where autograd records, the plain path runs."""
+    return torch.is_grad_enabled() and (  # checked first: serving never records
+        x.requires_grad or any(p is not None and p.requires_grad for p in parameters)
+    )
+
+
+class Repacked(nn.Module):
+    """Keeps a module's packed copies in step with the parameters they copy: loading new
+    weights and `.to()` / `.cuda()` / `.half()` replace the parameters, and `pack` follows."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.register_load_state_dict_post_hook(lambda module, _: module.pack())
+
+    def pack(self) -> None:
+        raise NotImplementedError
+
+    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
+        super()._apply(fn, recurse)
+        self.pack()
+        return self
+
+
+class PackedLinear(Repacked, nn.Linear):
+    """`nn.Linear` whose forward runs through its weight packed, where it can be packed."""
+
+    packed: torch.Tensor | None
+
+    @classmethod
+    def of(cls, linear: nn.Linear) -> PackedLinear:
+        with torch.device("meta"):
+            new = cls(linear.in_features, linear.out_features, bias=linear.bias is not None)
+        new.weight, new.bias = linear.weight, linear.bias
+        new.train(linear.training)
+        new.pack()
+        return new
+
+    def pack(self) -> None:
+        self.packed = pack(self.weight) if can_pack(self.weight) else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x (..., in) → (..., out)."""
+        if self.packed is None or records_grad(x, self.weight, self.bias):
+            return super().forward(x)
+        rows = x.reshape(-1, self.in_features)
+        out = product(rows, self.weight, self.packed, self.bias)
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+
+class PackedExperts(Repacked, Experts):
     """`Experts` whose forward loops over the experts with rows, through packed weights.
 
     gate_up: E packed (2H, D); down: E packed (D, H); both empty where the weights cannot be
@@ -64,8 +137,6 @@ class PackedExperts(Experts):
     def __init__(self, experts: int, dim: int, hidden: int) -> None:
         super().__init__(experts, dim, hidden)
         self.gate_up, self.down = [], []
-        # Loading new weights replaces the stacks: the packed copies must follow them.
-        self.register_load_state_dict_post_hook(lambda module, _: module.pack())
 
     @classmethod
     def of(cls, experts: Experts) -> PackedExperts:
@@ -87,55 +158,66 @@ class PackedExperts(Experts):
 
         On a CPU the counts are already host memory, so reading them costs no sync.
         """
-        if not self.down or self.needs_graph(x):
+        if not self.down or records_grad(x, self.gate_up_proj, self.down_proj):
             return super().forward(x, counts)
         out, end = torch.empty_like(x), 0
         for expert, rows in enumerate(counts.tolist()):
             if rows:
                 start, end = end, end + rows
-                gate, up = packed_linear(x[start:end], self.gate_up[expert]).split(
-                    self.hidden, dim=-1
+                gate_up = product(x[start:end], self.gate_up_proj[expert], self.gate_up[expert])
+                gate, up = gate_up.split(self.hidden, dim=-1)
+                out[start:end] = product(
+                    F.silu(gate) * up, self.down_proj[expert], self.down[expert]
                 )
-                out[start:end] = packed_linear(F.silu(gate) * up, self.down[expert])
         return out
-
-    def needs_graph(self, x: torch.Tensor) -> bool:
-        """oneDNN's packed product has no backward: autograd needs the grouped matmul."""
-        return torch.is_grad_enabled() and (  # checked first: serving never records
-            x.requires_grad or self.gate_up_proj.requires_grad or self.down_proj.requires_grad
-        )
-
-    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
-        # .to(), .cuda(), .half() replace the stacks: the packed copies must follow them.
-        super()._apply(fn, recurse)
-        self.pack()
-        return self
 
 
 def pack_for_cpu(model: nn.Module) -> nn.Module:
-    """Swap, in place, every `Experts` of an inference model for a `PackedExperts` over the same
-    parameters; names, state dict and results (to rounding) stay the same.
+    """Swap, in place, every `Experts` and every `nn.Linear` of at least `MIN_PACKED_LINEAR`
+    weights in an inference model for its packed form over the same parameters; names, state
+    dict and results (to rounding) stay the same.
 
-    The packed copy doubles the routed experts' memory, so where it would take more than half
-    of what this process may still use (`available_memory`; nothing where that is unknown) the
-    model stays as it is (logged): slower, but it fits.
+    Each packed copy doubles its weights' memory, so copies are made while all of them together
+    take at most half of what this process may still use (`available_memory`; nothing where
+    that is unknown), the routed experts first (they gain most); the rest stay as they are
+    (logged): slower, but it fits.
     """
     found = [
         (parent, name, child)
         for parent in model.modules()
         for name, child in parent.named_children()
-        if type(child) is Experts and can_pack(child.down_proj)
+        if packable(child)
     ]
-    copy = sum(e.gate_up_proj.nbytes + e.down_proj.nbytes for _, _, e in found)
-    room = available_memory()
-    if found and copy > room // 2:
-        log.warning(
-            "routed experts not packed for oneDNN: their copy (%.1f GiB) would take more than "
-            "half the memory available (%.1f GiB); decode runs slower without it",
-            copy / 2**30,
-            room / 2**30,
-        )
-        return model
+    found.sort(key=lambda swap: not isinstance(swap[2], Experts))  # stable: experts first
+    room, copied, left = available_memory() // 2, 0, 0
     for parent, name, child in found:
-        setattr(parent, name, PackedExperts.of(child))
+        size = sum(p.nbytes for p in child.parameters(recurse=False))
+        if copied + size > room:
+            left += size
+            continue
+        copied += size
+        setattr(parent, name, packed_form(child))
+    if left:
+        log.warning(
+            "%.2f GiB of weights not packed for oneDNN: their copy would take more than half "
+            "the memory available (%.1f GiB); the model runs slower without it",
+            left / 2**30,
+            2 * room / 2**30,
+        )
     return model
+
+
+def packed_form(module: nn.Module) -> nn.Module:
+    if isinstance(module, Experts):
+        return PackedExperts.of(module)
+    assert isinstance(module, nn.Linear)
+    return PackedLinear.of(module)
+
+
+def packable(module: nn.Module) -> bool:
+    """Routed experts, and plain linears large enough to gain, in a dtype oneDNN packs here."""
+    if type(module) is Experts:
+        return can_pack(module.down_proj)
+    if type(module) is nn.Linear:
+        return module.weight.numel() >= MIN_PACKED_LINEAR and can_pack(module.weight)
+    return False

@@ -1,13 +1,15 @@
-"""oneDNN-packed experts against the plain per-expert loop, and the swap around a loaded model."""
+"""oneDNN-packed experts and linears against their plain forms, and the swap around a model."""
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from epd.checkpoint.synthetic import make_checkpoint
 from epd.checkpoint.weights import load_model
 from epd.model import packed
 from epd.model.moe import Experts
-from epd.model.packed import PackedExperts, can_pack, pack_for_cpu
+from epd.model.packed import MIN_PACKED_LINEAR, PackedExperts, PackedLinear, can_pack, pack_for_cpu
 
 from .test_deepseek_oracle import rel_err
 from .test_moe import experts_of, moe_of, reference_routed
@@ -89,11 +91,17 @@ def test_what_onednn_cannot_pack_runs_the_grouped_matmul(monkeypatch):
     assert type(bf16.experts) is Experts
 
 
-def test_loading_for_a_cpu_packs_the_routed_experts(tmp_path):
+def test_loading_for_a_cpu_packs_the_language_model_only(tmp_path, monkeypatch):
     make_checkpoint(tmp_path, "tiny", seed=0)
-    layers = load_model(tmp_path, role="language").language_model.model.layers
+    monkeypatch.setattr(packed, "MIN_PACKED_LINEAR", 1)  # the tiny model's linears are small
+    model = load_model(tmp_path, role="all")
+    layers = model.language_model.model.layers
     experts = [layer.mlp.experts for layer in layers if hasattr(layer.mlp, "experts")]
     assert experts and all(isinstance(e, PackedExperts) and e.down for e in experts)
+    assert isinstance(layers[0].self_attn.o_proj, PackedLinear)
+    # The vision tower's products have too many rows to run packed: no copy for it.
+    assert not any(isinstance(m, PackedLinear) for m in model.vision_tower.modules())
+    assert not any(isinstance(m, PackedLinear) for m in model.multi_modal_projector.modules())
 
 
 def test_experts_stay_unpacked_where_their_copy_would_not_fit(monkeypatch, caplog):
@@ -104,3 +112,112 @@ def test_experts_stay_unpacked_where_their_copy_would_not_fit(monkeypatch, caplo
     assert type(moe.experts) is Experts and "not packed" in caplog.text
     monkeypatch.setattr(packed, "available_memory", lambda: 2 * copy)
     assert isinstance(pack_for_cpu(moe).experts, PackedExperts)
+
+
+def linear_of(bias: bool = True, out: int = 512, dtype: torch.dtype = torch.float32) -> nn.Linear:
+    torch.manual_seed(0)
+    return nn.Linear(MIN_PACKED_LINEAR // out, out, bias=bias).to(dtype)  # just large enough
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.large, self.small = linear_of(), nn.Linear(16, 8)
+        self.mlp = moe_of(experts_of())
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-6), (torch.bfloat16, 2e-2)])
+@torch.inference_mode()
+def test_packed_linear_equals_the_plain_one(bias, dtype, tolerance):
+    plain = linear_of(bias, dtype=dtype)
+    onednn = PackedLinear.of(plain)
+    assert onednn.packed is not None
+    # Decode's rows, a count rounded up (15 → 16), more than run packed (100), none at all.
+    for shape in [(1,), (16,), (3, 5), (100,), (0,)]:
+        x = torch.randn(*shape, plain.in_features).to(dtype)
+        bias = None if plain.bias is None else plain.bias.float()
+        got, want = onednn(x), F.linear(x.float(), plain.weight.float(), bias)
+        assert got.shape == (*shape, plain.out_features) and got.dtype == dtype
+        assert got.numel() == 0 or rel_err(got.float(), want) <= tolerance
+    strided = torch.randn(4, 2 * plain.in_features).to(dtype)[:, ::2]
+    assert rel_err(onednn(strided).float(), plain(strided).float()) <= tolerance
+
+
+def test_the_swap_packs_large_linears_only_and_keeps_names():
+    block = Block()
+    before = block.state_dict()
+    pack_for_cpu(block)
+    assert type(block.large) is PackedLinear and type(block.small) is nn.Linear
+    assert isinstance(block.mlp.experts, PackedExperts)
+    after = block.state_dict()
+    assert after.keys() == before.keys()
+    assert all(after[n].data_ptr() == before[n].data_ptr() for n in before)
+
+
+@torch.inference_mode()
+def test_inference_runs_the_packed_linear(monkeypatch):
+    block = pack_for_cpu(Block())
+    monkeypatch.setattr(nn.Linear, "forward", lambda *_: pytest.fail("fell back"))
+    assert block.large(torch.randn(2, block.large.in_features)).shape == (2, 512)
+
+
+def test_gradients_still_flow_through_a_packed_linear():
+    onednn, plain = PackedLinear.of(linear_of()), linear_of()
+    for x in (torch.randn(4, plain.in_features, requires_grad=True), torch.randn(4, 256)):
+        for linear in (onednn, plain):
+            linear.zero_grad()
+            linear(x).square().sum().backward()
+        assert torch.allclose(onednn.weight.grad, plain.weight.grad, rtol=1e-5)
+
+
+@torch.inference_mode()
+def test_moving_or_loading_a_packed_linear_repacks():
+    onednn, other = PackedLinear.of(linear_of()), linear_of()
+    with torch.no_grad():
+        other.weight.mul_(-2)
+    onednn.load_state_dict(other.state_dict())
+    x = torch.randn(3, other.in_features)
+    assert rel_err(onednn(x), other(x)) <= 1e-6
+    onednn.to(torch.bfloat16)
+    assert onednn.packed is not None and onednn.packed.dtype == torch.bfloat16
+    assert rel_err(onednn(x.bfloat16()).float(), other(x)) <= 2e-2
+    assert onednn.half().packed is None  # oneDNN packs no float16 here: the plain product runs
+    assert rel_err(onednn(x.half()).float(), other(x)) <= 2e-2
+
+
+def test_where_memory_is_short_the_experts_are_packed_first(monkeypatch, caplog):
+    block = Block()
+    linear = block.large.weight.nbytes + block.large.bias.nbytes  # more than the experts take
+    monkeypatch.setattr(packed, "available_memory", lambda: 2 * linear)  # room for one of them
+    pack_for_cpu(block)
+    assert isinstance(block.mlp.experts, PackedExperts) and type(block.large) is nn.Linear
+    assert "not packed" in caplog.text
+
+
+@torch.inference_mode()
+def test_a_process_meets_few_row_counts_per_packed_weight(monkeypatch):
+    """oneDNN keeps a kernel (~0.5-1 MiB) per row count it meets: prefill's many prompt lengths
+    must not each leave one behind."""
+    seen = set()
+
+    def recording(x, weight, bias):
+        seen.add(x.shape[0])
+        return real(x, weight, bias)
+
+    real = packed.onednn_linear
+    monkeypatch.setattr(packed, "onednn_linear", recording)
+    linear = PackedLinear.of(linear_of())
+    for rows in range(1, 300):
+        x = torch.randn(rows, linear.in_features)
+        assert rel_err(linear(x), F.linear(x, linear.weight, linear.bias)) <= 1e-6
+    assert seen == {*range(1, 9), *range(16, 65, 8)}
+
+
+@torch.inference_mode()
+def test_experts_with_many_or_rounded_rows_equal_a_plain_loop():
+    moe = pack_for_cpu(moe_of(experts_of()))
+    ids = torch.tensor([[0, 2]] * 13 + [[1, 3]] * 70)  # 13 rows (run as 16); 70 (run plain)
+    x, weights = torch.randn(83, 16), torch.rand(83, 2)
+    want = reference_routed(experts_of(), x, weights, ids)
+    assert rel_err(moe.routed(x, weights, ids), want) <= 1e-6
