@@ -28,10 +28,13 @@ from epd.model.moe import Experts
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 # Linears of fewer weights run faster unpacked (a (512, 256) one gains; docs/benchmarks.md).
 MIN_PACKED_LINEAR = 256 * 512
-# oneDNN builds and keeps a kernel for every row count a packed weight meets, ~0.5-1 MiB each,
+# oneDNN builds and keeps a kernel for every row count a packed weight meets, 0.5-1.6 MiB each,
 # up to 1024 of them: products run packed only for the few rows of a decode step, their counts
 # rounded up, so a process meets at most 15 counts per weight shape (docs/benchmarks.md).
 MAX_PACKED_ROWS, ROW_STEP = 64, 8
+# Linears whose weight the model reads itself instead of calling them on rows: decode folds
+# kv_b_proj into its queries and outputs (mla.py), so a packed copy of it would go unused.
+READ_DIRECTLY = ("kv_b_proj",)
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +86,9 @@ def records_grad(x: torch.Tensor, *parameters: torch.Tensor | None) -> bool:
 
 class Repacked(nn.Module):
     """Keeps a module's packed copies in step with the parameters they copy: loading new
-    weights and `.to()` / `.cuda()` / `.half()` replace the parameters, and `pack` follows."""
+    weights and `.to()` / `.cuda()` / `.half()` replace the parameters, and `pack` follows.
+    Changing them in place (an optimiser's step) is not followed: these modules are for
+    inference, where autograd is off. Packed copies cannot be deep-copied or pickled."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -186,12 +191,12 @@ def pack_for_cpu(model: nn.Module) -> nn.Module:
         (parent, name, child)
         for parent in model.modules()
         for name, child in parent.named_children()
-        if packable(child)
+        if packable(name, child)
     ]
     found.sort(key=lambda swap: not isinstance(swap[2], Experts))  # stable: experts first
     room, copied, left = available_memory() // 2, 0, 0
     for parent, name, child in found:
-        size = sum(p.nbytes for p in child.parameters(recurse=False))
+        size = sum(p.nbytes for n, p in child.named_parameters(recurse=False) if n != "bias")
         if copied + size > room:
             left += size
             continue
@@ -214,10 +219,11 @@ def packed_form(module: nn.Module) -> nn.Module:
     return PackedLinear.of(module)
 
 
-def packable(module: nn.Module) -> bool:
-    """Routed experts, and plain linears large enough to gain, in a dtype oneDNN packs here."""
+def packable(name: str, module: nn.Module) -> bool:
+    """Routed experts, and plain linears called on rows and large enough to gain, in a dtype
+    oneDNN packs here."""
     if type(module) is Experts:
         return can_pack(module.down_proj)
-    if type(module) is nn.Linear:
+    if type(module) is nn.Linear and name not in READ_DIRECTLY:
         return module.weight.numel() >= MIN_PACKED_LINEAR and can_pack(module.weight)
     return False

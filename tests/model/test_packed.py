@@ -18,11 +18,17 @@ pytestmark = pytest.mark.skipif(
     not can_pack(torch.zeros(1)), reason="this torch build has no oneDNN packed linear"
 )
 
+# bfloat16 packs only where the CPU converts it (AVX-512 or AVX-NE-CONVERT).
+BF16 = pytest.mark.skipif(
+    not can_pack(torch.zeros(1, dtype=torch.bfloat16)), reason="no oneDNN bfloat16 on this CPU"
+)
+DTYPES = [(torch.float32, 1e-6), pytest.param(torch.bfloat16, 2e-2, marks=BF16)]
+
 # Experts 1 and 3 get no token; 0, 2 and 4 get products of 4, 7 and 5 rows.
 IDS = torch.tensor([[0, 2], [2, 0], [4, 2], [2, 4], [0, 4], [2, 0], [4, 2], [2, 4]])
 
 
-@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-6), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("dtype, tolerance", DTYPES)
 @torch.inference_mode()
 def test_packed_experts_equal_a_plain_loop_including_unused_experts(dtype, tolerance):
     moe = pack_for_cpu(moe_of(experts_of().to(dtype)))
@@ -46,6 +52,7 @@ def test_the_swap_keeps_parameters_and_checkpoint_names():
     assert all(after[n].data_ptr() == before[n].data_ptr() for n in before)
 
 
+@BF16
 @torch.inference_mode()
 def test_moving_the_model_repacks_its_experts():
     moe = pack_for_cpu(moe_of(experts_of())).to(torch.bfloat16)
@@ -99,6 +106,8 @@ def test_loading_for_a_cpu_packs_the_language_model_only(tmp_path, monkeypatch):
     experts = [layer.mlp.experts for layer in layers if hasattr(layer.mlp, "experts")]
     assert experts and all(isinstance(e, PackedExperts) and e.down for e in experts)
     assert isinstance(layers[0].self_attn.o_proj, PackedLinear)
+    # Decode folds kv_b_proj's weight into its queries and outputs: a copy would go unused.
+    assert type(layers[0].self_attn.kv_b_proj) is nn.Linear
     # The vision tower's products have too many rows to run packed: no copy for it.
     assert not any(isinstance(m, PackedLinear) for m in model.vision_tower.modules())
     assert not any(isinstance(m, PackedLinear) for m in model.multi_modal_projector.modules())
@@ -127,7 +136,7 @@ class Block(nn.Module):
 
 
 @pytest.mark.parametrize("bias", [True, False])
-@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-6), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("dtype, tolerance", DTYPES)
 @torch.inference_mode()
 def test_packed_linear_equals_the_plain_one(bias, dtype, tolerance):
     plain = linear_of(bias, dtype=dtype)
@@ -155,11 +164,15 @@ def test_the_swap_packs_large_linears_only_and_keeps_names():
     assert all(after[n].data_ptr() == before[n].data_ptr() for n in before)
 
 
-@torch.inference_mode()
-def test_inference_runs_the_packed_linear(monkeypatch):
-    block = pack_for_cpu(Block())
+@pytest.mark.parametrize("inference", [torch.inference_mode, torch.no_grad])
+def test_inference_runs_the_packed_linear(monkeypatch, inference):
+    block, calls = pack_for_cpu(Block()), []
+    real = packed.onednn_linear
     monkeypatch.setattr(nn.Linear, "forward", lambda *_: pytest.fail("fell back"))
-    assert block.large(torch.randn(2, block.large.in_features)).shape == (2, 512)
+    monkeypatch.setattr(packed, "onednn_linear", lambda *args: calls.append(1) or real(*args))
+    with inference():
+        assert block.large(torch.randn(2, block.large.in_features)).shape == (2, 512)
+    assert calls == [1]
 
 
 def test_gradients_still_flow_through_a_packed_linear():
@@ -171,6 +184,7 @@ def test_gradients_still_flow_through_a_packed_linear():
         assert torch.allclose(onednn.weight.grad, plain.weight.grad, rtol=1e-5)
 
 
+@BF16
 @torch.inference_mode()
 def test_moving_or_loading_a_packed_linear_repacks():
     onednn, other = PackedLinear.of(linear_of()), linear_of()
