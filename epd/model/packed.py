@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import platform
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -84,6 +84,9 @@ def records_grad(x: torch.Tensor, *parameters: torch.Tensor | None) -> bool:
     )
 
 
+R = TypeVar("R", bound="Repacked")
+
+
 class Repacked(nn.Module):
     """Keeps a module's packed copies in step with the parameters they copy: loading new
     weights and `.to()` / `.cuda()` / `.half()` replace the parameters, and `pack` follows.
@@ -93,6 +96,23 @@ class Repacked(nn.Module):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.register_load_state_dict_post_hook(lambda module, _: module.pack())
+
+    @classmethod
+    def of(cls: type[R], module: Any) -> R:
+        """The packed form of `module`, over its very parameters (built on meta, then given
+        them, so nothing is allocated twice)."""
+        with torch.device("meta"):
+            new = cls(*cls.sizes(module))
+        for name, parameter in module.named_parameters(recurse=False):
+            setattr(new, name, parameter)
+        new.train(module.training)
+        new.pack()
+        return new
+
+    @staticmethod
+    def sizes(module: Any) -> tuple[Any, ...]:
+        """The constructor's arguments that give `module`'s shapes."""
+        raise NotImplementedError
 
     def pack(self) -> None:
         raise NotImplementedError
@@ -108,14 +128,9 @@ class PackedLinear(Repacked, nn.Linear):
 
     packed: torch.Tensor | None
 
-    @classmethod
-    def of(cls, linear: nn.Linear) -> PackedLinear:
-        with torch.device("meta"):
-            new = cls(linear.in_features, linear.out_features, bias=linear.bias is not None)
-        new.weight, new.bias = linear.weight, linear.bias
-        new.train(linear.training)
-        new.pack()
-        return new
+    @staticmethod
+    def sizes(module: Any) -> tuple[int, int, bool]:
+        return module.in_features, module.out_features, module.bias is not None
 
     def pack(self) -> None:
         self.packed = pack(self.weight) if can_pack(self.weight) else None
@@ -143,15 +158,9 @@ class PackedExperts(Repacked, Experts):
         super().__init__(experts, dim, hidden)
         self.gate_up, self.down = [], []
 
-    @classmethod
-    def of(cls, experts: Experts) -> PackedExperts:
-        count, dim, hidden = len(experts), experts.down_proj.shape[1], experts.hidden
-        with torch.device("meta"):
-            new = cls(count, dim, hidden)
-        new.gate_up_proj, new.down_proj = experts.gate_up_proj, experts.down_proj
-        new.train(experts.training)
-        new.pack()
-        return new
+    @staticmethod
+    def sizes(module: Any) -> tuple[int, int, int]:
+        return len(module), module.down_proj.shape[1], module.hidden
 
     def pack(self) -> None:
         packable = can_pack(self.down_proj)
@@ -188,20 +197,20 @@ def pack_for_cpu(model: nn.Module) -> nn.Module:
     (logged): slower, but it fits.
     """
     found = [
-        (parent, name, child)
+        (parent, name, child, packed)
         for parent in model.modules()
         for name, child in parent.named_children()
-        if packable(name, child)
+        if (packed := packed_form(name, child))
     ]
-    found.sort(key=lambda swap: not isinstance(swap[2], Experts))  # stable: experts first
+    found.sort(key=lambda swap: swap[3] is not PackedExperts)  # stable: experts first
     room, copied, left = available_memory() // 2, 0, 0
-    for parent, name, child in found:
+    for parent, name, child, packed in found:
         size = sum(p.nbytes for n, p in child.named_parameters(recurse=False) if n != "bias")
         if copied + size > room:
             left += size
             continue
         copied += size
-        setattr(parent, name, packed_form(child))
+        setattr(parent, name, packed.of(child))
     if left:
         log.warning(
             "%.2f GiB of weights not packed for oneDNN: their copy would take more than half "
@@ -212,18 +221,16 @@ def pack_for_cpu(model: nn.Module) -> nn.Module:
     return model
 
 
-def packed_form(module: nn.Module) -> nn.Module:
-    if isinstance(module, Experts):
-        return PackedExperts.of(module)
-    assert isinstance(module, nn.Linear)
-    return PackedLinear.of(module)
-
-
-def packable(name: str, module: nn.Module) -> bool:
-    """Routed experts, and plain linears called on rows and large enough to gain, in a dtype
-    oneDNN packs here."""
-    if type(module) is Experts:
-        return can_pack(module.down_proj)
-    if type(module) is nn.Linear and name not in READ_DIRECTLY:
-        return module.weight.numel() >= MIN_PACKED_LINEAR and can_pack(module.weight)
-    return False
+def packed_form(name: str, module: nn.Module) -> type[Repacked] | None:
+    """What packs `module`, if anything: routed experts, and plain linears called on rows and
+    large enough to gain, in a dtype oneDNN packs here."""
+    if type(module) is Experts and can_pack(module.down_proj):
+        return PackedExperts
+    if (
+        type(module) is nn.Linear
+        and name not in READ_DIRECTLY
+        and module.weight.numel() >= MIN_PACKED_LINEAR
+        and can_pack(module.weight)
+    ):
+        return PackedLinear
+    return None
