@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from epd.config.roles import ROLES, ServeConfig
+from epd.config.roles import ROLES, PrefillConfig, ServeConfig
 from epd.config.sources import (
     SHARED,
     build,
@@ -157,7 +157,7 @@ def plan(args: argparse.Namespace) -> tuple[ServeConfig, dict[str, Any]]:
     dtype, ...) given to `serve` itself, then serve's flags for its role's settings (e.g.
     `--max-batch-size` for decode, `--max-image-bytes` for encode and prefill), then the
     loopback addresses `serve` owns, and, unless its threads are set, its share of this
-    machine's cores (`core_shares`).
+    machine's cores (`core_shares`); on a CPU, prefill's `busy_threads` unless set.
     """
     raw = read_config_file(args.config) if args.config else {}
     flags = flag_values(args, ServeConfig)
@@ -174,7 +174,24 @@ def plan(args: argparse.Namespace) -> tuple[ServeConfig, dict[str, Any]]:
         child = build(ROLES[role], values)
         share = torch_threads(child.threads, child.device, core_shares(CORES)[role])
         children[role] = dataclasses.replace(child, threads=share)
+    prefill = children["prefill"]
+    assert isinstance(prefill, PrefillConfig)
+    if prefill.device == "cpu" and not prefill.busy_threads:
+        busy = busy_threads(prefill.threads, children["decode"].threads, CORES)
+        children["prefill"] = dataclasses.replace(prefill, busy_threads=busy)
     return config, children
+
+
+def busy_threads(prefill: int, decode: int, cores: int) -> int:
+    """Prefill's threads while anything else runs, on a CPU: what decode's leave of the cores.
+
+    On 2 cores prefill gets both and decode one (`core_shares`): three threads on two cores
+    while both work, and a forward's threads wait for one another at every op whenever one of
+    them is descheduled. So prefill runs on all its threads only while nothing else runs (a
+    lone request's time to first token), and on what decode leaves while anything else does
+    (docs/benchmarks.md, "Prefill's threads").
+    """
+    return max(1, min(prefill, cores - decode))
 
 
 def core_shares(cores: int) -> dict[str, int]:

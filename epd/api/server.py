@@ -17,7 +17,13 @@ from epd.checkpoint.weights import load_model
 from epd.config.roles import PrefillConfig
 from epd.dtypes import model_dtype
 from epd.prefill.engine import PrefillEngine
-from epd.runtime.process import STOP_GRACE_S, announce_ready, start_process
+from epd.runtime.process import (
+    STOP_GRACE_S,
+    announce_ready,
+    on_passing_thread,
+    set_torch_threads,
+    start_process,
+)
 from epd.runtime.watchdog import Watchdog
 from epd.wire.curve import process_keys
 
@@ -33,8 +39,9 @@ def build_service(config: PrefillConfig) -> Service:
     builder = PromptBuilder.from_checkpoint(
         config.model, tokenizer, config.default_max_tokens, config.max_image_pixels, config.max_n
     )
-    lm = load_model(
-        config.model, "language", config.device, model_dtype(config.dtype)
+    # On a thread that ends, so that the forward's thread keeps the only OpenMP pool.
+    lm = on_passing_thread(
+        load_model, config.model, "language", config.device, model_dtype(config.dtype)
     ).language_model
     eos_ids = stop_token_ids(config.model, tokenizer)
     engine = PrefillEngine(lm, tokenizer, builder.placeholder_id, eos_ids)
@@ -80,6 +87,10 @@ def run(config: PrefillConfig) -> None:
     service = build_service(config)
     if stop.is_set():  # asked to stop while the model loaded
         return
+    # The loop's own torch work is small (joining image rows): on one thread it starts no
+    # OpenMP pool beside the forward's (`on_passing_thread` says why that matters). The
+    # forward's thread sets its own count (`PrefillBatcher`).
+    set_torch_threads(1)
     service.watchdog.start()  # once the model is loaded: that takes time
     server: uvicorn.Server
 

@@ -39,6 +39,8 @@ def _check_value(name: str, value: Any) -> str | None:
         return "must be 0 (automatic) or a positive number" if value < 0 else None
     if name == "min_chunk_tokens" and value < 0:
         return "must be 0 (off) or a positive number"
+    if name == "busy_threads" and value < 0:
+        return "must be 0 (as threads) or a positive number"
     if name.startswith("max_") and not value >= 1:
         return "must be at least 1"
     if name == "log_level" and value.lower() not in ("", *LOG_LEVELS):
@@ -164,6 +166,11 @@ class PrefillConfig(ModelOptions):
         0,
         "prompt tokens prefilled in one forward: waiting prompts fill it, one that does not fit "
         "runs in chunks (0: 512 on a CPU, 4096 on a GPU)",
+    )
+    busy_threads: int = option(
+        0,
+        "torch threads for a forward while other requests wait, decode or encode (0: threads); "
+        "where prefill shares cores with decode, epd serve sets what decode's share leaves",
     )
     min_chunk_tokens: int = option(
         0,

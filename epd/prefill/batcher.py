@@ -69,8 +69,16 @@ class PrefillBatcher:
         max_waiting_tokens: int = 0,
         progressed: Callable[[], None] = lambda: None,
         min_chunk: int = 0,
+        threads: int = 0,
+        busy_threads: int = 0,
+        others_running: Callable[[], bool] = lambda: False,
     ) -> None:
         self.engine, self.max_tokens, self.reply_to = engine, max_tokens, reply_to
+        # torch threads for a forward (0: leave them as they are), and while other requests
+        # run (0: the same), at most as many
+        self.threads = threads
+        self.busy_threads = min(busy_threads, threads) if threads else 0
+        self.others_running = others_running
         self.min_chunk = min_chunk  # 0: nothing passes a chunked prompt
         # Called as each forward ends: under steady load the batcher is never idle, and only
         # this tells the watchdog that it is alive (it once took back-to-back forwards for a hang).
@@ -109,6 +117,27 @@ class PrefillBatcher:
                     job.future.set_exception(Unavailable("prefill stopped before this request"))
             self.waiting.clear()
 
+    def forward_threads(self) -> int:
+        """Fewer threads for the forward that runs `self.forward` while other requests wait for
+        prefill, decode or encode. Where prefill shares its cores with decode, the API and its
+        clients, its threads and theirs would otherwise outnumber the cores, and each waits on
+        another's at every op (docs/benchmarks.md, "Prefill's threads")."""
+        if not self.busy_threads:
+            return self.threads
+        inside = set(self.forward)  # a chunked prompt stays waiting while its chunks run
+        if self.others_running() or any(job not in inside for job in self.waiting):
+            return self.busy_threads
+        return self.threads
+
+    def run_chunks(
+        self, threads: int, chunks: list[Chunk]
+    ) -> list[KVHandoff | LatentCache | Exception]:
+        """On the engine's thread: the forward, on `threads` torch threads (OpenMP counts them
+        per thread, so they are set here)."""
+        if threads and torch.get_num_threads() != threads:  # (read first: see set_torch_threads)
+            torch.set_num_threads(threads)
+        return self.engine.run_chunks(chunks, self.reply_to)
+
     async def prefill_batch(self, batch: list[tuple[Job, Chunk]]) -> None:
         self.sizes.append(len(batch))
         started = time.perf_counter()
@@ -119,7 +148,7 @@ class PrefillBatcher:
         self.busy, self.forward = True, [job for job, _ in batch]
         try:
             results = await asyncio.get_running_loop().run_in_executor(
-                self.executor, self.engine.run_chunks, [chunk for _, chunk in batch], self.reply_to
+                self.executor, self.run_chunks, self.forward_threads(), [c for _, c in batch]
             )
         except Exception as e:  # not one prompt's fault: all of them fail
             results = [e] * len(batch)

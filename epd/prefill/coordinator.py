@@ -26,6 +26,7 @@ from epd.prefill.image_cache import ImageCache, digests
 from epd.prefill.metrics import PrefillMetrics
 from epd.prefill.peers import RESOLVE_S, PeerSet
 from epd.prefill.request import PreparedRequest
+from epd.runtime.process import torch_threads
 from epd.runtime.watchdog import Watchdog
 from epd.wire.curve import process_keys
 from epd.wire.messages import (
@@ -100,6 +101,8 @@ class Coordinator:
         rows = config.max_images * max_image_tokens
         largest = rows * engine.lm.config.hidden_size * 4  # float32 embeddings of every image
         self.inbox = Inbox(async_context(), config.bind, largest, curve=keys)
+        self.waits: dict[tuple[str, int], EncodeWait] = {}  # images being encoded
+        self.streams: dict[str, Stream] = {}  # requests handed to decode, not finished
         budget = token_budget(config.max_prefill_tokens, engine.device)
         self.batcher = PrefillBatcher(
             engine,
@@ -108,10 +111,11 @@ class Coordinator:
             self.metrics,
             progressed=lambda: watchdog.beat("prefill"),
             min_chunk=config.min_chunk_tokens,
+            threads=torch_threads(config.threads, config.device),
+            busy_threads=config.busy_threads,
+            others_running=lambda: bool(self.streams or self.waits),  # decoding or encoding
         )
         self.images = ImageCache(config.image_cache_bytes)
-        self.waits: dict[tuple[str, int], EncodeWait] = {}
-        self.streams: dict[str, Stream] = {}
         self.tasks: list[asyncio.Task[None]] = []
 
     def start(self) -> None:

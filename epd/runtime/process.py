@@ -11,12 +11,15 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
-from typing import Protocol
+from typing import Any, Protocol, TypeVar
 
 import torch
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 SUPERVISOR_ENV = "EPD_SUPERVISOR_PID"  # set by `epd serve`: its children end when it does
 STOP_GRACE_S = 15.0  # a process asked to stop that has not finished by then exits at once
 PR_SET_PDEATHSIG = 1
@@ -142,6 +145,28 @@ def torch_threads(threads: int, device: str, cores: int | None = None) -> int:
         return threads
     cores = cores or available_cores()
     return min(4, cores) if device.startswith("cuda") else cores
+
+
+def set_torch_threads(threads: int) -> None:
+    """This thread's torch threads, kept: torch takes a thread's count from the last one set by
+    any thread at the thread's first parallel op, unless it has read its own count before; a
+    bare `torch.set_num_threads` on a thread that has not would be undone by that."""
+    torch.set_num_threads(threads)
+    torch.get_num_threads()
+
+
+def on_passing_thread(fn: Callable[..., T], *args: Any) -> T:
+    """fn(*args) on a thread that ends when it returns, e.g. loading a model at start.
+
+    libgomp (torch's OpenMP on Linux) keeps a pool of workers for every thread that has run a
+    parallel op, for as long as that thread lives. Once a process's pools hold more threads than
+    it has cores, idle workers spin only briefly before they sleep, and each of a forward's many
+    small ops then waits for its workers to wake: a 240-token prefill on 2 cores took ~110 ms
+    instead of ~88 (docs/benchmarks.md). Work done once on a thread of its own takes its pool
+    with it when the thread ends.
+    """
+    with ThreadPoolExecutor(1, thread_name_prefix="passing") as thread:
+        return thread.submit(fn, *args).result()
 
 
 def start_process(

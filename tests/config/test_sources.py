@@ -12,7 +12,7 @@ from epd.cli import parser
 from epd.config.roles import ROLES, DecodeConfig, EncodeConfig, PrefillConfig
 from epd.config.sources import read_config_file, resolve, role_values, secret_env, to_flags
 from epd.runtime.process import available_cores
-from epd.serve import core_shares, plan
+from epd.serve import busy_threads, core_shares, plan
 
 CONFIGS = Path(__file__).parents[2] / "configs"
 
@@ -77,6 +77,7 @@ def test_bad_files_name_the_key(tmp_path, text, message):
         (["--encoders", "127.0.0.1:7101"], "encoders=.*must be ZeroMQ addresses"),
         (["--max-images", "0"], "max_images=0: must be at least 1"),
         (["--min-chunk-tokens", "-1"], "min_chunk_tokens=-1: must be 0 .off. or a positive"),
+        (["--busy-threads", "-1"], "busy_threads=-1: must be 0 .as threads. or a positive"),
     ],
 )
 def test_bad_values_name_the_setting(extra, message):
@@ -154,6 +155,24 @@ def test_serve_gives_each_child_a_share_of_the_cores_unless_set(tmp_path):
     assert children["decode"].threads == 5
     assert children["encode"].threads == shares["encode"]
     assert children["prefill"].threads == shares["prefill"]
+
+
+@pytest.mark.parametrize(
+    ("prefill", "decode", "cores", "busy"),
+    [(2, 1, 2, 1), (2, 1, 1, 1), (11, 5, 16, 11), (4, 8, 8, 1)],
+)
+def test_prefill_runs_beside_decode_on_what_decode_leaves(prefill, decode, cores, busy):
+    assert busy_threads(prefill, decode, cores) == busy
+
+
+def test_serve_sets_prefills_busy_threads_on_a_cpu_unless_given(tmp_path):
+    path = write(tmp_path, "model: /m\nprefill:\n  threads: 3\ndecode:\n  threads: 2\n")
+    _, children = plan(args("serve", "--config", path))
+    assert children["prefill"].busy_threads == busy_threads(3, 2, available_cores())
+    _, given = plan(args("serve", "--config", path, "--busy-threads", "2"))
+    assert given["prefill"].busy_threads == 2
+    _, gpu = plan(args("serve", "--config", path, "--device", "cuda:0"))
+    assert gpu["prefill"].busy_threads == 0  # a forward on the GPU: its threads only feed it
 
 
 @pytest.mark.parametrize(

@@ -256,3 +256,69 @@ def test_a_stop_during_a_forward_fails_the_prompts_in_it(engine):
 
     (result,) = asyncio.run(main())
     assert isinstance(result, Unavailable)  # answered, not left waiting for ever
+
+
+def recording_threads(batcher, engine, seen):
+    """The batcher's engine, noting the torch threads each forward runs on (its thread's)."""
+
+    def recording(chunks, reply_to):
+        seen.append(torch.get_num_threads())
+        return engine.run_chunks(chunks, reply_to)
+
+    batcher.engine = type("Recording", (), {"run_chunks": staticmethod(recording)})()
+
+
+def put_back_threads(*batchers):
+    """New threads start from the count set last, by any thread: the test's own, again."""
+    for batcher in batchers:
+        batcher.executor.submit(torch.set_num_threads, torch.get_num_threads()).result()
+        batcher.close()
+
+
+def test_a_forward_runs_on_fewer_threads_while_other_requests_run(engine):
+    """threads 2, busy 1: a forward on 2 torch threads while nothing else runs, on 1 while
+    other requests decode or encode; no threads given leaves the engine thread's count alone."""
+    others, seen = [False], []
+
+    async def main():
+        batcher = PrefillBatcher(
+            engine, 16, "", threads=2, busy_threads=1, others_running=lambda: others[0]
+        )
+        plain = PrefillBatcher(engine, 16, "")
+        for b in (batcher, plain):
+            recording_threads(b, engine, seen)
+        runners = [asyncio.create_task(b.run()) for b in (batcher, plain)]
+        for running in (False, True, False):
+            others[0] = running
+            await batcher.prefill(prompt(0))
+        plain.executor.submit(torch.set_num_threads, 3).result()
+        await plain.prefill(prompt(0))
+        for runner in runners:
+            runner.cancel()
+        await asyncio.gather(*runners, return_exceptions=True)
+        put_back_threads(batcher, plain)
+
+    main_threads = torch.get_num_threads()
+    asyncio.run(main())
+    assert seen == [2, 1, 2, 3]
+    assert torch.get_num_threads() == main_threads  # the caller's thread keeps its own
+
+
+@pytest.mark.parametrize(("behind", "threads"), [(False, [2, 2, 2]), (True, [1, 1, 2])])
+def test_prompts_waiting_behind_a_forward_make_it_run_on_fewer_threads(engine, behind, threads):
+    """A 40-token prompt in chunks of 16, 16 and 8 runs alone on all threads; with a 4-token
+    prompt waiting behind it, on fewer, until the last chunk takes that one along."""
+    seen = []
+
+    async def main():
+        batcher = PrefillBatcher(engine, 16, "", threads=2, busy_threads=1)
+        recording_threads(batcher, engine, seen)
+        runner = asyncio.create_task(batcher.run())
+        await asyncio.gather(*(batcher.prefill(prompt(i)) for i in ((3, 0) if behind else (3,))))
+        runner.cancel()
+        await asyncio.gather(runner, return_exceptions=True)
+        put_back_threads(batcher)
+        return list(batcher.sizes)
+
+    sizes = asyncio.run(main())
+    assert seen == threads and sizes == ([1, 1, 1] if not behind else [1, 1, 2])

@@ -91,8 +91,21 @@ def test_the_prefill_budget_and_min_chunk_reach_the_batcher(tiny_checkpoint, tmp
         decoders=(f"ipc://{tmp_path}/decode",),
         max_prefill_tokens=64,
         min_chunk_tokens=8,
+        threads=2,
+        busy_threads=1,
     )
     service = build_service(config)
     with TestClient(create_app(service)):
-        batcher = service.coordinator.batcher
+        coordinator = service.coordinator
+        batcher = coordinator.batcher
         assert (batcher.max_tokens, batcher.min_chunk) == (64, 8)
+        assert (batcher.threads, batcher.busy_threads) == (2, 1)
+        # Fewer threads while a request decodes or encodes beside the forward.
+        assert batcher.forward_threads() == 2
+        coordinator.streams["decoding"] = object()  # type: ignore[assignment]
+        assert batcher.forward_threads() == 1
+        del coordinator.streams["decoding"]
+        coordinator.waits[("encoding", 0)] = object()  # type: ignore[assignment]
+        assert batcher.forward_threads() == 1
+        del coordinator.waits[("encoding", 0)]
+        assert batcher.forward_threads() == 2

@@ -1,4 +1,13 @@
-"""What every process sets up first: here, its log lines."""
+"""What every process sets up first: its log lines; and work that must not outlive its thread."""
+
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from epd.runtime.process import on_passing_thread, set_torch_threads
 
 
 def test_log_level_and_json_lines(capsys):
@@ -22,3 +31,54 @@ def test_log_level_and_json_lines(capsys):
     finally:
         logging.getLogger().handlers.clear()
         logging.getLogger().setLevel(logging.WARNING)
+
+
+def thread_ids() -> set[str]:
+    return set(os.listdir("/proc/self/task"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="lists Linux threads")
+def test_work_on_a_passing_thread_leaves_no_threads_behind():
+    """A thread that has run torch on 2 threads keeps an OpenMP worker while it lives; on a
+    passing thread both are gone when the work returns (what loading prefill's model needs)."""
+
+    def work() -> set[str]:
+        torch.set_num_threads(2)
+        x = torch.randn(512, 512)
+        (x @ x).exp_()  # parallel ops: the thread starts its OpenMP workers
+        return thread_ids()
+
+    main_threads, before = torch.get_num_threads(), thread_ids()
+    during = on_passing_thread(work)
+    deadline = time.monotonic() + 3  # the workers end a moment after their thread
+    while thread_ids() & (during - before) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(during - before) >= 2 and not thread_ids() & (during - before)
+    staying = ThreadPoolExecutor(1)
+    try:
+        started = staying.submit(work).result() - before
+        assert len(started) >= 2 and started <= thread_ids()  # the thread and its worker stay
+    finally:
+        staying.submit(torch.set_num_threads, main_threads).result()  # threads start from it
+        staying.shutdown()
+
+
+def test_a_threads_count_set_with_set_torch_threads_is_kept():
+    """Another thread setting its count later does not change this one's at its next op."""
+
+    def loop_like(keep: bool) -> int:
+        if keep:
+            set_torch_threads(1)
+        else:
+            torch.set_num_threads(1)  # not read back: its first op takes the last count set
+        with ThreadPoolExecutor(1) as other:
+            other.submit(lambda: (torch.get_num_threads(), torch.set_num_threads(2))).result()
+        torch.cat([torch.randn(256, 2048), torch.randn(256, 2048)])
+        return torch.get_num_threads()
+
+    main_threads = torch.get_num_threads()
+    try:
+        assert on_passing_thread(loop_like, True) == 1
+        assert on_passing_thread(loop_like, False) == 2  # why set_torch_threads reads it back
+    finally:
+        torch.set_num_threads(main_threads)
