@@ -11,7 +11,8 @@ import asyncio
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable
+import weakref
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -282,8 +283,28 @@ class Coordinator:
         self.metrics.handoff_bytes.inc(handoff.cache.nbytes)
         return stream
 
-    async def deltas(self, stream: Stream) -> AsyncIterator[TokenDelta]:
-        """The request's deltas until each choice's last one; leaving early aborts it in decode."""
+    def deltas(self, stream: Stream) -> AsyncIterator[TokenDelta]:
+        """The request's deltas until each choice's last one; leaving early aborts it in decode.
+
+        A reply that never starts reading them (its client left as the response began) never
+        runs the generator's clean-up, so the stream is also released when the generator is
+        dropped: otherwise decode would run it to its end for nobody, and prefill would count
+        it as running for ever (`PrefillBatcher.forward_threads`). (On the loop: the garbage
+        collector may drop it on any thread.)
+        """
+        deltas, loop = self.read_deltas(stream), asyncio.get_running_loop()
+        weakref.finalize(deltas, on_loop, loop, self.release, stream).atexit = False
+        return deltas
+
+    def release(self, stream: Stream, finished: bool = False) -> None:
+        """The stream is over: forgotten, and aborted in decode unless it finished there (once,
+        whichever of its ends comes first)."""
+        if self.streams.get(stream.request_id) is stream:
+            del self.streams[stream.request_id]
+            if not finished:
+                self.outbox.send(stream.decoder, Abort(stream.request_id))
+
+    async def read_deltas(self, stream: Stream) -> AsyncIterator[TokenDelta]:
         open_choices = set(range(stream.choices))
         finished = False
         try:
@@ -303,10 +324,14 @@ class Coordinator:
                     open_choices.discard(item.index)
                 finished = not open_choices
                 yield item
-        finally:
-            del self.streams[stream.request_id]
-            if not finished:  # client gone or failure: free the request's KV in decode
-                self.outbox.send(stream.decoder, Abort(stream.request_id))
+        finally:  # client gone or failure: free the request's KV in decode
+            self.release(stream, finished)
+
+
+def on_loop(loop: asyncio.AbstractEventLoop, fn: Callable[..., object], *args: object) -> None:
+    """fn(*args) on the loop, from any thread, unless the loop has closed (the process ends)."""
+    if not loop.is_closed():
+        loop.call_soon_threadsafe(fn, *args)
 
 
 def split(count: int, workers: int) -> list[tuple[int, int]]:

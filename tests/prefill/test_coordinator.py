@@ -13,7 +13,8 @@ from PIL import Image
 from epd.api.app import create_app
 from epd.api.server import build_service
 from epd.config.roles import PrefillConfig
-from epd.prefill.coordinator import split, within
+from epd.prefill.coordinator import Coordinator, Stream, split, within
+from epd.wire.messages import Abort, TokenDelta
 
 
 def test_split_images_over_encoders():
@@ -109,3 +110,39 @@ def test_the_prefill_budget_and_min_chunk_reach_the_batcher(tiny_checkpoint, tmp
         assert batcher.forward_threads() == 1
         del coordinator.waits[("encoding", 0)]
         assert batcher.forward_threads() == 2
+
+
+@pytest.mark.parametrize("read", [False, True])
+def test_a_stream_is_released_once_however_its_reply_ends(tiny_checkpoint, tmp_path, read):
+    """A reply that never reads its deltas (its client left as the response began) still
+    releases the stream and aborts it in decode; one that read them to the end aborts nothing."""
+    config = PrefillConfig(
+        model=str(tiny_checkpoint),
+        bind=f"ipc://{tmp_path}/prefill",
+        encoders=(f"ipc://{tmp_path}/encode",),
+        decoders=(f"ipc://{tmp_path}/decode",),
+    )
+    service = build_service(config)
+
+    async def main():
+        coordinator = Coordinator(config, service.engine, 64, service.watchdog)
+        sent = []
+        coordinator.outbox.send = lambda peer, message: sent.append(message) or True
+        stream = Stream("r1", "decoder", choices=1)
+        coordinator.streams["r1"] = stream
+        deltas = coordinator.deltas(stream)
+        if read:
+            stream.queue.put_nowait(
+                TokenDelta("r1", token_ids=(7,), text="", completion_tokens=1, finish_reason="stop")
+            )
+            assert [d.finish_reason async for d in deltas] == ["stop"]
+        del deltas  # dropped, read or not
+        await asyncio.sleep(0)  # the release is scheduled on the loop
+        await asyncio.sleep(0)
+        running = coordinator.batcher.others_running()
+        await coordinator.stop()
+        return sent, running, dict(coordinator.streams)
+
+    sent, running, streams = asyncio.run(main())
+    assert streams == {} and not running  # prefill no longer counts it as running
+    assert [type(m) for m in sent] == ([] if read else [Abort])
