@@ -156,6 +156,7 @@ def create_app(service: Service, on_started: Callable[[], Any] | None = None) ->
             processor.max_tokens(),
             service.watchdog,
             service.metrics,
+            in_flight=lambda: service.gate.in_flight,
         )
         service.coordinator.start()
         probe = probe_wire(service.watchdog)

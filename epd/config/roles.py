@@ -169,7 +169,7 @@ class PrefillConfig(ModelOptions):
     )
     busy_threads: int = option(
         0,
-        "torch threads for a forward while other requests wait, decode or encode (0: threads); "
+        "torch threads for a forward while other requests are in flight (0: threads); "
         "where prefill shares cores with decode, epd serve sets what decode's share leaves",
     )
     min_chunk_tokens: int = option(

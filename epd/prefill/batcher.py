@@ -118,10 +118,11 @@ class PrefillBatcher:
             self.waiting.clear()
 
     def forward_threads(self) -> int:
-        """Fewer threads for the forward that runs `self.forward` while other requests wait for
-        prefill, decode or encode. Where prefill shares its cores with decode, the API and its
-        clients, its threads and theirs would otherwise outnumber the cores, and each waits on
-        another's at every op (docs/benchmarks.md, "Prefill's threads")."""
+        """Fewer threads for the forward that runs `self.forward` while other prompts wait for
+        prefill or `others_running()` (other requests in flight). Where prefill shares its
+        cores with decode, the API and its clients, its threads and theirs would otherwise
+        outnumber the cores, and each waits on another's at every op (docs/benchmarks.md,
+        "Prefill's threads")."""
         if not self.busy_threads:
             return self.threads
         inside = set(self.forward)  # a chunked prompt stays waiting while its chunks run

@@ -89,6 +89,7 @@ class Coordinator:
         max_image_tokens: int,
         watchdog: Watchdog,
         metrics: PrefillMetrics | None = None,
+        in_flight: Callable[[], int] = lambda: 0,
     ) -> None:
         self.config, self.engine, self.watchdog = config, engine, watchdog
         self.metrics = metrics or PrefillMetrics()
@@ -114,7 +115,12 @@ class Coordinator:
             min_chunk=config.min_chunk_tokens,
             threads=torch_threads(config.threads, config.device),
             busy_threads=config.busy_threads,
-            others_running=lambda: bool(self.streams or self.waits),  # decoding or encoding
+            # API requests other than the forward's (in flight from arrival to their last
+            # byte): read and tokenised, encoding, waiting, decoding. `streams` and `waits`
+            # count those last where nothing counts requests (tests).
+            others_running=lambda: (
+                in_flight() > len(self.batcher.forward) or bool(self.streams or self.waits)
+            ),
         )
         self.images = ImageCache(config.image_cache_bytes)
         self.tasks: list[asyncio.Task[None]] = []

@@ -101,8 +101,16 @@ def test_the_prefill_budget_and_min_chunk_reach_the_batcher(tiny_checkpoint, tmp
         batcher = coordinator.batcher
         assert (batcher.max_tokens, batcher.min_chunk) == (64, 8)
         assert (batcher.threads, batcher.busy_threads) == (2, 1)
-        # Fewer threads while a request decodes or encodes beside the forward.
+        # Fewer threads while another API request is in flight beside the forward's: being
+        # read or tokenised, encoding, decoding.
+        batcher.forward = [object()]  # type: ignore[list-item]
+        service.gate.in_flight = 1  # the forward's own
         assert batcher.forward_threads() == 2
+        service.gate.in_flight = 2
+        assert batcher.forward_threads() == 1
+        service.gate.in_flight = 0
+        assert batcher.forward_threads() == 2
+        batcher.forward = []
         coordinator.streams["decoding"] = object()  # type: ignore[assignment]
         assert batcher.forward_threads() == 1
         del coordinator.streams["decoding"]
