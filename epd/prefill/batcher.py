@@ -32,6 +32,7 @@ from epd.model.latent_cache import LatentCache
 from epd.prefill.engine import Chunk, PrefillEngine, Prompt
 from epd.prefill.errors import Unavailable
 from epd.prefill.metrics import PrefillMetrics
+from epd.runtime.process import set_torch_threads
 from epd.wire.messages import KVHandoff
 
 WAITING_TOKENS = 32768  # prompt tokens that may wait, at least: 8 forwards at the GPU budget
@@ -135,8 +136,8 @@ class PrefillBatcher:
     ) -> list[KVHandoff | LatentCache | Exception]:
         """On the engine's thread: the forward, on `threads` torch threads (OpenMP counts them
         per thread, so they are set here)."""
-        if threads and torch.get_num_threads() != threads:  # (read first: see set_torch_threads)
-            torch.set_num_threads(threads)
+        if threads and torch.get_num_threads() != threads:
+            set_torch_threads(threads)
         return self.engine.run_chunks(chunks, self.reply_to)
 
     async def prefill_batch(self, batch: list[tuple[Job, Chunk]]) -> None:
