@@ -45,6 +45,10 @@ from epd.wire.transport import Inbox, async_context
 log = logging.getLogger(__name__)
 PEER_POLL_S = 0.02
 PEER_GRACE_S = 0.5  # how long a request waits for a peer that is just connecting
+# How long what a lost peer sent before it went (its last tokens, a Failure saying why it
+# stopped) has to be read before its requests fail for the loss: the disconnect is seen on
+# another connection and can overtake them.
+LAST_WORDS_S = 0.5
 T = TypeVar("T")
 now = time.perf_counter
 
@@ -206,13 +210,21 @@ class Coordinator:
             self.outbox.pin(self.peers())
 
     def fail_held_by(self, address: str) -> None:
+        """Fail, LAST_WORDS_S from now, the requests a lost peer holds now (not ones handed to
+        it once it is back), unless its last words have ended them by then."""
         error = Unavailable(f"lost the connection to {address} while it held this request")
-        for wait in self.waits.values():
-            if wait.encoder == address and not wait.future.done():
-                wait.future.set_exception(error)
-        for stream in self.streams.values():
-            if stream.decoder == address:
-                stream.queue.put_nowait(error)
+        waits = [wait.future for wait in self.waits.values() if wait.encoder == address]
+        streams = [stream for stream in self.streams.values() if stream.decoder == address]
+
+        def fail() -> None:
+            for future in waits:
+                if not future.done():
+                    future.set_exception(error)
+            for stream in streams:
+                if self.streams.get(stream.request_id) is stream:  # not released yet
+                    stream.queue.put_nowait(error)
+
+        asyncio.get_running_loop().call_later(LAST_WORDS_S, fail)
 
     # Sending.
     async def pick(self, peers: PeerSet, role: str) -> list[str]:

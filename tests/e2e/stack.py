@@ -129,16 +129,16 @@ def cluster(
     checkpoint: Path,
     prefills: tuple[str, ...] = (),
     env: dict[str, str] | None = None,
-    prefill_flags: tuple[str, ...] = (),
+    role_flags: dict[str, tuple[str, ...]] | None = None,
     flags: tuple[str, ...] = (),
 ) -> Iterator[tuple[dict[str, Process], openai.OpenAI, int]]:
     """The three roles started by hand (see `role`), their openai client, and their base port;
-    `flags` go to every role, `prefill_flags` to prefill."""
+    `flags` go to every role, `role_flags[name]` to that one."""
     base = free_base()
     names = ("encode", "decode", "prefill")
     processes = {
         name: role(
-            name, checkpoint, base, prefills, env, (*flags, *(prefill_flags * (name == "prefill")))
+            name, checkpoint, base, prefills, env, (*flags, *(role_flags or {}).get(name, ()))
         )
         for name in names
     }
@@ -196,3 +196,29 @@ def health(port: int) -> tuple[int, dict]:
             return response.status, json.loads(response.read())
     except urllib.error.HTTPError as error:
         return error.code, json.loads(error.read())
+
+
+LONG = 3000  # tokens: long enough that a stop request or a kill lands while the streams run
+
+
+def long_stream(client: openai.OpenAI, started: threading.Semaphore) -> tuple[int, str | None]:
+    """A stream of LONG tokens: its token count and finish reason; `started` is released once
+    its first text arrives."""
+    chunks = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "count"}],
+        max_tokens=LONG,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
+    reason, usage, under_way = None, 0, False
+    for chunk in chunks:
+        if chunk.choices and chunk.choices[0].delta.content and not under_way:
+            under_way = True
+            started.release()
+        if chunk.choices and chunk.choices[0].finish_reason:
+            reason = chunk.choices[0].finish_reason
+        if chunk.usage:
+            usage = chunk.usage.completion_tokens
+    return usage, reason

@@ -4,14 +4,25 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
 from PIL import Image
 
 from . import stack
-from .stack import cluster, data_url, free_base, image_part, role, serve, text_part
+from .stack import (
+    cluster,
+    data_url,
+    free_base,
+    image_part,
+    long_stream,
+    role,
+    serve,
+    text_part,
+)
 
 IMAGE = [
     {
@@ -76,6 +87,25 @@ def test_dead_decode_fails_fast_then_recovers(three, tiny_checkpoint):
     with pytest.raises(openai.InternalServerError, match="no decode server is reachable"):
         ask(client, TEXT)
     assert time.monotonic() - start < 2
+    processes["decode"] = role("decode", tiny_checkpoint, base).wait_ready()
+    assert eventually(lambda: ask(client, TEXT)).usage.completion_tokens == 3
+
+
+def test_a_decoder_killed_mid_stream_fails_its_streams_fast(three, tiny_checkpoint):
+    processes, client, base = three
+    under_way = threading.Semaphore(0)
+    with ThreadPoolExecutor(2) as pool:
+        streams = [pool.submit(long_stream, client, under_way) for _ in range(2)]
+        for _ in streams:
+            assert under_way.acquire(timeout=30)
+        processes["decode"].popen.send_signal(signal.SIGKILL)
+        start = time.monotonic()
+        lost = f"lost the connection to tcp://127.0.0.1:{base + 2} while it held this request"
+        for stream in streams:
+            with pytest.raises(openai.APIError, match=lost):
+                stream.result(timeout=30)
+        assert time.monotonic() - start < 3  # the disconnect, not a token timeout
+    processes["decode"].popen.wait()
     processes["decode"] = role("decode", tiny_checkpoint, base).wait_ready()
     assert eventually(lambda: ask(client, TEXT)).usage.completion_tokens == 3
 

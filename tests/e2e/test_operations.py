@@ -21,10 +21,22 @@ from prometheus_client.parser import text_string_to_metric_families
 from epd.local import LocalPipeline
 from epd.wire.curve import CurveKeys, make_keys
 
-from .stack import cluster, data_url, free_base, health, image_part, serve, text_part
+from .stack import (
+    LONG,
+    cluster,
+    data_url,
+    free_base,
+    health,
+    image_part,
+    long_stream,
+    serve,
+    text_part,
+)
 
 KEY = "k-7f3a"
-LONG = 3000  # tokens: long enough that a stop request lands while the streams run
+# The drain these streams need takes ~15 s here, and a slow CI machine has passed the default
+# 30 s: the tests are about finishing the work, so the clock must not be what ends it.
+DRAIN = ("--drain-timeout-s", "300")
 
 
 @pytest.fixture(scope="module")
@@ -160,7 +172,7 @@ def test_metrics_count_real_requests_in_every_role(client, locked_stack):
 def bounded(tiny_checkpoint):
     """The three roles by hand, prefill admitting at most two waiting requests."""
     flags = ("--max-queued-requests", "2", "--allowed-media-domains", "127.0.0.1")
-    with cluster(tiny_checkpoint, prefill_flags=flags) as started:
+    with cluster(tiny_checkpoint, role_flags={"prefill": flags}) as started:
         yield started
 
 
@@ -249,32 +261,9 @@ def test_a_hung_decoder_turns_health_to_503_and_back(bounded):
     assert reply.choices[0].finish_reason in ("length", "stop")
 
 
-def long_stream(client: openai.OpenAI, started: threading.Semaphore) -> tuple[int, str | None]:
-    """A stream of LONG tokens: its token count and finish reason; `started` is released once
-    its first text arrives."""
-    chunks = client.chat.completions.create(
-        model="tiny",
-        messages=[{"role": "user", "content": "count"}],
-        max_tokens=LONG,
-        stream=True,
-        stream_options={"include_usage": True},
-        extra_body={"ignore_eos": True},
-    )
-    reason, usage, under_way = None, 0, False
-    for chunk in chunks:
-        if chunk.choices and chunk.choices[0].delta.content and not under_way:
-            under_way = True
-            started.release()
-        if chunk.choices and chunk.choices[0].finish_reason:
-            reason = chunk.choices[0].finish_reason
-        if chunk.usage:
-            usage = chunk.usage.completion_tokens
-    return usage, reason
-
-
 def test_sigterm_drains_requests_in_flight_and_refuses_new_ones(tiny_checkpoint):
     base = free_base()
-    stack = serve(tiny_checkpoint, base, "--served-model-name", "tiny")
+    stack = serve(tiny_checkpoint, base, "--served-model-name", "tiny", *DRAIN)
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{base + 20}/v1", api_key="-", max_retries=0)
     try:
         started = threading.Semaphore(0)  # released once by each stream when it is under way
@@ -350,7 +339,7 @@ def test_with_curve_keys_only_peers_holding_them_reach_a_decoder(tiny_checkpoint
 
 
 def test_a_stopping_decoder_finishes_its_sequences_and_refuses_new_ones(tiny_checkpoint):
-    with cluster(tiny_checkpoint) as (processes, client, base):
+    with cluster(tiny_checkpoint, role_flags={"decode": DRAIN}) as (processes, client, base):
         started = threading.Semaphore(0)
         with ThreadPoolExecutor(2) as pool:
             streams = [pool.submit(long_stream, client, started) for _ in range(2)]
@@ -367,3 +356,16 @@ def test_a_stopping_decoder_finishes_its_sequences_and_refuses_new_ones(tiny_che
             assert [s.result() for s in streams] == [(LONG, "length")] * 2
         assert processes["decode"].popen.wait(30) == 0
         assert "draining: finishing the work under way" in processes["decode"].output
+
+
+def test_a_drain_that_runs_out_ends_what_is_left_with_the_reason(tiny_checkpoint):
+    with cluster(tiny_checkpoint, role_flags={"decode": ("--drain-timeout-s", "1")}) as started:
+        processes, client, _ = started
+        under_way = threading.Semaphore(0)
+        with ThreadPoolExecutor(1) as pool:
+            stream = pool.submit(long_stream, client, under_way)
+            assert under_way.acquire(timeout=30)
+            processes["decode"].popen.send_signal(signal.SIGTERM)
+            with pytest.raises(openai.APIError, match="decode stopped before this request finish"):
+                stream.result(timeout=30)  # its own reason, not the lost connection behind it
+        assert processes["decode"].popen.wait(30) == 0

@@ -13,8 +13,10 @@ from PIL import Image
 from epd.api.app import create_app
 from epd.api.server import build_service
 from epd.config.roles import PrefillConfig
+from epd.prefill import coordinator as coordinator_module
 from epd.prefill.coordinator import Coordinator, Stream, split, within
-from epd.wire.messages import Abort, TokenDelta
+from epd.prefill.errors import PrefillError
+from epd.wire.messages import Abort, Failure, TokenDelta
 
 
 def test_split_images_over_encoders():
@@ -154,3 +156,47 @@ def test_a_stream_is_released_once_however_its_reply_ends(tiny_checkpoint, tmp_p
     sent, running, streams = asyncio.run(main())
     assert streams == {} and not running  # prefill no longer counts it as running
     assert [type(m) for m in sent] == ([] if read else [Abort])
+
+
+def test_a_lost_decoders_last_words_come_before_the_loss(tiny_checkpoint, tmp_path, monkeypatch):
+    """The disconnect is seen on another connection than the decoder's messages, so it can
+    overtake them: a request it ended in its last words ends with its reason; one it left
+    open fails for the loss, shortly; one handed to it once it is back is not its to fail."""
+    monkeypatch.setattr(coordinator_module, "LAST_WORDS_S", 0.05)
+    config = PrefillConfig(
+        model=str(tiny_checkpoint),
+        bind=f"ipc://{tmp_path}/prefill",
+        encoders=(f"ipc://{tmp_path}/encode",),
+        decoders=(f"ipc://{tmp_path}/decode",),
+    )
+    service = build_service(config)
+
+    async def ending(coordinator, stream):
+        try:
+            async for _ in coordinator.deltas(stream):
+                pass
+        except PrefillError as e:
+            return str(e)
+        return "finished"
+
+    async def main():
+        coordinator = Coordinator(config, service.engine, 64, service.watchdog)
+        coordinator.outbox.send = lambda peer, message: True
+        said, silent, later = (Stream(r, "decoder", choices=1) for r in ("r1", "r2", "r3"))
+        for stream in (said, silent):
+            coordinator.streams[stream.request_id] = stream
+        endings = [asyncio.ensure_future(ending(coordinator, s)) for s in (said, silent, later)]
+        coordinator.fail_held_by("decoder")
+        coordinator.route(Failure("r1", "unavailable", "decode stopped before it finished"))
+        coordinator.streams["r3"] = later  # the decoder is back, and takes a new request
+        await asyncio.sleep(0.2)
+        coordinator.route(TokenDelta("r3", (7,), "", completion_tokens=1, finish_reason="stop"))
+        results = await asyncio.gather(*endings)
+        await coordinator.stop()
+        return results
+
+    assert asyncio.run(main()) == [
+        "decode stopped before it finished",
+        "lost the connection to decoder while it held this request",
+        "finished",
+    ]
