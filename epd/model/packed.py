@@ -1,6 +1,7 @@
 """CPU weights in oneDNN's blocked layout, applied around a loaded model (as gpt-fast applies
 quantisation): `pack_for_cpu(model)` swaps each `Experts` for a `PackedExperts` and each large
-`nn.Linear` for a `PackedLinear`, over the same parameters.
+`nn.Linear` for a `PackedLinear`, over the same parameters; `bucket_rows(model)` swaps the
+plain linears of bfloat16 or float16 weights for `RowBucketedLinear`s.
 
 Why: a decode step multiplies a few rows by each weight (1-16 by the dense ones, ~4 by each
 expert at batch 16), and MKL runs such products from row-major weights at a third to a half of
@@ -10,6 +11,12 @@ per call (~10 µs) outweighs what it saves. Products of many rows (prefill's) ru
 oneDNN keeps a kernel per row count it meets (`MAX_PACKED_ROWS`). The packed copies are extra
 memory (those weights twice): the parameters stay, because state dicts name them
 (docs/benchmarks.md).
+
+oneDNN also runs the plain products of bfloat16 and float16 weights on a CPU, and builds a
+kernel for each row count it meets (~1 ms for a (256, 512) @ (512, 1408) product that then takes
+0.5 ms): a prompt of each length would pay for its own. So their products of more than
+MAX_PACKED_ROWS rows get their rows padded to a multiple of ROW_BUCKET: a few kernels per weight
+shape, and at most ROW_BUCKET - 1 zero rows each (docs/benchmarks.md, "bfloat16 on a CPU").
 """
 
 from __future__ import annotations
@@ -32,6 +39,8 @@ MIN_PACKED_LINEAR = 256 * 512
 # up to 1024 of them: products run packed only for the few rows of a decode step, their counts
 # rounded up, so a process meets at most 15 counts per weight shape (docs/benchmarks.md).
 MAX_PACKED_ROWS, ROW_STEP = 64, 8
+ROW_BUCKET = 32  # plain products of more rows, in these dtypes, pad their rows to a multiple
+BUCKETED_DTYPES = (torch.bfloat16, torch.float16)
 # Linears whose weight the model reads itself instead of calling them on rows: decode folds
 # kv_b_proj into its queries and outputs (mla.py), so a packed copy of it would go unused.
 READ_DIRECTLY = ("kv_b_proj",)
@@ -66,11 +75,29 @@ def product(
     (zero rows added, their results dropped); through the plain weight for more rows."""
     rows = x.shape[0]
     if not 0 < rows <= MAX_PACKED_ROWS:
+        return bucketed_linear(x, weight, bias)
+    return onednn_linear(padded(x, rows if rows <= ROW_STEP else ROW_STEP), packed, bias)[:rows]
+
+
+def bucketed_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x (N, in) → x @ weight.T + bias (N, out), N past MAX_PACKED_ROWS padded up to a multiple
+    of ROW_BUCKET where oneDNN would otherwise build a kernel for N (see the module's doc)."""
+    rows = x.shape[0]
+    if rows <= MAX_PACKED_ROWS or not bucketed(weight):
         return F.linear(x, weight, bias)
-    padded = rows if rows <= ROW_STEP else -(-rows // ROW_STEP) * ROW_STEP
-    if padded > rows:
-        x = F.pad(x, (0, 0, 0, padded - rows))
-    return onednn_linear(x, packed, bias)[:rows]
+    return F.linear(padded(x, ROW_BUCKET), weight, bias)[:rows]
+
+
+def bucketed(weight: torch.Tensor) -> bool:
+    return weight.is_cpu and weight.dtype in BUCKETED_DTYPES
+
+
+def padded(x: torch.Tensor, step: int) -> torch.Tensor:
+    """x (N, in) with zero rows added up to a multiple of `step`."""
+    extra = -x.shape[0] % step
+    return F.pad(x, (0, 0, 0, extra)) if extra else x
 
 
 def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -123,7 +150,26 @@ class Repacked(nn.Module):
         return self
 
 
-class PackedLinear(Repacked, nn.Linear):
+class RowBucketedLinear(nn.Linear):
+    """`nn.Linear` whose products run through `bucketed_linear`."""
+
+    @classmethod
+    def of(cls, module: nn.Linear) -> RowBucketedLinear:
+        """Over `module`'s very parameters."""
+        with torch.device("meta"):
+            new = cls(module.in_features, module.out_features, module.bias is not None)
+        new.weight, new.bias = module.weight, module.bias
+        return new.train(module.training)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x (..., in) → (..., out)."""
+        if records_grad(x, self.weight, self.bias):
+            return super().forward(x)
+        out = bucketed_linear(x.reshape(-1, self.in_features), self.weight, self.bias)
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+
+class PackedLinear(Repacked, RowBucketedLinear):
     """`nn.Linear` whose forward runs through its weight packed, where it can be packed."""
 
     packed: torch.Tensor | None
@@ -218,6 +264,16 @@ def pack_for_cpu(model: nn.Module) -> nn.Module:
             left / 2**30,
             2 * room / 2**30,
         )
+    return model
+
+
+def bucket_rows(model: nn.Module) -> nn.Module:
+    """Swap, in place, every plain `nn.Linear` of bfloat16 or float16 weights on a CPU for a
+    `RowBucketedLinear` over the same parameters (nothing is copied; see the module's doc)."""
+    children = [(p, n, c) for p in model.modules() for n, c in p.named_children()]
+    for parent, name, child in children:
+        if type(child) is nn.Linear and bucketed(child.weight):
+            setattr(parent, name, RowBucketedLinear.of(child))
     return model
 
 

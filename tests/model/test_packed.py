@@ -9,7 +9,14 @@ from epd.checkpoint.synthetic import make_checkpoint
 from epd.checkpoint.weights import load_model
 from epd.model import packed
 from epd.model.moe import Experts
-from epd.model.packed import MIN_PACKED_LINEAR, PackedExperts, PackedLinear, can_pack, pack_for_cpu
+from epd.model.packed import (
+    MIN_PACKED_LINEAR,
+    PackedExperts,
+    PackedLinear,
+    RowBucketedLinear,
+    can_pack,
+    pack_for_cpu,
+)
 
 from .test_deepseek_oracle import rel_err
 from .test_moe import experts_of, moe_of, reference_routed
@@ -111,6 +118,16 @@ def test_loading_for_a_cpu_packs_the_language_model_only(tmp_path, monkeypatch):
     # The vision tower's products have too many rows to run packed: no copy for it.
     assert not any(isinstance(m, PackedLinear) for m in model.vision_tower.modules())
     assert not any(isinstance(m, PackedLinear) for m in model.multi_modal_projector.modules())
+    assert not any(type(m) is RowBucketedLinear for m in model.modules())  # float32: no need
+
+
+@BF16
+def test_loading_in_bfloat16_buckets_the_rows_of_every_plain_linear(tmp_path):
+    make_checkpoint(tmp_path, "tiny", seed=0)
+    model = load_model(tmp_path, role="all", dtype=torch.bfloat16)
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    assert any(type(m) is RowBucketedLinear for m in model.vision_tower.modules())
+    assert all(isinstance(m, RowBucketedLinear) for m in linears)  # packed ones bucket too
 
 
 def test_experts_stay_unpacked_where_their_copy_would_not_fit(monkeypatch, caplog):
@@ -235,3 +252,42 @@ def test_experts_with_many_or_rounded_rows_equal_a_plain_loop():
     x, weights = torch.randn(83, 16), torch.rand(83, 2)
     want = reference_routed(experts_of(), x, weights, ids)
     assert rel_err(moe.routed(x, weights, ids), want) <= 1e-6
+
+
+@pytest.mark.parametrize(
+    "dtype, run_as",
+    [  # over 64 rows, bfloat16 and float16 products run as a multiple of 32 (65 → 96)
+        (torch.bfloat16, {*range(1, 65), 96, 128, 160}),
+        (torch.float16, {*range(1, 65), 96, 128, 160}),
+        (torch.float32, set(range(1, 150))),
+    ],
+)
+@torch.inference_mode()
+def test_plain_products_meet_few_row_counts_in_bfloat16(monkeypatch, dtype, run_as):
+    """oneDNN runs bfloat16 products and builds a kernel for every row count it meets (~1 ms):
+    prompts of every length must not each build their own."""
+    seen = set()
+
+    def recording(x, weight, bias=None):
+        seen.add(x.shape[0])
+        return real(x, weight, bias)
+
+    real = F.linear
+    plain = nn.Linear(32, 48).to(dtype)
+    linear = RowBucketedLinear.of(plain)
+    assert linear.weight is plain.weight
+    monkeypatch.setattr(packed.F, "linear", recording)
+    for rows in range(1, 150):
+        x = torch.randn(rows, 32).to(dtype)
+        got, want = linear(x), real(x.float(), plain.weight.float(), plain.bias.float())
+        assert got.shape == (rows, 48) and got.dtype == dtype and rel_err(got.float(), want) < 2e-2
+    assert seen == run_as
+
+
+def test_a_row_bucketed_linear_keeps_its_names_and_gradients():
+    plain = nn.Linear(32, 48).bfloat16()
+    bucketed = RowBucketedLinear.of(plain)
+    assert bucketed.state_dict().keys() == plain.state_dict().keys()
+    x = torch.randn(100, 32, dtype=torch.bfloat16, requires_grad=True)
+    bucketed(x).float().square().sum().backward()
+    assert x.grad is not None and bucketed.weight.grad is plain.weight.grad is not None
