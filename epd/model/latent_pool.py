@@ -88,10 +88,13 @@ class PagedBatch(DecodeBatch):
         their blocks, padded with the zero block, flat (n · width,), and their visible rows."""
         device, caches = self.storage.device, [self.paged[i] for i in part]
         lengths = torch.tensor([c.length + 1 for c in caches])
-        longest = int(lengths.max())
-        width = blocks_for(longest)
+        width = blocks_for(int(lengths.max()))
         blocks = [b for c in caches for b in (c.blocks + [0] * width)[:width]]
-        visible = (torch.arange(longest)[None, :] < lengths[:, None]).to(device)
+        # Whole blocks, the rows past each length masked: attention's products then meet a new
+        # length once every BLOCK_TOKENS steps, not every step (oneDNN, which runs bfloat16
+        # ones on a CPU, builds a kernel for each shape it meets: docs/benchmarks.md).
+        rows_seen = torch.arange(width * BLOCK_TOKENS)
+        visible = (rows_seen[None, :] < lengths[:, None]).to(device)
         rows = None if len(part) == len(self.paged) else torch.tensor(part, device=device)
         return rows, torch.tensor(blocks, device=device), visible
 
@@ -103,7 +106,7 @@ class PagedBatch(DecodeBatch):
         for rows, table, visible in self.tables:
             # index_select copies whole blocks; indexing with a 2-D table was ~4x slower here
             gathered = blocks.index_select(0, table)  # (n · width, BLOCK_TOKENS, latent)
-            cache = gathered.view(len(visible), -1, blocks.shape[-1])[:, : visible.shape[1]]
+            cache = gathered.view(len(visible), -1, blocks.shape[-1])  # (n, width · BLOCK, ·)
             parts.append(Part(rows, cache, visible))
         return parts
 

@@ -57,10 +57,16 @@ def test_any_subset_in_any_order_reads_its_own_blocks(lm):
     pooled = [pool.admit(prefilled(lm, p)) for p in prompts]
     order = [3, 4, 0]  # 20 tokens (+ the step's: 2 blocks), 12 (1 block), 4 (1 block)
     batch = pool.batch([pooled[i] for i in order])
-    (long, long_blocks, _), (short, short_blocks, _) = batch.tables  # 21 and 13 rows together
-    assert long.tolist() == [0, 1] and short.tolist() == [2]  # 5 rows: padded to 21, no
+    (long, long_blocks, long_seen), (short, short_blocks, short_seen) = batch.tables
+    assert long.tolist() == [0, 1] and short.tolist() == [2]  # 21 and 13 rows; 5 apart
     assert long_blocks.tolist() == [*pooled[3].blocks, *pooled[4].blocks, 0]  # the zero block
     assert short_blocks.tolist() == pooled[0].blocks
+    # Whole blocks, the rows past each length masked: the products meet a new shape only as a
+    # cache takes a block (oneDNN builds a kernel for each, in bfloat16 on a CPU).
+    assert long_seen.sum(1).tolist() == [21, 13] and long_seen.shape[1] == 2 * BLOCK_TOKENS
+    assert short_seen.sum(1).tolist() == [5] and short_seen.shape[1] == BLOCK_TOKENS
+    rows = torch.zeros(3, lm.config.latent_dim)  # this step's, overwritten by the step below
+    assert [p.cache.shape[1] for p in batch.append_and_gather(0, rows)] == [32, 16]
     tokens = torch.tensor([9, 4, 7])
     ours = lm.decode(tokens, batch)
     alone = lm.decode(tokens, [prefilled(lm, prompts[i]) for i in order])
