@@ -1,13 +1,14 @@
 """Serving benchmark, side by side in one run: epd, transformers serve, and the one-process path.
 
-    .venv/bin/python scripts/bench_serving.py [--out bench-results] [--quick]
+    .venv/bin/python scripts/bench_serving.py [--out bench-results] [--quick] [--dtype bfloat16]
 
 Makes a random `small` checkpoint, starts `epd serve` on it and times it with `epd bench` (text
 at 1, 4, 16 and 32 concurrent streams; one 448×448 image at 1 and 8; a repeated 896×896 image),
 then `transformers serve` on the same language model (exported as a DeepSeek-V3 checkpoint;
 it has no Kimi-VL, so text only) at 1 and 16, then the one-process path (`LocalPipeline`) one
-request at a time. Every run's JSON lands in --out; the summary table is printed as Markdown
-for docs/benchmarks.md. Not a test: it takes about ten minutes on two cores.
+request at a time, all three in --dtype (default float32). Every run's JSON lands in --out;
+the summary table is printed as Markdown for docs/benchmarks.md. Not a test: it takes about
+ten minutes on two cores.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from epd.bench.config import BenchConfig
 from epd.bench.workload import bodies
 from epd.checkpoint.export import export_language_model
 from epd.checkpoint.synthetic import make_checkpoint
+from epd.dtypes import MODEL_DTYPES, model_dtype
 from epd.local import LocalPipeline
 
 TEXT = {"prompt_tokens": 90, "output_tokens": 64}  # about 240 prompt tokens with this tokenizer
@@ -79,9 +81,10 @@ def requests_for(concurrency: int) -> int:
     return max(8, 4 * concurrency)
 
 
-def epd_runs(checkpoint: Path, out: Path, quick: bool) -> dict[str, dict[str, Any]]:
+def epd_runs(checkpoint: Path, out: Path, quick: bool, dtype: str) -> dict[str, dict[str, Any]]:
     url = "http://127.0.0.1:8300/v1"
     command = [sys.executable, "-m", "epd.cli", "serve", "--model", str(checkpoint)]
+    command += ["--dtype", dtype]
     command += ["--port", "8300", "--internal-base-port", "7400"]
     server = start(command, url, out / "epd.log")
     try:
@@ -142,7 +145,7 @@ def image_runs(url: str, out: Path) -> dict[str, dict[str, Any]]:
     return runs
 
 
-def transformers_runs(checkpoint: Path, out: Path) -> dict[str, dict[str, Any]]:
+def transformers_runs(checkpoint: Path, out: Path, dtype: str) -> dict[str, dict[str, Any]]:
     """transformers serve on the same language model: one request at a time (its continuous
     batching fails on DeepSeek-V3's MLA), no ignore_eos, so both sides run without it."""
     exported = out / "deepseek"
@@ -156,7 +159,7 @@ def transformers_runs(checkpoint: Path, out: Path) -> dict[str, dict[str, Any]]:
         "--device",
         "cpu",
         "--dtype",
-        "float32",
+        dtype,
         "--port",
         "8301",
     ]
@@ -181,9 +184,9 @@ def transformers_runs(checkpoint: Path, out: Path) -> dict[str, dict[str, Any]]:
     return runs
 
 
-def local_run(checkpoint: Path) -> dict[str, float]:
+def local_run(checkpoint: Path, dtype: str) -> dict[str, float]:
     """The one-process path, one request at a time, on the whole machine."""
-    pipeline = LocalPipeline(checkpoint)
+    pipeline = LocalPipeline(checkpoint, dtype=model_dtype(dtype))
     config = BenchConfig(**TEXT)
     completions = [
         pipeline.chat(body | {"stream": False, "stream_options": None})
@@ -219,12 +222,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("bench-results"))
     parser.add_argument("--quick", action="store_true", help="fewer text runs")
+    parser.add_argument("--dtype", default="float32", choices=MODEL_DTYPES, help="every side's")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     checkpoint = make_checkpoint(args.out / "small", "small")
-    runs = epd_runs(checkpoint, args.out, args.quick)
-    runs |= transformers_runs(checkpoint, args.out)
-    local = local_run(checkpoint)
+    runs = epd_runs(checkpoint, args.out, args.quick, args.dtype)
+    runs |= transformers_runs(checkpoint, args.out, args.dtype)
+    local = local_run(checkpoint, args.dtype)
     (args.out / "summary.json").write_text(json.dumps({"runs": runs, "local": local}, indent=1))
     print(table(runs, local))
 
