@@ -47,8 +47,9 @@ PEER_POLL_S = 0.02
 PEER_GRACE_S = 0.5  # how long a request waits for a peer that is just connecting
 # How long what a lost peer sent before it went (its last tokens, a Failure saying why it
 # stopped) has to be read before its requests fail for the loss: the disconnect is seen on
-# another connection and can overtake them.
-LAST_WORDS_S = 0.5
+# another connection and can overtake them. Messages still unread then may hold them too, so
+# the loss waits for those, up to LAST_WORDS_MAX_S.
+LAST_WORDS_S, LAST_WORDS_MAX_S = 0.5, 2.5
 T = TypeVar("T")
 now = time.perf_counter
 
@@ -178,8 +179,8 @@ class Coordinator:
             stream.queue.put_nowait(error)
 
     async def watch_peers(self) -> None:
-        """Fail at once every request held by a peer that disconnected, or that its peer did
-        not take in time."""
+        """Fail every request held by a peer that disconnected (once its last words are read,
+        `fail_held_by`), or that its peer did not take in time."""
         while True:
             self.watchdog.beat("loop")
             if not self.batcher.busy and not self.batching.done():  # idle and alive
@@ -210,21 +211,27 @@ class Coordinator:
             self.outbox.pin(self.peers())
 
     def fail_held_by(self, address: str) -> None:
-        """Fail, LAST_WORDS_S from now, the requests a lost peer holds now (not ones handed to
-        it once it is back), unless its last words have ended them by then."""
-        error = Unavailable(f"lost the connection to {address} while it held this request")
+        """Fail the requests a lost peer holds now (not ones handed to it once it is back),
+        unless its last words end them first: LAST_WORDS_S from now, or once no message waits
+        unread, up to LAST_WORDS_MAX_S."""
+        error = f"lost the connection to {address} while it held this request"
         waits = [wait.future for wait in self.waits.values() if wait.encoder == address]
         streams = [stream for stream in self.streams.values() if stream.decoder == address]
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + LAST_WORDS_MAX_S
 
         def fail() -> None:
+            if self.inbox.pending() and loop.time() < give_up:  # unread: its last words, maybe
+                loop.call_later(PEER_POLL_S, fail)
+                return
             for future in waits:
                 if not future.done():
-                    future.set_exception(error)
+                    future.set_exception(Unavailable(error))
             for stream in streams:
                 if self.streams.get(stream.request_id) is stream:  # not released yet
-                    stream.queue.put_nowait(error)
+                    stream.queue.put_nowait(Unavailable(error))
 
-        asyncio.get_running_loop().call_later(LAST_WORDS_S, fail)
+        loop.call_later(LAST_WORDS_S, fail)  # harmless if the coordinator has stopped by then
 
     # Sending.
     async def pick(self, peers: PeerSet, role: str) -> list[str]:

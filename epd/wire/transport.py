@@ -90,6 +90,10 @@ class Inbox:
             return None
         return self.receive(frames)
 
+    def pending(self) -> bool:
+        """Whether a message has arrived that no recv has taken yet (never, once closed)."""
+        return not self.socket.closed and bool(self.socket.getsockopt(zmq.EVENTS) & zmq.POLLIN)
+
     async def arecv(self) -> Message | None:
         """Next message or None if it was refused (asyncio sockets)."""
         frames = await self.socket.recv_multipart(copy=False)  # type: ignore[misc]

@@ -104,7 +104,7 @@ def test_a_decoder_killed_mid_stream_fails_its_streams_fast(three, tiny_checkpoi
         for stream in streams:
             with pytest.raises(openai.APIError, match=lost):
                 stream.result(timeout=30)
-        assert time.monotonic() - start < 3  # the disconnect, not a token timeout
+        assert time.monotonic() - start < 15  # the disconnect, not the 60 s token timeout
     processes["decode"].popen.wait()
     processes["decode"] = role("decode", tiny_checkpoint, base).wait_ready()
     assert eventually(lambda: ask(client, TEXT)).usage.completion_tokens == 3

@@ -14,7 +14,7 @@ from epd.api.app import create_app
 from epd.api.server import build_service
 from epd.config.roles import PrefillConfig
 from epd.prefill import coordinator as coordinator_module
-from epd.prefill.coordinator import Coordinator, Stream, split, within
+from epd.prefill.coordinator import Coordinator, EncodeWait, Stream, split, within
 from epd.prefill.errors import PrefillError
 from epd.wire.messages import Abort, Failure, TokenDelta
 
@@ -161,8 +161,9 @@ def test_a_stream_is_released_once_however_its_reply_ends(tiny_checkpoint, tmp_p
 def test_a_lost_decoders_last_words_come_before_the_loss(tiny_checkpoint, tmp_path, monkeypatch):
     """The disconnect is seen on another connection than the decoder's messages, so it can
     overtake them: a request it ended in its last words ends with its reason; one it left
-    open fails for the loss, shortly; one handed to it once it is back is not its to fail."""
-    monkeypatch.setattr(coordinator_module, "LAST_WORDS_S", 0.05)
+    open (and an image it was encoding) fails for the loss, but not at once; one handed to it
+    once it is back is not its to fail."""
+    monkeypatch.setattr(coordinator_module, "LAST_WORDS_S", 0.2)
     config = PrefillConfig(
         model=str(tiny_checkpoint),
         bind=f"ipc://{tmp_path}/prefill",
@@ -185,18 +186,21 @@ def test_a_lost_decoders_last_words_come_before_the_loss(tiny_checkpoint, tmp_pa
         said, silent, later = (Stream(r, "decoder", choices=1) for r in ("r1", "r2", "r3"))
         for stream in (said, silent):
             coordinator.streams[stream.request_id] = stream
+        encoding = EncodeWait("decoder", asyncio.get_running_loop().create_future())
+        coordinator.waits[("r4", 0)] = encoding
         endings = [asyncio.ensure_future(ending(coordinator, s)) for s in (said, silent, later)]
         coordinator.fail_held_by("decoder")
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert silent.queue.empty() and not encoding.future.done()  # not at once
         coordinator.route(Failure("r1", "unavailable", "decode stopped before it finished"))
         coordinator.streams["r3"] = later  # the decoder is back, and takes a new request
-        await asyncio.sleep(0.2)
+        await asyncio.sleep(0.4)
         coordinator.route(TokenDelta("r3", (7,), "", completion_tokens=1, finish_reason="stop"))
         results = await asyncio.gather(*endings)
+        results.append(str(encoding.future.exception()))
         await coordinator.stop()
         return results
 
-    assert asyncio.run(main()) == [
-        "decode stopped before it finished",
-        "lost the connection to decoder while it held this request",
-        "finished",
-    ]
+    lost = "lost the connection to decoder while it held this request"
+    assert asyncio.run(main()) == ["decode stopped before it finished", lost, "finished", lost]

@@ -47,6 +47,18 @@ def test_messages_arrive_typed(context, address):
     assert isinstance(received, ImageEmbeddings) and torch.equal(received.embeddings, embeddings)
 
 
+def test_an_inbox_says_whether_a_message_waits_unread(context, address):
+    inbox, outbox = Inbox(context, address), Outbox(context, [address])
+    assert wait_until(lambda: outbox.is_up(address)) and not inbox.pending()
+    assert outbox.send(address, Abort("r"))
+    assert wait_until(inbox.pending)
+    assert isinstance(inbox.recv(timeout_ms=2000), Abort) and not inbox.pending()
+    assert outbox.send(address, Abort("r"))
+    assert wait_until(inbox.pending)
+    inbox.close()
+    assert not inbox.pending()  # closed: never, and no error
+
+
 def test_the_first_message_to_a_new_peer_waits_for_its_connection(context, address):
     inbox, outbox = Inbox(context, address), Outbox(context)
     assert outbox.send(address, Abort("first"))  # queued: the connection is not up yet
