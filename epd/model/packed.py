@@ -1,7 +1,7 @@
 """CPU weights in oneDNN's blocked layout, applied around a loaded model (as gpt-fast applies
 quantisation): `pack_for_cpu(model)` swaps each `Experts` for a `PackedExperts` and each large
 `nn.Linear` for a `PackedLinear`, over the same parameters; `bucket_rows(model)` swaps the
-plain linears of bfloat16 or float16 weights for `RowBucketedLinear`s.
+plain linears of bfloat16 weights for `RowBucketedLinear`s.
 
 Why: a decode step multiplies a few rows by each weight (1-16 by the dense ones, ~4 by each
 expert at batch 16), and MKL runs such products from row-major weights at a third to a half of
@@ -12,11 +12,13 @@ oneDNN keeps a kernel per row count it meets (`MAX_PACKED_ROWS`). The packed cop
 memory (those weights twice): the parameters stay, because state dicts name them
 (docs/benchmarks.md).
 
-oneDNN also runs the plain products of bfloat16 and float16 weights on a CPU, and builds a
-kernel for each row count it meets (~1 ms for a (256, 512) @ (512, 1408) product that then takes
-0.5 ms): a prompt of each length would pay for its own. So their products of more than
-MAX_PACKED_ROWS rows get their rows padded to a multiple of ROW_BUCKET: a few kernels per weight
-shape, and at most ROW_BUCKET - 1 zero rows each (docs/benchmarks.md, "bfloat16 on a CPU").
+oneDNN also runs the plain products of bfloat16 weights on a CPU, and builds a kernel for each
+row count it meets (~1 ms for a (256, 512) @ (512, 1408) product that then takes 0.5 ms): a
+prompt of each length would pay for its own. So their products of more than MAX_PACKED_ROWS
+rows get their rows padded (`bucket`): to a multiple of 32 below 512 rows, then of an eighth of
+the power of two below them, so 14 kernels per weight shape up to 512 rows and 8 more a
+doubling, and at most 1/8 more rows past 256 (docs/benchmarks.md, "bfloat16 on a CPU").
+float16 is left as it is: not measured.
 """
 
 from __future__ import annotations
@@ -39,8 +41,7 @@ MIN_PACKED_LINEAR = 256 * 512
 # up to 1024 of them: products run packed only for the few rows of a decode step, their counts
 # rounded up, so a process meets at most 15 counts per weight shape (docs/benchmarks.md).
 MAX_PACKED_ROWS, ROW_STEP = 64, 8
-ROW_BUCKET = 32  # plain products of more rows, in these dtypes, pad their rows to a multiple
-BUCKETED_DTYPES = (torch.bfloat16, torch.float16)
+ROW_BUCKET = 32  # the finest step plain bfloat16 products pad their rows to (`bucket`)
 # Linears whose weight the model reads itself instead of calling them on rows: decode folds
 # kv_b_proj into its queries and outputs (mla.py), so a packed copy of it would go unused.
 READ_DIRECTLY = ("kv_b_proj",)
@@ -83,15 +84,21 @@ def bucketed_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
     """x (N, in) → x @ weight.T + bias (N, out), N past MAX_PACKED_ROWS padded up to a multiple
-    of ROW_BUCKET where oneDNN would otherwise build a kernel for N (see the module's doc)."""
+    of `bucket(N)` where oneDNN would otherwise build a kernel for N (see the module's doc)."""
     rows = x.shape[0]
     if rows <= MAX_PACKED_ROWS or not bucketed(weight):
         return F.linear(x, weight, bias)
-    return F.linear(padded(x, ROW_BUCKET), weight, bias)[:rows]
+    return F.linear(padded(x, bucket(rows)), weight, bias)[:rows]
 
 
 def bucketed(weight: torch.Tensor) -> bool:
-    return weight.is_cpu and weight.dtype in BUCKETED_DTYPES
+    return weight.is_cpu and weight.dtype == torch.bfloat16
+
+
+def bucket(rows: int) -> int:
+    """The step `rows` are padded to a multiple of: ROW_BUCKET, or an eighth of the power of
+    two below them once that is larger (300 → 320, 600 → 640, 5000 → 5120)."""
+    return max(ROW_BUCKET, 1 << max(0, rows.bit_length() - 4))
 
 
 def padded(x: torch.Tensor, step: int) -> torch.Tensor:
@@ -268,7 +275,7 @@ def pack_for_cpu(model: nn.Module) -> nn.Module:
 
 
 def bucket_rows(model: nn.Module) -> nn.Module:
-    """Swap, in place, every plain `nn.Linear` of bfloat16 or float16 weights on a CPU for a
+    """Swap, in place, every plain `nn.Linear` of bfloat16 weights on a CPU for a
     `RowBucketedLinear` over the same parameters (nothing is copied; see the module's doc)."""
     children = [(p, n, c) for p in model.modules() for n, c in p.named_children()]
     for parent, name, child in children:
