@@ -119,6 +119,21 @@ def records_grad(x: torch.Tensor, *parameters: torch.Tensor | None) -> bool:
 
 
 R = TypeVar("R", bound="Repacked")
+M = TypeVar("M", bound=nn.Module)
+
+
+def over_parameters(cls: type[M], sizes: tuple[Any, ...], module: nn.Module) -> M:
+    """A `cls(*sizes)` holding `module`'s very parameters (built on meta, then given them, so
+    nothing is allocated twice)."""
+    with torch.device("meta"):
+        new = cls(*sizes)
+    for name, parameter in module.named_parameters(recurse=False):
+        setattr(new, name, parameter)
+    return new.train(module.training)
+
+
+def linear_sizes(module: Any) -> tuple[int, int, bool]:
+    return module.in_features, module.out_features, module.bias is not None
 
 
 class Repacked(nn.Module):
@@ -133,13 +148,8 @@ class Repacked(nn.Module):
 
     @classmethod
     def of(cls: type[R], module: Any) -> R:
-        """The packed form of `module`, over its very parameters (built on meta, then given
-        them, so nothing is allocated twice)."""
-        with torch.device("meta"):
-            new = cls(*cls.sizes(module))
-        for name, parameter in module.named_parameters(recurse=False):
-            setattr(new, name, parameter)
-        new.train(module.training)
+        """The packed form of `module`, over its very parameters (`over_parameters`)."""
+        new = over_parameters(cls, cls.sizes(module), module)
         new.pack()
         return new
 
@@ -162,11 +172,8 @@ class RowBucketedLinear(nn.Linear):
 
     @classmethod
     def of(cls, module: nn.Linear) -> RowBucketedLinear:
-        """Over `module`'s very parameters."""
-        with torch.device("meta"):
-            new = cls(module.in_features, module.out_features, module.bias is not None)
-        new.weight, new.bias = module.weight, module.bias
-        return new.train(module.training)
+        """Over `module`'s very parameters (`over_parameters`)."""
+        return over_parameters(cls, linear_sizes(module), module)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (..., in) → (..., out)."""
@@ -181,9 +188,7 @@ class PackedLinear(Repacked, RowBucketedLinear):
 
     packed: torch.Tensor | None
 
-    @staticmethod
-    def sizes(module: Any) -> tuple[int, int, bool]:
-        return module.in_features, module.out_features, module.bias is not None
+    sizes = staticmethod(linear_sizes)
 
     def pack(self) -> None:
         self.packed = pack(self.weight) if can_pack(self.weight) else None

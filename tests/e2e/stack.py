@@ -18,6 +18,7 @@ import urllib.error
 import urllib.request
 from collections import deque
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import openai
@@ -222,3 +223,15 @@ def long_stream(client: openai.OpenAI, started: threading.Semaphore) -> tuple[in
         if chunk.usage:
             usage = chunk.usage.completion_tokens
     return usage, reason
+
+
+def streams_under_way(
+    pool: ThreadPoolExecutor, client: openai.OpenAI, count: int
+) -> list[Future[tuple[int, str | None]]]:
+    """`count` long streams (`long_stream`) run in `pool`, returned once each has had its first
+    text."""
+    started = threading.Semaphore(0)
+    streams = [pool.submit(long_stream, client, started) for _ in range(count)]
+    for _ in streams:
+        assert started.acquire(timeout=30), "a stream did not get under way"
+    return streams

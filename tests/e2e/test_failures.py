@@ -4,7 +4,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -18,9 +17,9 @@ from .stack import (
     data_url,
     free_base,
     image_part,
-    long_stream,
     role,
     serve,
+    streams_under_way,
     text_part,
 )
 
@@ -93,11 +92,8 @@ def test_dead_decode_fails_fast_then_recovers(three, tiny_checkpoint):
 
 def test_a_decoder_killed_mid_stream_fails_its_streams_fast(three, tiny_checkpoint):
     processes, client, base = three
-    under_way = threading.Semaphore(0)
     with ThreadPoolExecutor(2) as pool:
-        streams = [pool.submit(long_stream, client, under_way) for _ in range(2)]
-        for _ in streams:
-            assert under_way.acquire(timeout=30)
+        streams = streams_under_way(pool, client, 2)
         processes["decode"].popen.send_signal(signal.SIGKILL)
         start = time.monotonic()
         lost = f"lost the connection to tcp://127.0.0.1:{base + 2} while it held this request"

@@ -28,8 +28,8 @@ from .stack import (
     free_base,
     health,
     image_part,
-    long_stream,
     serve,
+    streams_under_way,
     text_part,
 )
 
@@ -266,11 +266,8 @@ def test_sigterm_drains_requests_in_flight_and_refuses_new_ones(tiny_checkpoint)
     stack = serve(tiny_checkpoint, base, "--served-model-name", "tiny", *DRAIN)
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{base + 20}/v1", api_key="-", max_retries=0)
     try:
-        started = threading.Semaphore(0)  # released once by each stream when it is under way
         with ThreadPoolExecutor(3) as pool:
-            streams = [pool.submit(long_stream, client, started) for _ in range(3)]
-            for _ in streams:
-                assert started.acquire(timeout=30)
+            streams = streams_under_way(pool, client, 3)
             stack.popen.send_signal(signal.SIGTERM)
             wait_for(lambda: health(base + 20)[1].get("status") == "unavailable", timeout=5)
             with pytest.raises(openai.InternalServerError, match="shutting down") as refused:
@@ -340,11 +337,8 @@ def test_with_curve_keys_only_peers_holding_them_reach_a_decoder(tiny_checkpoint
 
 def test_a_stopping_decoder_finishes_its_sequences_and_refuses_new_ones(tiny_checkpoint):
     with cluster(tiny_checkpoint, role_flags={"decode": DRAIN}) as (processes, client, base):
-        started = threading.Semaphore(0)
         with ThreadPoolExecutor(2) as pool:
-            streams = [pool.submit(long_stream, client, started) for _ in range(2)]
-            for _ in streams:
-                assert started.acquire(timeout=30)
+            streams = streams_under_way(pool, client, 2)
             processes["decode"].popen.send_signal(signal.SIGTERM)
             wait_for(lambda: health(base + 12)[0] == 503, timeout=5)
             assert health(base + 12)[1]["problems"] == ["draining: shutting down"]
@@ -361,10 +355,8 @@ def test_a_stopping_decoder_finishes_its_sequences_and_refuses_new_ones(tiny_che
 def test_a_drain_that_runs_out_ends_what_is_left_with_the_reason(tiny_checkpoint):
     with cluster(tiny_checkpoint, role_flags={"decode": ("--drain-timeout-s", "1")}) as started:
         processes, client, _ = started
-        under_way = threading.Semaphore(0)
         with ThreadPoolExecutor(1) as pool:
-            stream = pool.submit(long_stream, client, under_way)
-            assert under_way.acquire(timeout=30)
+            (stream,) = streams_under_way(pool, client, 1)
             processes["decode"].popen.send_signal(signal.SIGTERM)
             with pytest.raises(openai.APIError, match="decode stopped before this request finish"):
                 stream.result(timeout=30)  # its own reason, not the lost connection behind it

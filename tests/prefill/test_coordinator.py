@@ -19,6 +19,17 @@ from epd.prefill.errors import PrefillError
 from epd.wire.messages import Abort, Failure, TokenDelta
 
 
+def ipc_config(checkpoint, tmp_path, **settings) -> PrefillConfig:
+    """A prefill's settings with its own, its encoder's and its decoder's sockets in tmp_path."""
+    return PrefillConfig(
+        model=str(checkpoint),
+        bind=f"ipc://{tmp_path}/prefill",
+        encoders=(f"ipc://{tmp_path}/encode",),
+        decoders=(f"ipc://{tmp_path}/decode",),
+        **settings,
+    )
+
+
 def test_split_images_over_encoders():
     assert split(5, 2) == [(0, 2), (2, 5)]
     assert split(6, 3) == [(0, 2), (2, 4), (4, 6)]
@@ -44,11 +55,9 @@ def silent_peers(tiny_checkpoint, tmp_path):
         sink = context.socket(zmq.PULL)
         sink.bind(f"ipc://{tmp_path}/{name}")
         sinks.append(sink)
-    config = PrefillConfig(
-        model=str(tiny_checkpoint),
-        bind=f"ipc://{tmp_path}/prefill",
-        encoders=(f"ipc://{tmp_path}/encode",),
-        decoders=(f"ipc://{tmp_path}/decode",),
+    config = ipc_config(
+        tiny_checkpoint,
+        tmp_path,
         served_model_name="tiny",
         encode_timeout_s=0.5,
         token_timeout_s=0.5,
@@ -87,11 +96,9 @@ def test_silent_decoder_times_out(silent_peers):
 
 
 def test_the_prefill_budget_and_min_chunk_reach_the_batcher(tiny_checkpoint, tmp_path):
-    config = PrefillConfig(
-        model=str(tiny_checkpoint),
-        bind=f"ipc://{tmp_path}/prefill",
-        encoders=(f"ipc://{tmp_path}/encode",),
-        decoders=(f"ipc://{tmp_path}/decode",),
+    config = ipc_config(
+        tiny_checkpoint,
+        tmp_path,
         max_prefill_tokens=64,
         min_chunk_tokens=8,
         threads=2,
@@ -126,12 +133,7 @@ def test_the_prefill_budget_and_min_chunk_reach_the_batcher(tiny_checkpoint, tmp
 def test_a_stream_is_released_once_however_its_reply_ends(tiny_checkpoint, tmp_path, read):
     """A reply that never reads its deltas (its client left as the response began) still
     releases the stream and aborts it in decode; one that read them to the end aborts nothing."""
-    config = PrefillConfig(
-        model=str(tiny_checkpoint),
-        bind=f"ipc://{tmp_path}/prefill",
-        encoders=(f"ipc://{tmp_path}/encode",),
-        decoders=(f"ipc://{tmp_path}/decode",),
-    )
+    config = ipc_config(tiny_checkpoint, tmp_path)
     service = build_service(config)
 
     async def main():
@@ -164,12 +166,7 @@ def test_a_lost_decoders_last_words_come_before_the_loss(tiny_checkpoint, tmp_pa
     open (and an image it was encoding) fails for the loss, but not at once; one handed to it
     once it is back is not its to fail."""
     monkeypatch.setattr(coordinator_module, "LAST_WORDS_S", 0.2)
-    config = PrefillConfig(
-        model=str(tiny_checkpoint),
-        bind=f"ipc://{tmp_path}/prefill",
-        encoders=(f"ipc://{tmp_path}/encode",),
-        decoders=(f"ipc://{tmp_path}/decode",),
-    )
+    config = ipc_config(tiny_checkpoint, tmp_path)
     service = build_service(config)
 
     async def ending(coordinator, stream):
