@@ -101,6 +101,16 @@ class Experts(nn.Module):
         gate, up = gate_up.split(self.hidden, dim=-1)
         return F.grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=ends)
 
+    def mix(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """x (T, D), weights and expert ids (T, k) → Σ_k weight_k · expert_k(x) (T, D)."""
+        tokens, k = ids.shape
+        order = ids.flatten().argsort(stable=True)  # (T·k,) slots grouped by expert
+        counts = torch.bincount(ids.flatten(), minlength=len(self))  # (E,)
+        y = self(x[order // k], counts)  # (T·k, D), in slot order
+        per_slot = torch.empty_like(y).index_copy_(0, order, y).view(tokens, k, x.shape[-1])
+        # Summing the k slots of a token in a fixed order keeps the result deterministic.
+        return (per_slot * weights.to(x.dtype)[..., None]).sum(1)
+
 
 def per_expert_names(
     module: nn.Module, state: dict[str, Any], prefix: str, metadata: dict[str, Any]
@@ -150,10 +160,4 @@ class MoE(nn.Module):
 
     def routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x (T, D), weights and expert ids (T, k) → Σ_k weight_k · expert_k(x) (T, D)."""
-        tokens, k = ids.shape
-        order = ids.flatten().argsort(stable=True)  # (T·k,) slots grouped by expert
-        counts = torch.bincount(ids.flatten(), minlength=len(self.experts))  # (E,)
-        y = self.experts(x[order // k], counts)  # (T·k, D), in slot order
-        per_slot = torch.empty_like(y).index_copy_(0, order, y).view(tokens, k, x.shape[-1])
-        # Summing the k slots of a token in a fixed order keeps the result deterministic.
-        return (per_slot * weights.to(x.dtype)[..., None]).sum(1)
+        return self.experts.mix(x, weights, ids)

@@ -41,6 +41,11 @@ MIN_PACKED_LINEAR = 256 * 512
 # up to 1024 of them: products run packed only for the few rows of a decode step, their counts
 # rounded up, so a process meets at most 15 counts per weight shape (docs/benchmarks.md).
 MAX_PACKED_ROWS, ROW_STEP = 64, 8
+# Up to this many rows, every expert runs at once when at least half have rows (`mix`); past
+# it the products the tokens do not need cost more than the calls it saves. Only in bfloat16:
+# in float32 a decode step gained nothing measurable, so it keeps no second copy.
+MAX_ALL_EXPERTS_ROWS = 32
+ALL_EXPERTS_DTYPES = (torch.bfloat16,)
 ROW_BUCKET = 32  # the finest step plain bfloat16 products pad their rows to (`bucket`)
 # Linears whose weight the model reads itself instead of calling them on rows: decode folds
 # kv_b_proj into its queries and outputs (mla.py), so a packed copy of it would go unused.
@@ -74,9 +79,17 @@ def product(
     """x (N, in) → x @ weight.T + bias (N, out): through `packed` (weight packed by `pack`)
     for 1 to MAX_PACKED_ROWS rows, their count above ROW_STEP rounded up to a multiple of it
     (zero rows added, their results dropped); through the plain weight for more rows."""
-    rows = x.shape[0]
-    if not 0 < rows <= MAX_PACKED_ROWS:
+    if not 0 < x.shape[0] <= MAX_PACKED_ROWS:
         return bucketed_linear(x, weight, bias)
+    return packed_product(x, packed, bias)
+
+
+def packed_product(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x (N, in), 1 ≤ N ≤ MAX_PACKED_ROWS → x @ weight.T + bias (N, out) through `packed`, its
+    rows above ROW_STEP rounded up to a multiple of it."""
+    rows = x.shape[0]
     return onednn_linear(padded(x, rows if rows <= ROW_STEP else ROW_STEP), packed, bias)[:rows]
 
 
@@ -142,6 +155,11 @@ class Repacked(nn.Module):
     Changing them in place (an optimiser's step) is not followed: these modules are for
     inference, where autograd is off. Packed copies cannot be deep-copied or pickled."""
 
+    @staticmethod
+    def copies(module: nn.Module) -> int:
+        """Packed copies of `module`'s weights its packed form keeps."""
+        return 1
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.register_load_state_dict_post_hook(lambda module, _: module.pack())
@@ -203,27 +221,68 @@ class PackedLinear(Repacked, RowBucketedLinear):
 
 
 class PackedExperts(Repacked, Experts):
-    """`Experts` whose forward loops over the experts with rows, through packed weights.
+    """`Experts` through packed weights: each expert with rows runs its own products, unless, in
+    ALL_EXPERTS_DTYPES, at least half the experts have rows among at most MAX_ALL_EXPERTS_ROWS
+    (a decode step of many requests): then every expert runs, in two products over all of them
+    at once (`mix`).
 
-    gate_up: E packed (2H, D); down: E packed (D, H); both empty where the weights cannot be
-    packed (another device or dtype), and then the grouped matmul runs instead.
+    gate_up: E packed (2H, D); down: E packed (D, H); in ALL_EXPERTS_DTYPES also gate_up_all:
+    packed (E·2H, D), the experts side by side, and down_all: packed (D, E·H). All empty where
+    the weights cannot be packed (another device or dtype), and then the grouped matmul runs.
     """
 
     gate_up: list[torch.Tensor]
     down: list[torch.Tensor]
+    gate_up_all: torch.Tensor | None
+    down_all: torch.Tensor | None
 
     def __init__(self, experts: int, dim: int, hidden: int) -> None:
         super().__init__(experts, dim, hidden)
-        self.gate_up, self.down = [], []
+        self.gate_up, self.down, self.gate_up_all, self.down_all = [], [], None, None
 
     @staticmethod
     def sizes(module: Any) -> tuple[int, int, int]:
         return len(module), module.down_proj.shape[1], module.hidden
 
+    @staticmethod
+    def copies(module: nn.Module) -> int:
+        """Each expert's weights, and in ALL_EXPERTS_DTYPES all of them side by side too."""
+        assert isinstance(module, Experts)
+        return 2 if module.down_proj.dtype in ALL_EXPERTS_DTYPES else 1
+
     def pack(self) -> None:
         packable = can_pack(self.down_proj)
         self.gate_up = [pack(w) for w in self.gate_up_proj] if packable else []
         self.down = [pack(w) for w in self.down_proj] if packable else []
+        self.gate_up_all = self.down_all = None
+        if packable and self.copies(self) == 2:
+            self.gate_up_all = pack(self.gate_up_proj.flatten(0, 1))
+            # (E, D, H) → (D, E·H): expert e's down_proj in columns [e·H, (e + 1)·H)
+            self.down_all = pack(self.down_proj.permute(1, 0, 2).flatten(1))
+
+    def mix(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """x (T, D), weights and expert ids (T, k) → Σ_k weight_k · expert_k(x) (T, D).
+
+        Every expert at once when at least half have rows: the weights of the experts a row is
+        not routed to are zero, so the down product sums just its k experts. It multiplies
+        E/k times the useful products, but one oneDNN call instead of two per expert costs
+        less on the few rows of a decode step (docs/benchmarks.md, "Every expert at once").
+        """
+        experts, tokens = len(self), x.shape[0]
+        gate_up_all, down_all = self.gate_up_all, self.down_all
+        if (
+            gate_up_all is None
+            or down_all is None
+            or not 0 < tokens <= MAX_ALL_EXPERTS_ROWS
+            or records_grad(x, self.gate_up_proj, self.down_proj)
+            or 2 * int(torch.bincount(ids.flatten(), minlength=experts).count_nonzero()) < experts
+        ):
+            return super().mix(x, weights, ids)
+        gate_up = packed_product(x, gate_up_all).view(tokens, experts, -1)
+        gate, up = gate_up.split(self.hidden, dim=-1)  # (T, E, H) each
+        mixing = x.new_zeros(tokens, experts).scatter_(1, ids, weights.to(x.dtype))  # (T, E)
+        hidden = F.silu(gate) * up * mixing[..., None]  # (T, E, H)
+        return packed_product(hidden.flatten(1), down_all)
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Rows sorted by expert (S, D), rows per expert (E,) → each row through its expert (S, D).
@@ -249,10 +308,10 @@ def pack_for_cpu(model: nn.Module) -> nn.Module:
     weights in an inference model for its packed form over the same parameters; names, state
     dict and results (to rounding) stay the same.
 
-    Each packed copy doubles its weights' memory, so copies are made while all of them together
-    take at most half of what this process may still use (`available_memory`; nothing where
-    that is unknown), the routed experts first (they gain most); the rest stay as they are
-    (logged): slower, but it fits.
+    Each packed copy adds its weights' memory again (bfloat16 experts keep two: `copies`), so
+    copies are made while all of them together take at most half of what this process may
+    still use (`available_memory`; nothing where that is unknown), the routed experts first
+    (they gain most); the rest stay as they are (logged): slower, but it fits.
     """
     found = [
         (parent, name, child, packed)
@@ -263,7 +322,8 @@ def pack_for_cpu(model: nn.Module) -> nn.Module:
     found.sort(key=lambda swap: swap[3] is not PackedExperts)  # stable: experts first
     room, copied, left = available_memory() // 2, 0, 0
     for parent, name, child, packed in found:
-        size = sum(p.nbytes for n, p in child.named_parameters(recurse=False) if n != "bias")
+        weights = child.named_parameters(recurse=False)
+        size = packed.copies(child) * sum(p.nbytes for n, p in weights if n != "bias")
         if copied + size > room:
             left += size
             continue

@@ -10,6 +10,7 @@ from epd.checkpoint.weights import load_model
 from epd.model import packed
 from epd.model.moe import Experts
 from epd.model.packed import (
+    MAX_ALL_EXPERTS_ROWS,
     MIN_PACKED_LINEAR,
     PackedExperts,
     PackedLinear,
@@ -33,19 +34,48 @@ DTYPES = [(torch.float32, 1e-6), pytest.param(torch.bfloat16, 2e-2, marks=BF16)]
 
 # Experts 1 and 3 get no token; 0, 2 and 4 get products of 4, 7 and 5 rows.
 IDS = torch.tensor([[0, 2], [2, 0], [4, 2], [2, 4], [0, 4], [2, 0], [4, 2], [2, 4]])
+# Fewer than half the experts get rows: 0 and 2 only.
+FEW = torch.tensor([[0, 2], [2, 0]] * 4)
 
 
+@pytest.mark.parametrize("ids", [IDS, FEW], ids=["most-experts", "few-experts"])
 @pytest.mark.parametrize("dtype, tolerance", DTYPES)
 @torch.inference_mode()
-def test_packed_experts_equal_a_plain_loop_including_unused_experts(dtype, tolerance):
+def test_packed_experts_equal_a_plain_loop_including_unused_experts(dtype, tolerance, ids):
     moe = pack_for_cpu(moe_of(experts_of().to(dtype)))
     assert isinstance(moe.experts, PackedExperts) and len(moe.experts.down) == 5
     generator = torch.Generator().manual_seed(1)
     x = torch.randn(8, 16, generator=generator).to(dtype)
     weights = torch.rand(8, 2, generator=generator)
-    got = moe.routed(x, weights, IDS)
-    want = reference_routed(experts_of(), x.float(), weights, IDS)
+    got = moe.routed(x, weights, ids)
+    want = reference_routed(experts_of(), x.float(), weights, ids)
     assert got.dtype == dtype and rel_err(got.float(), want) <= tolerance
+
+
+@pytest.mark.parametrize(
+    "rows, ids, at_once",
+    [
+        (8, IDS, True),  # 3 of 5 experts have rows: all 5 run in two products
+        (8, FEW, False),  # 2 of 5: each runs its own
+        (MAX_ALL_EXPERTS_ROWS + 1, torch.cat([IDS] * 5)[: MAX_ALL_EXPERTS_ROWS + 1], False),
+    ],
+)
+@pytest.mark.parametrize("dtype, tolerance", DTYPES)
+@torch.inference_mode()
+def test_every_expert_runs_at_once_only_for_few_rows_and_most_experts_in_bfloat16(
+    monkeypatch, rows, ids, at_once, dtype, tolerance
+):
+    """Only bfloat16 gains from it (docs/benchmarks.md); float32 keeps one packed copy."""
+    moe = pack_for_cpu(moe_of(experts_of().to(dtype)))
+    at_once = at_once and dtype == torch.bfloat16
+    calls = []
+    real = PackedExperts.forward
+    monkeypatch.setattr(PackedExperts, "forward", lambda *a: calls.append(1) or real(*a))
+    x, weights = torch.randn(rows, 16).to(dtype), torch.rand(rows, 2)
+    want = reference_routed(experts_of(), x.float(), weights, ids)
+    assert rel_err(moe.routed(x, weights, ids).float(), want) <= tolerance
+    assert bool(calls) is not at_once
+    assert (moe.experts.down_all is not None) is (dtype == torch.bfloat16)
 
 
 def test_the_swap_keeps_parameters_and_checkpoint_names():
@@ -129,9 +159,13 @@ def test_loading_in_bfloat16_buckets_the_rows_of_every_plain_linear(tmp_path):
     assert all(isinstance(m, RowBucketedLinear) for m in linears)  # packed ones bucket too
 
 
-def test_experts_stay_unpacked_where_their_copy_would_not_fit(monkeypatch, caplog):
-    moe = moe_of(experts_of())
-    copy = moe.experts.gate_up_proj.nbytes + moe.experts.down_proj.nbytes
+@pytest.mark.parametrize(
+    "dtype, copies", [(torch.float32, 1), pytest.param(torch.bfloat16, 2, marks=BF16)]
+)
+def test_experts_stay_unpacked_where_their_copy_would_not_fit(monkeypatch, caplog, dtype, copies):
+    moe = moe_of(experts_of().to(dtype))
+    # bfloat16 experts keep two copies: each expert's weights, and all of them side by side.
+    copy = copies * (moe.experts.gate_up_proj.nbytes + moe.experts.down_proj.nbytes)
     monkeypatch.setattr(packed, "available_memory", lambda: 2 * copy - 1)
     pack_for_cpu(moe)
     assert type(moe.experts) is Experts and "not packed" in caplog.text
