@@ -6,9 +6,11 @@ Makes a random `small` checkpoint, starts `epd serve` on it and times it with `e
 at 1, 4, 16 and 32 concurrent streams; one 448×448 image at 1 and 8; a repeated 896×896 image),
 then `transformers serve` on the same language model (exported as a DeepSeek-V3 checkpoint;
 it has no Kimi-VL, so text only) at 1 and 16, then the one-process path (`LocalPipeline`) one
-request at a time, all three in --dtype (default float32). Every run's JSON lands in --out;
-the summary table is printed as Markdown for docs/benchmarks.md. Not a test: it takes about
-ten minutes on two cores.
+request at a time, all three in --dtype (default float32). Then, as a noisy machine's speed
+drifts between runs minutes apart, epd's 16-stream against 1-stream ratio again from --rounds
+(default 3) pairs of runs back to back. Every run's JSON lands in --out; the summary table is
+printed as Markdown for docs/benchmarks.md. Not a test: it takes about twelve minutes on two
+cores.
 """
 
 from __future__ import annotations
@@ -81,14 +83,18 @@ def requests_for(concurrency: int) -> int:
     return max(8, 4 * concurrency)
 
 
-def epd_runs(checkpoint: Path, out: Path, quick: bool, dtype: str) -> dict[str, dict[str, Any]]:
+def epd_runs(
+    checkpoint: Path, out: Path, quick: bool, dtype: str, rounds: int
+) -> tuple[dict[str, dict[str, Any]], list[float]]:
+    """epd's runs by name, and its 16-stream against 1-stream ratio in each of `rounds` pairs."""
     url = "http://127.0.0.1:8300/v1"
     command = [sys.executable, "-m", "epd.cli", "serve", "--model", str(checkpoint)]
     command += ["--dtype", dtype]
     command += ["--port", "8300", "--internal-base-port", "7400"]
     server = start(command, url, out / "epd.log")
     try:
-        return text_runs(url, out, quick) | image_runs(url, out)
+        runs = text_runs(url, out, quick) | image_runs(url, out)
+        return runs, scaling_rounds(url, out, rounds)
     finally:
         stop(server)
 
@@ -114,6 +120,18 @@ def text_runs(url: str, out: Path, quick: bool) -> dict[str, dict[str, Any]]:
             **TEXT,
         )
     return runs
+
+
+def scaling_rounds(url: str, out: Path, rounds: int) -> list[float]:
+    """Output tokens/s at 16 streams over that at 1, from runs back to back, once per round."""
+    ratios = []
+    for r in range(1, rounds + 1):
+        one, many = (
+            bench(url, out, f"epd-round{r}-c{c}", label="epd", concurrency=c, requests=n, **TEXT)
+            for c, n in ((1, 12), (16, 64))
+        )
+        ratios.append(many["output_throughput"] / one["output_throughput"])
+    return ratios
 
 
 def image_runs(url: str, out: Path) -> dict[str, dict[str, Any]]:
@@ -229,14 +247,20 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("bench-results"))
     parser.add_argument("--quick", action="store_true", help="fewer text runs")
     parser.add_argument("--dtype", default="float32", choices=MODEL_DTYPES, help="every side's")
+    parser.add_argument("--rounds", type=int, default=3, help="pairs of 1 and 16 streams")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     checkpoint = make_checkpoint(args.out / "small", "small")
-    runs = epd_runs(checkpoint, args.out, args.quick, args.dtype)
+    runs, ratios = epd_runs(checkpoint, args.out, args.quick, args.dtype, args.rounds)
     runs |= transformers_runs(checkpoint, args.out, args.dtype)
     local = local_run(checkpoint, args.dtype)
-    (args.out / "summary.json").write_text(json.dumps({"runs": runs, "local": local}, indent=1))
+    summary = {"runs": runs, "local": local, "ratios_16_to_1": ratios}
+    (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
     print(table(runs, local))
+    if ratios:
+        shown = ", ".join(f"{r:.2f}" for r in ratios)
+        median = statistics.median(ratios)
+        print(f"\n16 streams against 1, back to back: {shown}; median {median:.2f}")
 
 
 if __name__ == "__main__":
