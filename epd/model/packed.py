@@ -155,9 +155,11 @@ class Repacked(nn.Module):
     Changing them in place (an optimiser's step) is not followed: these modules are for
     inference, where autograd is off. Packed copies cannot be deep-copied or pickled."""
 
+    copies_kept = 1  # of the weights, packed (at most `copies`)
+
     @staticmethod
     def copies(module: nn.Module) -> int:
-        """Packed copies of `module`'s weights its packed form keeps."""
+        """Packed copies of `module`'s weights its packed form keeps where memory allows."""
         return 1
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -165,9 +167,11 @@ class Repacked(nn.Module):
         self.register_load_state_dict_post_hook(lambda module, _: module.pack())
 
     @classmethod
-    def of(cls: type[R], module: Any) -> R:
-        """The packed form of `module`, over its very parameters (`over_parameters`)."""
+    def of(cls: type[R], module: Any, copies: int = 1) -> R:
+        """The packed form of `module`, over its very parameters (`over_parameters`), keeping
+        `copies` packed copies of them (1 to `cls.copies(module)`)."""
         new = over_parameters(cls, cls.sizes(module), module)
+        new.copies_kept = copies
         new.pack()
         return new
 
@@ -250,12 +254,17 @@ class PackedExperts(Repacked, Experts):
         assert isinstance(module, Experts)
         return 2 if module.down_proj.dtype in ALL_EXPERTS_DTYPES else 1
 
+    @property
+    def all_at_once(self) -> bool:
+        """Whether the side-by-side copy is kept: where it gains and memory allowed it."""
+        return self.copies_kept > 1 and self.down_proj.dtype in ALL_EXPERTS_DTYPES
+
     def pack(self) -> None:
         packable = can_pack(self.down_proj)
         self.gate_up = [pack(w) for w in self.gate_up_proj] if packable else []
         self.down = [pack(w) for w in self.down_proj] if packable else []
         self.gate_up_all = self.down_all = None
-        if packable and self.copies(self) == 2:
+        if packable and self.all_at_once:
             self.gate_up_all = pack(self.gate_up_proj.flatten(0, 1))
             # (E, D, H) → (D, E·H): expert e's down_proj in columns [e·H, (e + 1)·H)
             self.down_all = pack(self.down_proj.permute(1, 0, 2).flatten(1))
@@ -310,8 +319,9 @@ def pack_for_cpu(model: nn.Module) -> nn.Module:
 
     Each packed copy adds its weights' memory again (bfloat16 experts keep two: `copies`), so
     copies are made while all of them together take at most half of what this process may
-    still use (`available_memory`; nothing where that is unknown), the routed experts first
-    (they gain most); the rest stay as they are (logged): slower, but it fits.
+    still use (`available_memory`; nothing where that is unknown): every module's first copy
+    before any second, the routed experts first (they gain most); the rest stay as they are
+    (logged): slower, but it fits.
     """
     found = [
         (parent, name, child, packed)
@@ -320,18 +330,23 @@ def pack_for_cpu(model: nn.Module) -> nn.Module:
         if (packed := packed_form(name, child))
     ]
     found.sort(key=lambda swap: swap[3] is not PackedExperts)  # stable: experts first
-    room, copied, left = available_memory() // 2, 0, 0
-    for parent, name, child, packed in found:
-        weights = child.named_parameters(recurse=False)
-        size = packed.copies(child) * sum(p.nbytes for n, p in weights if n != "bias")
-        if copied + size > room:
-            left += size
-            continue
-        copied += size
-        setattr(parent, name, packed.of(child))
+    sizes = [  # bytes of one copy
+        sum(p.nbytes for n, p in child.named_parameters(recurse=False) if n != "bias")
+        for _, _, child, _ in found
+    ]
+    wanted = [packed.copies(child) for _, _, child, packed in found]
+    kept, room = [0] * len(found), available_memory() // 2
+    for copy in range(1, max(wanted, default=0) + 1):  # every first copy before any second
+        for i, size in enumerate(sizes):
+            if kept[i] == copy - 1 and wanted[i] >= copy and size <= room:
+                kept[i], room = copy, room - size
+    for (parent, name, child, packed), copies in zip(found, kept, strict=True):
+        if copies:
+            setattr(parent, name, packed.of(child, copies))
+    left = sum((w - k) * size for w, k, size in zip(wanted, kept, sizes, strict=True))
     if left:
         log.warning(
-            "%.2f GiB of weights not packed for oneDNN: their copy would take more than half "
+            "%.2f GiB of weights not packed for oneDNN: their copies would take more than half "
             "the memory available (%.1f GiB); the model runs slower without it",
             left / 2**30,
             2 * room / 2**30,

@@ -159,18 +159,42 @@ def test_loading_in_bfloat16_buckets_the_rows_of_every_plain_linear(tmp_path):
     assert all(isinstance(m, RowBucketedLinear) for m in linears)  # packed ones bucket too
 
 
-@pytest.mark.parametrize(
-    "dtype, copies", [(torch.float32, 1), pytest.param(torch.bfloat16, 2, marks=BF16)]
-)
-def test_experts_stay_unpacked_where_their_copy_would_not_fit(monkeypatch, caplog, dtype, copies):
-    moe = moe_of(experts_of().to(dtype))
-    # bfloat16 experts keep two copies: each expert's weights, and all of them side by side.
-    copy = copies * (moe.experts.gate_up_proj.nbytes + moe.experts.down_proj.nbytes)
+def test_experts_stay_unpacked_where_their_copy_would_not_fit(monkeypatch, caplog):
+    moe = moe_of(experts_of())
+    copy = moe.experts.gate_up_proj.nbytes + moe.experts.down_proj.nbytes
     monkeypatch.setattr(packed, "available_memory", lambda: 2 * copy - 1)
     pack_for_cpu(moe)
     assert type(moe.experts) is Experts and "not packed" in caplog.text
     monkeypatch.setattr(packed, "available_memory", lambda: 2 * copy)
     assert isinstance(pack_for_cpu(moe).experts, PackedExperts)
+
+
+@BF16
+def test_bfloat16_experts_keep_all_of_them_side_by_side_only_where_both_copies_fit(
+    monkeypatch, caplog
+):
+    copy = sum(p.nbytes for p in experts_of().to(torch.bfloat16).parameters())
+    for room, all_at_once in ((2 * copy - 1, False), (2 * copy, True)):  # room for 1, then 2
+        moe = moe_of(experts_of().to(torch.bfloat16))
+        monkeypatch.setattr(packed, "available_memory", lambda room=room: 2 * room)
+        experts = pack_for_cpu(moe).experts
+        assert isinstance(experts, PackedExperts) and len(experts.down) == 5
+        assert experts.all_at_once is all_at_once
+        assert (experts.down_all is not None) is all_at_once
+    assert "not packed" in caplog.text  # the first time
+
+
+@BF16
+def test_first_copies_come_before_any_second(monkeypatch):
+    """Room for the experts' two copies or for their one and the linear's: the linear wins."""
+    block = Block().to(torch.bfloat16)
+    experts = block.mlp.experts.gate_up_proj.nbytes + block.mlp.experts.down_proj.nbytes
+    linear = block.large.weight.nbytes + block.large.bias.nbytes
+    monkeypatch.setattr(packed, "available_memory", lambda: 2 * (experts + linear))
+    pack_for_cpu(block)
+    assert isinstance(block.large, PackedLinear)
+    assert isinstance(block.mlp.experts, PackedExperts)
+    assert not block.mlp.experts.all_at_once
 
 
 def linear_of(bias: bool = True, out: int = 512, dtype: torch.dtype = torch.float32) -> nn.Linear:
