@@ -9,8 +9,8 @@ this VM's memory bandwidth; oneDNN, from weights reordered once at load, runs th
 faster. Small linears stay as they are: below `MIN_PACKED_LINEAR` weights, oneDNN's fixed cost
 per call (~10 µs) outweighs what it saves. Products of many rows (prefill's) run plain:
 oneDNN keeps a kernel per row count it meets (`MAX_PACKED_ROWS`). The packed copies are extra
-memory (those weights twice): the parameters stay, because state dicts name them
-(docs/benchmarks.md).
+memory (those weights twice, bfloat16 experts three times: `PackedExperts`): the parameters
+stay, because state dicts name them (docs/benchmarks.md).
 
 oneDNN also runs the plain products of bfloat16 weights on a CPU, and builds a kernel for each
 row count it meets (~1 ms for a (256, 512) @ (512, 1408) product that then takes 0.5 ms): a
@@ -46,6 +46,7 @@ MAX_PACKED_ROWS, ROW_STEP = 64, 8
 # in float32 a decode step gained nothing measurable, so it keeps no second copy.
 MAX_ALL_EXPERTS_ROWS = 32
 ALL_EXPERTS_DTYPES = (torch.bfloat16,)
+assert MAX_ALL_EXPERTS_ROWS <= MAX_PACKED_ROWS  # those products run packed (`packed_product`)
 ROW_BUCKET = 32  # the finest step plain bfloat16 products pad their rows to (`bucket`)
 # Linears whose weight the model reads itself instead of calling them on rows: decode folds
 # kv_b_proj into its queries and outputs (mla.py), so a packed copy of it would go unused.
@@ -155,7 +156,7 @@ class Repacked(nn.Module):
     Changing them in place (an optimiser's step) is not followed: these modules are for
     inference, where autograd is off. Packed copies cannot be deep-copied or pickled."""
 
-    copies_kept = 1  # of the weights, packed (at most `copies`)
+    copies_kept = 1  # of the weights, packed (1 to `copies`)
 
     @staticmethod
     def copies(module: nn.Module) -> int:
@@ -171,7 +172,7 @@ class Repacked(nn.Module):
         """The packed form of `module`, over its very parameters (`over_parameters`), keeping
         `copies` packed copies of them (1 to `cls.copies(module)`)."""
         new = over_parameters(cls, cls.sizes(module), module)
-        new.copies_kept = copies
+        new.copies_kept = max(1, min(copies, cls.copies(module)))
         new.pack()
         return new
 
@@ -231,8 +232,9 @@ class PackedExperts(Repacked, Experts):
     at once (`mix`).
 
     gate_up: E packed (2H, D); down: E packed (D, H); in ALL_EXPERTS_DTYPES also gate_up_all:
-    packed (E·2H, D), the experts side by side, and down_all: packed (D, E·H). All empty where
-    the weights cannot be packed (another device or dtype), and then the grouped matmul runs.
+    packed (E·2H, D), the experts side by side, and down_all: packed (D, E·H). Empty lists and
+    None where the weights cannot be packed (another device or dtype), and then the grouped
+    matmul runs.
     """
 
     gate_up: list[torch.Tensor]
@@ -276,6 +278,8 @@ class PackedExperts(Repacked, Experts):
         not routed to are zero, so the down product sums just its k experts. It multiplies
         E/k times the useful products, but one oneDNN call instead of two per expert costs
         less on the few rows of a decode step (docs/benchmarks.md, "Every expert at once").
+        Every row then passes through every expert: an expert whose output is not finite
+        would spoil rows not routed to it (0 · NaN), where the loop would spoil only its own.
         """
         experts, tokens = len(self), x.shape[0]
         gate_up_all, down_all = self.gate_up_all, self.down_all
@@ -289,7 +293,8 @@ class PackedExperts(Repacked, Experts):
             return super().mix(x, weights, ids)
         gate_up = packed_product(x, gate_up_all).view(tokens, experts, -1)
         gate, up = gate_up.split(self.hidden, dim=-1)  # (T, E, H) each
-        mixing = x.new_zeros(tokens, experts).scatter_(1, ids, weights.to(x.dtype))  # (T, E)
+        # (T, E): each token's weight per expert, summed should an expert appear twice
+        mixing = x.new_zeros(tokens, experts).scatter_add_(1, ids, weights.to(x.dtype))
         hidden = F.silu(gate) * up * mixing[..., None]  # (T, E, H)
         return packed_product(hidden.flatten(1), down_all)
 
@@ -335,7 +340,8 @@ def pack_for_cpu(model: nn.Module) -> nn.Module:
         for _, _, child, _ in found
     ]
     wanted = [packed.copies(child) for _, _, child, packed in found]
-    kept, room = [0] * len(found), available_memory() // 2
+    budget = available_memory() // 2
+    kept, room = [0] * len(found), budget
     for copy in range(1, max(wanted, default=0) + 1):  # every first copy before any second
         for i, size in enumerate(sizes):
             if kept[i] == copy - 1 and wanted[i] >= copy and size <= room:
@@ -346,10 +352,11 @@ def pack_for_cpu(model: nn.Module) -> nn.Module:
     left = sum((w - k) * size for w, k, size in zip(wanted, kept, sizes, strict=True))
     if left:
         log.warning(
-            "%.2f GiB of weights not packed for oneDNN: their copies would take more than half "
-            "the memory available (%.1f GiB); the model runs slower without it",
+            "%.2f GiB of copies for oneDNN not made (weights not packed, or bfloat16 experts "
+            "not also side by side): they would take more than half the memory available "
+            "(%.1f GiB); the model runs slower without them",
             left / 2**30,
-            2 * room / 2**30,
+            2 * budget / 2**30,
         )
     return model
 

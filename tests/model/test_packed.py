@@ -36,9 +36,11 @@ DTYPES = [(torch.float32, 1e-6), pytest.param(torch.bfloat16, 2e-2, marks=BF16)]
 IDS = torch.tensor([[0, 2], [2, 0], [4, 2], [2, 4], [0, 4], [2, 0], [4, 2], [2, 4]])
 # Fewer than half the experts get rows: 0 and 2 only.
 FEW = torch.tensor([[0, 2], [2, 0]] * 4)
+# An expert twice for one token (the router never does this; the sum must still hold).
+TWICE = torch.tensor([[0, 0], [1, 1], [2, 2], [3, 4]] * 2)
 
 
-@pytest.mark.parametrize("ids", [IDS, FEW], ids=["most-experts", "few-experts"])
+@pytest.mark.parametrize("ids", [IDS, FEW, TWICE], ids=["most-experts", "few-experts", "twice"])
 @pytest.mark.parametrize("dtype, tolerance", DTYPES)
 @torch.inference_mode()
 def test_packed_experts_equal_a_plain_loop_including_unused_experts(dtype, tolerance, ids):
@@ -57,6 +59,7 @@ def test_packed_experts_equal_a_plain_loop_including_unused_experts(dtype, toler
     [
         (8, IDS, True),  # 3 of 5 experts have rows: all 5 run in two products
         (8, FEW, False),  # 2 of 5: each runs its own
+        (MAX_ALL_EXPERTS_ROWS, torch.cat([IDS] * 4)[:MAX_ALL_EXPERTS_ROWS], True),
         (MAX_ALL_EXPERTS_ROWS + 1, torch.cat([IDS] * 5)[: MAX_ALL_EXPERTS_ROWS + 1], False),
     ],
 )
