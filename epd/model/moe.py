@@ -103,9 +103,14 @@ class Experts(nn.Module):
 
     def mix(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x (T, D), weights and expert ids (T, k) → Σ_k weight_k · expert_k(x) (T, D)."""
+        return self.mix_sorted(x, weights, ids, torch.bincount(ids.flatten(), minlength=len(self)))
+
+    def mix_sorted(
+        self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, counts: torch.Tensor
+    ) -> torch.Tensor:
+        """`mix`, given the rows per expert (E,): the rows sorted by expert run through it."""
         tokens, k = ids.shape
         order = ids.flatten().argsort(stable=True)  # (T·k,) slots grouped by expert
-        counts = torch.bincount(ids.flatten(), minlength=len(self))  # (E,)
         y = self(x[order // k], counts)  # (T·k, D), in slot order
         per_slot = torch.empty_like(y).index_copy_(0, order, y).view(tokens, k, x.shape[-1])
         # Summing the k slots of a token in a fixed order keeps the result deterministic.

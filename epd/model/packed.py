@@ -259,7 +259,7 @@ class PackedExperts(Repacked, Experts):
     @property
     def all_at_once(self) -> bool:
         """Whether the side-by-side copy is kept: where it gains and memory allowed it."""
-        return self.copies_kept > 1 and self.down_proj.dtype in ALL_EXPERTS_DTYPES
+        return min(self.copies_kept, self.copies(self)) > 1
 
     def pack(self) -> None:
         packable = can_pack(self.down_proj)
@@ -282,15 +282,16 @@ class PackedExperts(Repacked, Experts):
         would spoil rows not routed to it (0 · NaN), where the loop would spoil only its own.
         """
         experts, tokens = len(self), x.shape[0]
+        counts = torch.bincount(ids.flatten(), minlength=experts)  # (E,) rows per expert
         gate_up_all, down_all = self.gate_up_all, self.down_all
         if (
             gate_up_all is None
             or down_all is None
             or not 0 < tokens <= MAX_ALL_EXPERTS_ROWS
             or records_grad(x, self.gate_up_proj, self.down_proj)
-            or 2 * int(torch.bincount(ids.flatten(), minlength=experts).count_nonzero()) < experts
+            or 2 * int(counts.count_nonzero()) < experts
         ):
-            return super().mix(x, weights, ids)
+            return self.mix_sorted(x, weights, ids, counts)
         gate_up = packed_product(x, gate_up_all).view(tokens, experts, -1)
         gate, up = gate_up.split(self.hidden, dim=-1)  # (T, E, H) each
         # (T, E): each token's weight per expert, summed should an expert appear twice
