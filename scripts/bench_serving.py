@@ -9,7 +9,7 @@ it has no Kimi-VL, so text only) at 1 and 16, then the one-process path (`LocalP
 request at a time, all three in --dtype (default float32). Then, as a noisy machine's speed
 drifts between runs minutes apart, epd's 16-stream against 1-stream ratio again from --rounds
 (default 3) pairs of runs back to back. Every run's JSON lands in --out; the summary table is
-printed as Markdown for docs/benchmarks.md. Not a test: it takes about twelve minutes on two
+printed as Markdown for docs/benchmarks.md. Not a test: it takes about twenty minutes on two
 cores.
 """
 
@@ -79,8 +79,15 @@ def bench(url: str, out: Path, name: str, **settings: Any) -> dict[str, Any]:
     return summary
 
 
-def requests_for(concurrency: int) -> int:
-    return max(8, 4 * concurrency)
+# Requests per stream. A run opens with all its streams' prompts at once and ends with its last
+# streams finishing alone: at 4 per stream, 16 streams' tokens/s between the two came out a
+# median 19% above the whole run's (docs/benchmarks.md, "Longer runs"). transformers serve
+# takes one request at a time, so its runs keep 4 per stream or would take many minutes.
+PER_STREAM, PER_STREAM_TRANSFORMERS = 10, 4
+
+
+def requests_for(concurrency: int, per_stream: int = PER_STREAM) -> int:
+    return max(12, per_stream * concurrency)
 
 
 def epd_runs(
@@ -128,7 +135,7 @@ def scaling_rounds(url: str, out: Path, rounds: int) -> list[float]:
     for r in range(1, rounds + 1):
         one, many = (
             bench(url, out, f"epd-round{r}-c{c}", label="epd", concurrency=c, requests=n, **TEXT)
-            for c, n in ((1, 12), (16, 64))
+            for c, n in ((1, requests_for(1)), (16, requests_for(16)))
         )
         ratios.append(many["output_throughput"] / one["output_throughput"])
     return ratios
@@ -197,7 +204,7 @@ def transformers_runs(checkpoint: Path, out: Path, dtype: str) -> dict[str, dict
                 f"transformers-text-c{c}",
                 label="transformers serve",
                 concurrency=c,
-                requests=requests_for(c),
+                requests=requests_for(c, PER_STREAM_TRANSFORMERS),
                 ignore_eos=False,
                 **TEXT,
             )
