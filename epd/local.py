@@ -22,7 +22,7 @@ from epd.checkpoint.weights import load_model
 from epd.config.roles import PrefillConfig
 from epd.decode.scheduler import Scheduler
 from epd.encode.encoder import Encoder
-from epd.generation.sequence import Output
+from epd.generation.transcript import Output
 from epd.prefill.engine import PrefillEngine
 from epd.prefill.request import PreparedRequest
 
@@ -111,13 +111,13 @@ class LocalPipeline:
         check_grammar(self.engine, prepared.sampling)
         images = prepared.images
         embeddings = self.encoder.encode(images)[1] if images else None
-        handoff = self.engine.run(
+        prefilled = self.engine.run(
             prepared.request_id, prepared.prompt_ids, embeddings, prepared.sampling
         )
-        deltas: dict[int, list[Output]] = {}
-        for sequence, first in self.scheduler.add(handoff):
-            deltas[sequence.index] = [first]
+        deltas = {index: [first] for index, first in enumerate(prefilled.first)}
         first_token_s = time.perf_counter() - start
+        if prefilled.handoff is not None:  # as decode: its first outputs are prefill's, above
+            self.scheduler.add(prefilled.handoff)
         while len(self.scheduler):
             step = self.scheduler.step()
             if step.failed or step.refused:
@@ -126,7 +126,7 @@ class LocalPipeline:
                 deltas[sequence.index].append(delta)
         return Completion(
             choices=[Choice.of(deltas[i]) for i in sorted(deltas)],
-            prompt_tokens=handoff.prompt_tokens,
+            prompt_tokens=len(prepared.prompt_ids),
             first_token_s=first_token_s,
             total_s=time.perf_counter() - start,
         )

@@ -38,7 +38,7 @@ from epd.runtime.health import DRAINING, health_router
 from epd.runtime.metrics import metrics_router
 from epd.runtime.role import probe_wire
 from epd.runtime.watchdog import Watchdog
-from epd.wire.messages import KVHandoff, TokenDelta
+from epd.wire.messages import TokenDelta
 
 log = logging.getLogger(__name__)
 DISCONNECT_POLL_S = 0.25
@@ -205,11 +205,11 @@ def create_app(service: Service, on_started: Callable[[], Any] | None = None) ->
             prepared = await service.off_loop(
                 service.builder.prepare_completion, legacy, request_id(request)
             )
-            handoff, deltas = await generate(service, prepared)
+            deltas = await generate(service, prepared)
         reply = TextReply(
             prepared.request_id,
             service.model_name,
-            handoff.prompt_tokens,
+            len(prepared.prompt_ids),
             legacy.wants_logprobs,
             legacy.include_usage,
         )
@@ -257,8 +257,8 @@ async def start_chat(
         )
     except ValueError as e:  # e.g. more images than the prompt has placeholders
         raise bad_request(str(e)) from None
-    handoff, deltas = await generate(service, prepared)
-    names = (prepared.request_id, service.model_name, handoff.prompt_tokens)
+    deltas = await generate(service, prepared)
+    names = (prepared.request_id, service.model_name, len(prepared.prompt_ids))
     forced = ForcedTools.of(chat)
     reply = (
         Reply(*names, chat.logprobs, chat.include_usage)
@@ -268,17 +268,14 @@ async def start_chat(
     return reply, deltas, len(prepared.images)
 
 
-async def generate(
-    service: Service, prepared: PreparedRequest
-) -> tuple[KVHandoff, AsyncIterator[TokenDelta]]:
-    """Encode, prefill and hand a prepared request to decode; its deltas to come."""
+async def generate(service: Service, prepared: PreparedRequest) -> AsyncIterator[TokenDelta]:
+    """Encode and prefill a prepared request, and hand it to decode; its deltas to come."""
     coordinator = service.coordinator
     assert coordinator is not None
     if prepared.sampling.grammar:  # off the loop: the first one builds llguidance's tokenizer
         await service.off_loop(check_grammar, service.engine, prepared.sampling)
     embeddings = await coordinator.encode(prepared)
-    handoff = await coordinator.prefill(prepared, embeddings)
-    return handoff, coordinator.deltas(await coordinator.hand_off(handoff))
+    return coordinator.deltas(await coordinator.prefill(prepared, embeddings))
 
 
 async def respond(

@@ -29,7 +29,8 @@ from transformers import PreTrainedTokenizerBase
 from epd.generation.grammar import GrammarError, Grammars
 from epd.generation.logits import NoTokenAllowed, adjust, require_a_token
 from epd.generation.sampling import restore_generator, sample_batch
-from epd.generation.sequence import Output, Sequence
+from epd.generation.sequence import Sequence
+from epd.generation.transcript import Output
 from epd.memory import available_memory
 from epd.model.config import TextConfig
 from epd.model.deepseek import DeepseekV3ForCausalLM

@@ -1,9 +1,11 @@
 """`epd decode`: take KV hand-offs, run continuous batching, stream TokenDeltas back.
 
-Every admitted request ends with its final delta or a Failure, whatever fails: a bad hand-off,
-one sequence's step, the whole step, its prefill disconnecting or not taking its tokens, or the
-process being stopped. (A Failure for a prefill that is gone waits for it to come back, briefly.)
-Only a request aborted by its prefill, whose client left, ends without a word.
+Prefill has sent each choice's first token (it sampled it); decode sends the ones after. Every
+admitted request with a choice left to generate ends with its final delta or a Failure, whatever
+fails: a bad hand-off, one sequence's step, the whole step, its prefill disconnecting or not
+taking its tokens, or the process being stopped. (A Failure for a prefill that is gone waits for
+it to come back, briefly.) Only a request aborted by its prefill, whose client left, ends
+without a word.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from epd.decode.metrics import DecodeMetrics
 from epd.decode.scheduler import Busy, Scheduler, TooLarge
 from epd.dtypes import model_dtype
 from epd.generation.grammar import GrammarError
-from epd.generation.sequence import Output, Sequence
+from epd.generation.sequence import Sequence
+from epd.generation.transcript import Output
 from epd.runtime.role import run_role
 from epd.runtime.watchdog import Watchdog
 from epd.wire.addresses import Prefills
@@ -97,10 +100,11 @@ class DecodeServer:
             self.outbox.send(reply_to, Failure(request_id, code, why))
             return
         self.metrics.handoff_bytes.inc(handoff.cache.nbytes)
-        self.reply_to[request_id] = reply_to
-        self.open_choices[request_id] = len(added)
-        for sequence, output in added:
-            self.send(sequence, output)
+        # Prefill has sent each choice's first output: the deltas from here are the rest.
+        open_choices = sum(output.finish_reason is None for _, output in added)
+        if open_choices:  # else every choice ended at its first token: nothing to say
+            self.reply_to[request_id] = reply_to
+            self.open_choices[request_id] = open_choices
 
     def send(self, sequence: Sequence, output: Output) -> None:
         """Send a choice's output to its prefill; the request ends with its last choice. If that
@@ -110,7 +114,7 @@ class DecodeServer:
             self.open_choices[request_id] -= 1
         last = self.open_choices.get(request_id, 0) <= 0
         try:
-            self.deliver(request_id, token_delta(sequence, output), last)
+            self.deliver(request_id, TokenDelta.of(request_id, sequence.index, output), last)
         except Exception as e:
             log.exception("could not send the output of %s", request_id)
             self.fail_request(request_id, "internal", f"decode failed: {type(e).__name__}: {e}")
@@ -198,18 +202,6 @@ class DecodeServer:
             self.fail_request(sequence.request_id, "bad_request", problem)
         for sequence, problem in step.failed:
             self.fail_request(sequence.request_id, "internal", problem)
-
-
-def token_delta(sequence: Sequence, output: Output) -> TokenDelta:
-    return TokenDelta(
-        sequence.request_id,
-        output.token_ids,
-        output.text,
-        output.completion_tokens,
-        output.finish_reason,
-        output.logprobs,
-        sequence.index,
-    )
 
 
 def largest_frame(checkpoint: str) -> int:

@@ -29,11 +29,10 @@ from dataclasses import dataclass, field
 import torch
 
 from epd.model.latent_cache import LatentCache
-from epd.prefill.engine import Chunk, PrefillEngine, Prompt
+from epd.prefill.engine import Chunk, Prefilled, PrefillEngine, Prompt
 from epd.prefill.errors import Unavailable
 from epd.prefill.metrics import PrefillMetrics
 from epd.runtime.process import set_torch_threads
-from epd.wire.messages import KVHandoff
 
 WAITING_TOKENS = 32768  # prompt tokens that may wait, at least: 8 forwards at the GPU budget
 # Tokens per forward unless configured. On a CPU, a forward of 512 (two 240-token prompts)
@@ -49,7 +48,7 @@ def token_budget(configured: int, device: torch.device) -> int:
 @dataclass(eq=False)
 class Job:
     prompt: Prompt
-    future: asyncio.Future[KVHandoff]
+    future: asyncio.Future[Prefilled]
     queued_at: float = field(default_factory=time.perf_counter)
     started: float = 0.0  # when its first chunk's forward began
     done: int = 0  # prompt tokens prefilled so far, by earlier chunks
@@ -94,12 +93,13 @@ class PrefillBatcher:
         self.forward: list[Job] = []  # the jobs it runs
         self.sizes: deque[int] = deque(maxlen=1000)  # prompts per forward, for /health
 
-    async def prefill(self, prompt: Prompt) -> KVHandoff:
-        """The prompt's hand-off, once a forward has taken it; Unavailable if too many wait."""
+    async def prefill(self, prompt: Prompt) -> Prefilled:
+        """The prompt's first tokens and hand-off, once a forward has taken it; Unavailable if
+        too many wait."""
         waiting = sum(job.left for job in self.waiting)
         if waiting >= self.max_waiting_tokens:
             raise Unavailable(f"prefill is full: {waiting} prompt tokens are waiting")
-        future: asyncio.Future[KVHandoff] = asyncio.get_running_loop().create_future()
+        future: asyncio.Future[Prefilled] = asyncio.get_running_loop().create_future()
         self.waiting.append(Job(prompt, future))
         self.arrived.set()
         return await future
@@ -133,7 +133,7 @@ class PrefillBatcher:
 
     def run_chunks(
         self, threads: int, chunks: list[Chunk]
-    ) -> list[KVHandoff | LatentCache | Exception]:
+    ) -> list[Prefilled | LatentCache | Exception]:
         """On the engine's thread: the forward, on `threads` torch threads (OpenMP counts them
         per thread, so they are set here)."""
         if threads and torch.get_num_threads() != threads:
@@ -169,7 +169,7 @@ class PrefillBatcher:
             if isinstance(result, Exception):
                 job.future.set_exception(result)
             else:
-                self.metrics.prompt_tokens.inc(result.prompt_tokens)
+                self.metrics.prompt_tokens.inc(len(job.prompt.prompt_ids))
                 self.metrics.prefill_time.observe(time.perf_counter() - job.started)
                 job.future.set_result(result)
 

@@ -2,7 +2,8 @@
 
 Runs on the API's event loop. Each request waits on futures (image embeddings) and a queue
 (token deltas) keyed by its id; a Failure, a timeout or a peer that disconnects resolves them with
-an error, so no request waits on a dead process.
+an error, so no request waits on a dead process. A request's first tokens come from prefill
+itself, at once; decode sends the rest (and gets nothing to do if the first tokens end it).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 from epd.config.roles import PrefillConfig
 from epd.multimodal.grids import kimi_vl_grids
 from epd.prefill.batcher import PrefillBatcher, token_budget
-from epd.prefill.engine import PrefillEngine, Prompt
+from epd.prefill.engine import Prefilled, PrefillEngine, Prompt
 from epd.prefill.errors import Internal, PrefillError, TimedOut, Unavailable, from_failure
 from epd.prefill.image_cache import ImageCache, digests
 from epd.prefill.metrics import PrefillMetrics
@@ -35,7 +36,6 @@ from epd.wire.messages import (
     EncodeRequest,
     Failure,
     ImageEmbeddings,
-    KVHandoff,
     Message,
     TokenDelta,
 )
@@ -63,8 +63,9 @@ class EncodeWait:
 @dataclass
 class Stream:
     request_id: str
-    decoder: str
+    decoder: str  # "" when the first tokens ended every choice: nothing was handed off
     choices: int  # the request's n: it ends once each choice has had its last delta
+    first: tuple[TokenDelta, ...] = ()  # each choice's first token, from prefill
     queue: asyncio.Queue[TokenDelta | PrefillError] = field(default_factory=asyncio.Queue)
     sent_at: float = 0.0  # when the hand-off went to the decoder (perf_counter)
 
@@ -292,18 +293,23 @@ class Coordinator:
             for part in range(len(parts)):
                 self.waits.pop((request.request_id, part), None)
 
-    async def prefill(self, request: PreparedRequest, embeddings: torch.Tensor | None) -> KVHandoff:
-        """Prefill the request, packed with whatever else waits for prefill."""
+    async def prefill(self, request: PreparedRequest, embeddings: torch.Tensor | None) -> Stream:
+        """Prefill the request, packed with whatever else waits for prefill, and hand it to a
+        decoder unless its first tokens ended it; raises (before any reply is sent) if no
+        decoder can take it."""
         prompt = Prompt(request.request_id, request.prompt_ids, embeddings, request.sampling)
-        return await self.batcher.prefill(prompt)
+        return await self.hand_off(request.request_id, await self.batcher.prefill(prompt))
 
-    async def hand_off(self, handoff: KVHandoff) -> Stream:
-        """Hand the request to a decoder; raises (before any reply is sent) if none can take it."""
+    async def hand_off(self, request_id: str, prefilled: Prefilled) -> Stream:
+        first = tuple(TokenDelta.of(request_id, i, out) for i, out in enumerate(prefilled.first))
+        handoff = prefilled.handoff
+        if handoff is None:
+            return Stream(request_id, "", len(first), first)
         decoder = (await self.pick(self.decoders, "decode"))[0]
-        stream = Stream(handoff.request_id, decoder, handoff.sampling.n, sent_at=now())
-        self.streams[handoff.request_id] = stream
+        stream = Stream(request_id, decoder, len(first), first, sent_at=now())
+        self.streams[request_id] = stream
         if not self.outbox.send(decoder, handoff):
-            del self.streams[handoff.request_id]
+            del self.streams[request_id]
             raise Unavailable(f"decode server {decoder} is not reachable")
         self.metrics.handoff_bytes.inc(handoff.cache.nbytes)
         return stream
@@ -331,26 +337,29 @@ class Coordinator:
 
     async def read_deltas(self, stream: Stream) -> AsyncIterator[TokenDelta]:
         open_choices = set(range(stream.choices))
-        finished = False
         try:
-            while not finished:
+            for delta in stream.first:
+                if delta.finish_reason is not None:
+                    open_choices.discard(delta.index)
+                yield delta
+            while open_choices:
                 limit = self.config.token_timeout_s
                 item = await within(
                     stream.queue.get(), limit, TimedOut(f"decode sent nothing for {limit}s")
                 )
                 if isinstance(item, PrefillError):
                     raise item
-                if stream.sent_at:  # the first delta: the hand-off's round trip is done
+                if stream.sent_at:  # decode's first delta: the hand-off's round trip is done
                     self.metrics.handoff_seconds.observe(now() - stream.sent_at)
                     stream.sent_at = 0.0
                 if item.index not in open_choices:
-                    raise Internal(f"decode sent choice {item.index} of {stream.choices} again")
+                    choice = f"choice {item.index} of {stream.choices}"
+                    raise Internal(f"decode sent a delta for {choice}, which is not open")
                 if item.finish_reason is not None:
                     open_choices.discard(item.index)
-                finished = not open_choices
                 yield item
         finally:  # client gone or failure: free the request's KV in decode
-            self.release(stream, finished)
+            self.release(stream, finished=not open_choices)
 
 
 def on_loop(loop: asyncio.AbstractEventLoop, fn: Callable[..., object], *args: object) -> None:

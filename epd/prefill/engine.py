@@ -1,5 +1,9 @@
 """The prefill step, free of I/O: prompts + image embeddings → first tokens + latent KV.
 
+Each choice's first token also comes out as the client gets it (its `Output`), so the API can
+send it at once instead of waiting for decode to echo it; a request that its first tokens end
+(`max_tokens` 1, an eos, a stop) has nothing left for decode.
+
 Several prompts run packed into one forward (each attends only to itself); a prompt that cannot
 be prefilled fails alone: its slot holds the exception, the others their hand-offs. A long prompt
 may run in chunks, one forward each: a chunk continues from the cache of the chunks before it,
@@ -22,6 +26,7 @@ from epd.generation.grammar import GrammarError, Grammars
 from epd.generation.logits import NoTokenAllowed, adjust, presence, require_a_token
 from epd.generation.params import SamplingParams
 from epd.generation.sampling import make_generator, sample_batch, token_logprob
+from epd.generation.transcript import Output, Transcript
 from epd.model.deepseek import DeepseekV3ForCausalLM
 from epd.model.latent_cache import LatentCache
 from epd.multimodal.prompt import image_slots, scatter_image_embeddings
@@ -70,6 +75,14 @@ class FirstToken:
         return presence(self.prompt_ids, vocab, device)
 
 
+@dataclass(frozen=True)
+class Prefilled:
+    """A prompt prefilled: each choice's first output, and what decode needs to go on."""
+
+    first: tuple[Output, ...]  # by choice
+    handoff: KVHandoff | None  # None: every choice ended at its first token
+
+
 class PrefillEngine:
     def __init__(
         self,
@@ -93,16 +106,17 @@ class PrefillEngine:
         image_embeddings: torch.Tensor | None,
         sampling: SamplingParams,
         reply_to: str = "",
-    ) -> KVHandoff:
-        """Prefill one prompt; raises what kept it from a hand-off."""
+    ) -> Prefilled:
+        """Prefill one prompt; raises what kept it from its first tokens."""
         prompt = Prompt(request_id, prompt_ids, image_embeddings, sampling)
         (result,) = self.run_batch([prompt], reply_to)
         if isinstance(result, Exception):
             raise result
         return result
 
-    def run_batch(self, prompts: list[Prompt], reply_to: str = "") -> list[KVHandoff | Exception]:
-        """Prefill whole prompts packed into one forward; each gets its hand-off or its error."""
+    def run_batch(self, prompts: list[Prompt], reply_to: str = "") -> list[Prefilled | Exception]:
+        """Prefill whole prompts packed into one forward; each gets its first tokens or its
+        error."""
         results = self.run_chunks([Chunk.whole(p) for p in prompts], reply_to)
         assert not any(isinstance(r, LatentCache) for r in results)  # whole prompts end
         return [r for r in results if not isinstance(r, LatentCache)]
@@ -110,10 +124,10 @@ class PrefillEngine:
     @torch.inference_mode()
     def run_chunks(
         self, chunks: list[Chunk], reply_to: str = ""
-    ) -> list[KVHandoff | LatentCache | Exception]:
-        """Prefill chunks packed into one forward. A last chunk gets its prompt's hand-off; an
+    ) -> list[Prefilled | LatentCache | Exception]:
+        """Prefill chunks packed into one forward. A last chunk gets its prompt's first tokens; an
         earlier one the prompt's cache so far (its past, grown); a chunk that fails its error."""
-        results: dict[int, KVHandoff | LatentCache | Exception] = {}
+        results: dict[int, Prefilled | LatentCache | Exception] = {}
         embeds: dict[int, torch.Tensor] = {}
         for i, chunk in enumerate(chunks):
             try:
@@ -172,9 +186,12 @@ class PrefillEngine:
 
     def hand_off(
         self, prompt: Prompt, logits: torch.Tensor, cache: LatentCache, reply_to: str
-    ) -> KVHandoff | Exception:
-        """Sample each choice's first token and pack everything decode needs."""
+    ) -> Prefilled | Exception:
+        """Sample each choice's first token, say what the client gets for it, and pack what
+        decode needs to go on (unless those tokens ended every choice)."""
         try:
+            if not bool(torch.isfinite(logits).all()):  # an overflow: this request fails alone
+                raise ValueError("the model's logits for this prompt are not finite")
             sampling = prompt.sampling
             generators = [make_generator(sampling.choice_seed(i)) for i in range(sampling.n)]
             ids = torch.tensor(prompt.prompt_ids, dtype=torch.int64)
@@ -192,7 +209,13 @@ class PrefillEngine:
                 token_logprob(logits, t, top, self.tokenizer) if sampling.logprobs else None
                 for t in tokens
             )
-            return KVHandoff(
+            outputs = tuple(  # each choice's matcher goes on from its masking to its token
+                Transcript(sampling, self.tokenizer, self.eos_ids, first.matcher).accept(t, lp)
+                for first, t, lp in zip(firsts, tokens, logprobs, strict=True)
+            )
+            if all(output.finish_reason for output in outputs):
+                return Prefilled(outputs, None)
+            handoff = KVHandoff(
                 request_id=prompt.request_id,
                 reply_to=reply_to,
                 prompt_tokens=len(prompt.prompt_ids),
@@ -203,6 +226,7 @@ class PrefillEngine:
                 cache=cache.tensor().contiguous().cpu(),  # its own memory, copied off the loop
                 prompt_ids=ids,
             )
+            return Prefilled(outputs, handoff)
         except (NoTokenAllowed, GrammarError) as e:  # what the request asked for: a 400
             return BadRequest(str(e))
         except Exception as e:  # e.g. a cache with NaN from an overflow: this request only

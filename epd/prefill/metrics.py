@@ -62,7 +62,7 @@ class PrefillMetrics(RoleMetrics):
         self.handoff_seconds = seconds(
             "kv_handoff_seconds",
             "From handing a KV cache to a decoder until its first delta came back "
-            "(transfer, admission and one decode step).",
+            "(transfer, admission and one decode step: the first token is prefill's).",
         )
         self.peer_up = gauge(
             "peer_up", "1 while a peer answers (heartbeats), else 0.", ["role", "address"]

@@ -25,6 +25,7 @@ from epd.generation.params import (
     TokenLogprob,
     require,
 )
+from epd.generation.transcript import Output
 from epd.multimodal.grids import Grid
 from epd.wire.limits import (
     MAX_ITEMS,
@@ -149,6 +150,19 @@ class TokenDelta(WireMessage, frozen=True):
         require(len(self.logprobs) <= len(self.token_ids), "more logprobs than tokens")
         require(0 <= self.index < MAX_CHOICES, f"index must be 0 to {MAX_CHOICES - 1}")
         require(self.finish_reason in FINISH_REASONS, f"finish_reason {self.finish_reason!r}")
+
+    @classmethod
+    def of(cls, request_id: str, index: int, output: Output) -> TokenDelta:
+        """The delta that carries choice `index`'s output."""
+        return cls(
+            request_id,
+            output.token_ids,
+            output.text,
+            output.completion_tokens,
+            output.finish_reason,
+            output.logprobs,
+            index,
+        )
 
 
 class Abort(WireMessage, frozen=True):

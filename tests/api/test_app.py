@@ -1,6 +1,7 @@
 """The API in-process: request validation and error bodies, without peers."""
 
 import base64
+import json
 
 import pytest
 from fastapi.testclient import TestClient
@@ -273,6 +274,24 @@ def test_unreachable_peers_are_503_not_a_hang(client):
     response = chat(client, messages=USER, max_tokens=2)
     assert response.status_code == 503
     assert "no decode server is reachable" in response.json()["error"]["message"]
+
+
+def test_a_reply_its_first_token_ends_is_served_by_prefill_alone(client):
+    """Prefill samples the first token; a request it ends never needs a decoder (none runs)."""
+    whole = chat(client, messages=USER, max_tokens=1, n=2, logprobs=True, temperature=0)
+    assert whole.status_code == 200, whole.text
+    body = whole.json()
+    assert body["usage"]["completion_tokens"] == 2
+    for choice in body["choices"]:
+        assert choice["finish_reason"] == "length" and len(choice["logprobs"]["content"]) == 1
+    streamed = chat(client, messages=USER, max_tokens=1, stream=True, temperature=0)
+    assert streamed.status_code == 200
+    events = [line[6:] for line in streamed.text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    choices = [choice for event in events[:-1] for choice in json.loads(event)["choices"]]
+    assert choices[-1]["finish_reason"] == "length"
+    content = "".join(choice["delta"].get("content") or "" for choice in choices)
+    assert content == body["choices"][0]["message"]["content"]
 
 
 def test_developer_messages_are_system_turns(client, tiny_checkpoint):

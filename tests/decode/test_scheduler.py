@@ -29,7 +29,7 @@ def handoff(engine, i, max_tokens=12, seeded=False):
     sampling = SamplingParams(max_tokens, temperature=0)
     if seeded:  # a distribution wide enough that the draws depend on the seed
         sampling = SamplingParams(max_tokens, temperature=1.5, top_k=50, top_p=0.95, seed=i)
-    return engine.run(f"r{i}", PROMPTS[i], None, sampling)
+    return engine.run(f"r{i}", PROMPTS[i], None, sampling).handoff
 
 
 def run_alone(parts, i, max_tokens=12, seeded=False):
@@ -85,10 +85,16 @@ def test_batch_size_limit_queues_the_rest(parts):
 
 
 def test_first_token_can_finish_a_request(parts):
+    """Prefill keeps such a request (it has nothing left for decode); one that comes anyway
+    ends on arrival."""
     lm, tokenizer, engine, eos = parts
+    prefilled = engine.run("r0", PROMPTS[0], None, SamplingParams(1, temperature=0))
+    assert prefilled.handoff is None and prefilled.first[0].finish_reason == "length"
     scheduler = Scheduler(lm, tokenizer, eos)
-    ((_, delta),) = scheduler.add(handoff(engine, 0, max_tokens=1))
-    assert delta.finish_reason == "length" and len(scheduler) == 0
+    longer = handoff(engine, 0, max_tokens=2)
+    sent = msgspec.structs.replace(longer, sampling=SamplingParams(1, temperature=0))
+    ((_, delta),) = scheduler.add(sent)
+    assert delta == prefilled.first[0] and len(scheduler) == 0
 
 
 def poison(scheduler, request_id, rows):
@@ -210,7 +216,7 @@ def test_an_unusable_grammar_is_refused_and_a_good_one_is_followed(parts):
         scheduler.add(msgspec.structs.replace(good, sampling=bad))
     choices = ["circle", "square"]
     sampling = SamplingParams(30, temperature=0, grammar=choice_grammar(choices))
-    constrained = engine.run("g", PROMPTS[1], None, sampling)
+    constrained = engine.run("g", PROMPTS[1], None, sampling).handoff
     scheduler.add(handoff(engine, 2, max_tokens=30))  # a neighbour without a grammar
     ((sequence, _),) = scheduler.add(constrained)
     while sequence.finish_reason is None:
@@ -246,7 +252,9 @@ def test_decode_refuses_what_it_has_no_room_to_park(parts):
     lm, tokenizer, engine, eos = parts
     scheduler = Scheduler(lm, tokenizer, eos, max_batch_size=1)
     for i in range(4):
-        scheduler.add(engine.run(f"w{i}", PROMPTS[0], None, SamplingParams(8, temperature=0)))
+        scheduler.add(
+            engine.run(f"w{i}", PROMPTS[0], None, SamplingParams(8, temperature=0)).handoff
+        )
     with pytest.raises(Busy, match="decode is full"):
         scheduler.add(handoff(engine, 1))
 
@@ -255,7 +263,7 @@ def test_n_choices_decode_apart_and_abort_together(parts):
     lm, tokenizer, engine, eos = parts
     scheduler = Scheduler(lm, tokenizer, eos)
     sampling = SamplingParams(6, temperature=1.5, top_k=50, seed=4, n=3)
-    added = scheduler.add(engine.run("many", PROMPTS[1], None, sampling))
+    added = scheduler.add(engine.run("many", PROMPTS[1], None, sampling).handoff)
     assert [s.index for s, _ in added] == [0, 1, 2]
     assert len({id(s.cache) for s, _ in added}) == 3  # each grows its own copy
     scheduler.step()
@@ -268,7 +276,7 @@ def test_a_pool_that_cannot_grow_fails_only_the_sequence_that_needs_it(parts):
     scheduler = Scheduler(lm, tokenizer, eos)
     expected = run_alone(parts, 0, max_tokens=8)
     produced = list(scheduler.add(handoff(engine, 0, max_tokens=8))[0][1].token_ids)
-    scheduler.add(engine.run("long", [9] * 46, None, SamplingParams(8, temperature=0)))
+    scheduler.add(engine.run("long", [9] * 46, None, SamplingParams(8, temperature=0)).handoff)
     pool, grow = scheduler.pool, scheduler.pool.grow
 
     def out_of_memory_past_5_blocks(blocks):
@@ -323,9 +331,9 @@ def test_a_small_kv_budget_makes_sequences_wait_and_changes_no_token(parts):
         greedy = SamplingParams(24, temperature=0)
         seeded = SamplingParams(24, temperature=1.5, top_k=50, seed=7, n=2)
         return [
-            engine.run("a", [9] * 20, None, greedy),
-            engine.run("b", PROMPTS[1], None, seeded),
-            engine.run("c", PROMPTS[0], None, greedy),
+            engine.run("a", [9] * 20, None, greedy).handoff,
+            engine.run("b", PROMPTS[1], None, seeded).handoff,
+            engine.run("c", PROMPTS[0], None, greedy).handoff,
         ]
 
     expected, none = run_all(Scheduler(lm, tokenizer, eos), handoffs())
@@ -340,8 +348,8 @@ def test_a_request_larger_than_the_kv_budget_is_refused(parts):
     lm, tokenizer, engine, eos = parts
     scheduler = Scheduler(lm, tokenizer, eos, max_kv_tokens=32)
     with pytest.raises(ValueError, match="exceed decode's KV cache of 32 tokens"):
-        scheduler.add(engine.run("big", [9] * 20, None, SamplingParams(13, temperature=0)))
-    scheduler.add(engine.run("fits", [9] * 20, None, SamplingParams(12, temperature=0)))
+        scheduler.add(engine.run("big", [9] * 20, None, SamplingParams(13, temperature=0)).handoff)
+    scheduler.add(engine.run("fits", [9] * 20, None, SamplingParams(12, temperature=0)).handoff)
 
 
 def test_the_default_kv_budget_is_every_slot_at_full_context_if_memory_allows(parts, monkeypatch):
@@ -360,9 +368,9 @@ def test_the_first_in_line_waits_for_blocks_and_nobody_passes_it(parts):
     lm, tokenizer, engine, eos = parts
     scheduler = Scheduler(lm, tokenizer, eos, max_kv_tokens=64)  # 4 blocks
     greedy = SamplingParams(20, temperature=0)
-    scheduler.add(engine.run("running", [9] * 20, None, greedy))  # 2 blocks
-    scheduler.add(engine.run("big", [9] * 40, None, greedy))  # 3 blocks: not free
-    scheduler.add(engine.run("small", [9] * 3, None, greedy))  # 1 block would be free
+    scheduler.add(engine.run("running", [9] * 20, None, greedy).handoff)  # 2 blocks
+    scheduler.add(engine.run("big", [9] * 40, None, greedy).handoff)  # 3 blocks: not free
+    scheduler.add(engine.run("small", [9] * 3, None, greedy).handoff)  # 1 block would be free
     scheduler.step()
     assert list(scheduler.running) == [("running", 0)]
     assert [s.request_id for s in scheduler.waiting] == ["big", "small"]

@@ -52,7 +52,7 @@ def wired(model, tmp_path):
 
     def handoff(request_id, max_tokens=4, reply_to=here, **changes):
         sampling = SamplingParams(max_tokens, temperature=0)
-        made = engine.run(request_id, [5, 6, 7], None, sampling, reply_to)
+        made = engine.run(request_id, [5, 6, 7], None, sampling, reply_to).handoff
         return msgspec.structs.replace(made, **changes)
 
     def received(timeout_ms=3000):
@@ -90,6 +90,20 @@ def test_bad_handoff_gets_a_failure_and_the_server_goes_on(wired):
     assert isinstance(first, TokenDelta) and first.request_id == "good"
 
 
+def test_decode_sends_the_tokens_after_the_first_which_prefill_sent(wired):
+    """A hand-off whose first tokens ended it (prefill keeps those) gets no word at all."""
+    server, send, handoff, received = wired
+    ended = handoff("ended", max_tokens=2, sampling=SamplingParams(1, temperature=0))
+    send(ended)
+    send(handoff("two", max_tokens=2))  # taken after the first: one connection keeps order
+    replies = []
+    step_until(server, lambda: replies.append(received(timeout_ms=20)) or replies[-1])
+    delta = replies[-1]
+    assert isinstance(delta, TokenDelta) and delta.request_id == "two"
+    assert delta.completion_tokens == 2 and delta.finish_reason == "length"
+    assert received(timeout_ms=200) is None and server.reply_to == {}
+
+
 def test_a_reply_address_that_is_not_a_prefill_of_this_decoder_is_refused(wired, tmp_path, caplog):
     server, send, handoff, _ = wired
     send(handoff("forged", reply_to=f"ipc://{tmp_path}/elsewhere"))
@@ -101,8 +115,7 @@ def test_failing_step_fails_the_batch_not_the_process(wired, monkeypatch):
     server, send, handoff, received = wired
     send(handoff("r1", max_tokens=50))
     step_until(server, lambda: len(server.scheduler) == 1)
-    assert isinstance(received(), TokenDelta)  # the first token
-    assert isinstance(received(), TokenDelta)  # one step
+    assert isinstance(received(), TokenDelta)  # one step (the first token is prefill's)
 
     def broken(*args, **kwargs):
         raise RuntimeError("device lost")
@@ -146,7 +159,7 @@ def test_every_admitted_request_ends_exactly_once_whatever_fails(wired):
 
     server.scheduler._forward = flaky
     for i in range(6):
-        send(handoff(f"r{i}", max_tokens=chance.randint(1, 6)))
+        send(handoff(f"r{i}", max_tokens=chance.randint(2, 6)))
     ends: dict[str, list[str]] = {}
     for _ in range(40):
         server.step()
@@ -185,7 +198,9 @@ def test_the_kv_budget_reaches_the_scheduler_and_its_use_is_measured(
     sample = server.registry.get_sample_value
     try:
         for name in ("a", "b"):  # 3 + 20 rows each: two blocks, four together
-            scheduler.add(engine.run(name, [5, 6, 7], None, SamplingParams(20, temperature=0)))
+            scheduler.add(
+                engine.run(name, [5, 6, 7], None, SamplingParams(20, temperature=0)).handoff
+            )
         server.step()
         assert sample("epd:kv_cache_usage") == pytest.approx(2 / 3)  # a block each
         while len(scheduler):

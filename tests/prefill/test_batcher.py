@@ -6,23 +6,12 @@ import threading
 import pytest
 import torch
 
-from epd.checkpoint.config import load_generation_config, load_model_config
-from epd.checkpoint.tokenizer import load_tokenizer
-from epd.checkpoint.weights import load_model
 from epd.generation.params import SamplingParams
 from epd.prefill.batcher import Job, PrefillBatcher
-from epd.prefill.engine import PrefillEngine, Prompt
+from epd.prefill.engine import Prompt
 from epd.prefill.errors import Unavailable
 
 PROMPTS = [[5, 17, 42, 99], [7, 300, 12, 64, 128, 3, 250], [31, 77], [9] * 40]
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_checkpoint):
-    lm = load_model(tiny_checkpoint, role="language").language_model
-    placeholder = load_model_config(tiny_checkpoint).media_placeholder_token_id
-    eos = load_generation_config(tiny_checkpoint).eos_token_ids
-    return PrefillEngine(lm, load_tokenizer(tiny_checkpoint), placeholder, eos)
 
 
 def prompt(i, ids=None, images=None):
@@ -31,9 +20,9 @@ def prompt(i, ids=None, images=None):
 
 
 def test_a_packed_batch_gives_each_prompt_what_it_gets_alone(engine):
-    together = engine.run_batch([prompt(i) for i in range(4)])
+    together = [result.handoff for result in engine.run_batch([prompt(i) for i in range(4)])]
     for i, handoff in enumerate(together):
-        alone = engine.run(f"r{i}", PROMPTS[i], None, prompt(i).sampling)
+        alone = engine.run(f"r{i}", PROMPTS[i], None, prompt(i).sampling).handoff
         assert handoff.first_tokens == alone.first_tokens
         (mine,), (its,) = handoff.first_logprobs, alone.first_logprobs
         assert mine.logprob == pytest.approx(its.logprob, abs=1e-5)
@@ -45,23 +34,23 @@ def test_a_prompt_that_cannot_be_prefilled_fails_alone(engine):
     bad = prompt(1, ids=[5, placeholder, 6], images=torch.zeros(3, 64))  # 3 rows for 1 slot
     results = engine.run_batch([prompt(0), bad, prompt(2)])
     assert isinstance(results[1], ValueError) and "1 image token slots" in str(results[1])
-    assert [r.request_id for r in (results[0], results[2])] == ["r0", "r2"]
+    assert [r.handoff.request_id for r in (results[0], results[2])] == ["r0", "r2"]
 
 
 def test_waiting_prompts_fill_the_token_budget_and_a_long_one_runs_in_chunks(engine):
     async def main():
         batcher = PrefillBatcher(engine, max_tokens=16, reply_to="")
         runner = asyncio.create_task(batcher.run())
-        handoffs = await asyncio.gather(*(batcher.prefill(prompt(i)) for i in range(4)))
+        results = await asyncio.gather(*(batcher.prefill(prompt(i)) for i in range(4)))
         runner.cancel()
         batcher.close()
-        return handoffs, list(batcher.sizes)
+        return [result.handoff for result in results], list(batcher.sizes)
 
     handoffs, sizes = asyncio.run(main())
     assert [h.request_id for h in handoffs] == ["r0", "r1", "r2", "r3"]
     # 4 + 7 + 2 tokens and the 40-token prompt's first 3 fill 16; then 16, 16 and its last 5.
     assert sizes == [4, 1, 1, 1]
-    alone = engine.run("r3", PROMPTS[3], None, prompt(3).sampling)
+    alone = engine.run("r3", PROMPTS[3], None, prompt(3).sampling).handoff
     assert handoffs[3].first_tokens == alone.first_tokens
     assert handoffs[3].first_logprobs[0].logprob == pytest.approx(
         alone.first_logprobs[0].logprob, abs=1e-5
@@ -88,7 +77,7 @@ def test_short_prompts_pass_a_long_one_only_when_asked(engine, min_chunk, sizes,
         runner = asyncio.create_task(batcher.run())
 
         async def ask(i):
-            handoff = await batcher.prefill(prompt(i))
+            handoff = (await batcher.prefill(prompt(i))).handoff
             order.append(i)
             return handoff
 
@@ -100,7 +89,7 @@ def test_short_prompts_pass_a_long_one_only_when_asked(engine, min_chunk, sizes,
     handoffs, forwards = asyncio.run(main())
     assert forwards == sizes and order == finished
     for handoff, i in zip(handoffs, (3, 1, 0, 2), strict=True):
-        alone = engine.run(f"r{i}", PROMPTS[i], None, prompt(i).sampling)
+        alone = engine.run(f"r{i}", PROMPTS[i], None, prompt(i).sampling).handoff
         assert handoff.first_tokens == alone.first_tokens
         torch.testing.assert_close(handoff.cache, alone.cache, atol=1e-5, rtol=1e-5)
 
@@ -134,14 +123,14 @@ def test_chunks_of_a_prompt_with_images_give_what_it_gets_whole(engine):
     placeholder, hidden = engine.placeholder_id, engine.lm.config.hidden_size
     ids = [5, 17, *[placeholder] * 6, 42, 99, *[placeholder] * 3, 7]
     images = torch.randn(9, hidden, generator=torch.Generator().manual_seed(0))
-    whole = engine.run("r", ids, images, prompt(0).sampling)
+    whole = engine.run("r", ids, images, prompt(0).sampling).handoff
 
     beats = []
 
     async def main():
         batcher = PrefillBatcher(engine, 4, "", progressed=lambda: beats.append(1))
         runner = asyncio.create_task(batcher.run())
-        handoff = await batcher.prefill(prompt(0, ids=ids, images=images))
+        handoff = (await batcher.prefill(prompt(0, ids=ids, images=images))).handoff
         runner.cancel()
         batcher.close()
         return handoff, list(batcher.sizes)
@@ -186,7 +175,7 @@ def test_a_chunked_prompt_whose_caller_left_is_dropped_between_chunks(engine):
         after = asyncio.ensure_future(batcher.prefill(prompt(0)))
         await asyncio.sleep(0)
         gate.go.set()
-        after = await after
+        after = (await after).handoff
         runner.cancel()
         batcher.close()
         return after, list(batcher.sizes), len(batcher.waiting)
@@ -204,7 +193,7 @@ def test_a_request_whose_caller_left_is_skipped_and_a_stop_fails_the_rest(engine
         await asyncio.sleep(0)
         left.cancel()  # its client went away before the batcher ran
         runner = asyncio.create_task(batcher.run())
-        first = await waiting
+        first = (await waiting).handoff
         stuck = asyncio.ensure_future(batcher.prefill(prompt(2)))
         runner.cancel()  # the coordinator stops with a request still waiting
         await asyncio.gather(runner, return_exceptions=True)

@@ -1,0 +1,95 @@
+"""A choice's reply as its client gets it: the tokens accepted, the text released, why it ended.
+
+A reply ends on an eos id (the token is counted but adds no text; with `ignore_eos` it goes on,
+as benchmarks ask) or one of its `stop_token_ids`, on a stop string (the reply is cut before it,
+and text that might be the start of a stop string is held back until it cannot be; none is
+looked for before `min_tokens`), when its grammar allows nothing more, or at `max_tokens`. Each
+accepted token gives an `Output`: what the client gets for it.
+
+The rules depend on nothing but the tokens, so two transcripts fed the same tokens give the same
+outputs: prefill says what the first token gives (and the client has it at once), and decode's
+`Sequence`, fed that token again, goes on from the same place.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import dataclass
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase
+
+from epd.generation.detokenizer import Detokenizer
+from epd.generation.grammar import advance
+from epd.generation.params import FinishReason, SamplingParams, TokenLogprob
+
+
+@dataclass(frozen=True)
+class Output:
+    """What the client gets for the tokens just accepted."""
+
+    token_ids: tuple[int, ...]
+    text: str  # released text: complete characters not held back for a stop string
+    completion_tokens: int  # total so far
+    finish_reason: FinishReason | None = None  # on the last output
+    logprobs: tuple[TokenLogprob, ...] = ()
+
+
+class Transcript:
+    def __init__(
+        self,
+        sampling: SamplingParams,
+        tokenizer: PreTrainedTokenizerBase,
+        eos_ids: Collection[int],
+        matcher: Any = None,
+    ) -> None:
+        self.sampling, self.tokenizer, self.eos_ids = sampling, tokenizer, frozenset(eos_ids)
+        self.stop_ids = frozenset(sampling.stop_token_ids)
+        self.matcher = matcher  # the request's grammar, fed every accepted token
+        self.detokenizer = Detokenizer(tokenizer, sampling.skip_special_tokens)
+        self.tokens: list[int] = []
+        self.text, self.sent = "", 0  # reply text so far; characters already released
+        self.finish_reason: FinishReason | None = None
+
+    def accept(self, token: int, logprob: TokenLogprob | None = None) -> Output:
+        """Record a generated token and say what the client gets for it."""
+        assert self.finish_reason is None
+        grammar_done = self.matcher is not None and advance(self.matcher, token)
+        self.tokens.append(token)
+        if (token in self.eos_ids and not self.sampling.ignore_eos) or token in self.stop_ids:
+            self.finish_reason = "stop"
+        else:
+            self.text += self.detokenizer.add(token)
+            if len(self.tokens) >= self.sampling.min_tokens:
+                self._apply_stop_strings()
+        if self.finish_reason is None and grammar_done:
+            self.finish_reason = "stop"  # the grammar allows nothing more
+        if self.finish_reason is None and len(self.tokens) >= self.sampling.max_tokens:
+            self.finish_reason = "length"
+        end = len(self.text) if self.finish_reason else len(self.text) - self._held_back()
+        released, self.sent = self.text[self.sent : end], max(self.sent, end)
+        return Output(
+            token_ids=(token,),
+            text=released,
+            completion_tokens=len(self.tokens),
+            finish_reason=self.finish_reason,
+            logprobs=(logprob,) if logprob else (),
+        )
+
+    def _apply_stop_strings(self) -> None:
+        longest = max((len(s) for s in self.sampling.stop), default=0)
+        start = max(0, self.sent - longest)
+        hits = [i for s in self.sampling.stop if (i := self.text.find(s, start)) >= 0]
+        if hits:
+            self.text = self.text[: min(hits)]
+            self.finish_reason = "stop"
+
+    def _held_back(self) -> int:
+        """Length of the longest tail of the text that could still grow into a stop string."""
+        for size in range(
+            min(len(self.text), max((len(s) for s in self.sampling.stop), default=0)), 0, -1
+        ):
+            tail = self.text[-size:]
+            if any(s.startswith(tail) for s in self.sampling.stop):
+                return size
+        return 0

@@ -1,0 +1,15 @@
+import pytest
+
+from epd.checkpoint.config import load_generation_config, load_model_config
+from epd.checkpoint.tokenizer import load_tokenizer
+from epd.checkpoint.weights import load_model
+from epd.prefill.engine import PrefillEngine
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_checkpoint):
+    """The tiny checkpoint's prefill engine."""
+    lm = load_model(tiny_checkpoint, role="language").language_model
+    placeholder = load_model_config(tiny_checkpoint).media_placeholder_token_id
+    eos = load_generation_config(tiny_checkpoint).eos_token_ids
+    return PrefillEngine(lm, load_tokenizer(tiny_checkpoint), placeholder, eos)
