@@ -8,9 +8,10 @@ then `transformers serve` on the same language model (exported as a DeepSeek-V3 
 it has no Kimi-VL, so text only) at 1 and 16, then the one-process path (`LocalPipeline`) one
 request at a time, all three in --dtype (default float32). Then, as a noisy machine's speed
 drifts between runs minutes apart, epd's 16-stream against 1-stream ratio again from --rounds
-(default 3) pairs of runs back to back. Every run's JSON lands in --out; the summary table is
-printed as Markdown for docs/benchmarks.md. Not a test: it takes about twenty minutes on two
-cores.
+(default 3) pairs of runs back to back, and the time to first token at one request, served and
+through the one-process path, on the same prompts taken in turn while the server idles. Every
+run's JSON lands in --out; the summary table is printed as Markdown for docs/benchmarks.md.
+Not a test: it takes about twenty minutes on two cores.
 """
 
 from __future__ import annotations
@@ -32,10 +33,13 @@ from epd.bench.workload import bodies
 from epd.checkpoint.export import export_language_model
 from epd.checkpoint.synthetic import make_checkpoint
 from epd.dtypes import MODEL_DTYPES, model_dtype
-from epd.local import LocalPipeline
+from epd.local import Completion, LocalPipeline
 
 TEXT = {"prompt_tokens": 90, "output_tokens": 64}  # about 240 prompt tokens with this tokenizer
 IMAGE = {"prompt_tokens": 20, "output_tokens": 64, "images": 1}
+# Time to first token, served against the one-process path: prompts in turn, 16 tokens each.
+SHORT: dict[str, Any] = TEXT | {"output_tokens": 16}
+TTFT_PAIRS = 40
 
 
 def start(command: list[str], url: str, log: Path) -> subprocess.Popen[bytes]:
@@ -92,8 +96,9 @@ def requests_for(concurrency: int, per_stream: int = PER_STREAM) -> int:
 
 def epd_runs(
     checkpoint: Path, out: Path, quick: bool, dtype: str, rounds: int
-) -> tuple[dict[str, dict[str, Any]], list[float]]:
-    """epd's runs by name, and its 16-stream against 1-stream ratio in each of `rounds` pairs."""
+) -> tuple[dict[str, dict[str, Any]], list[float], dict[str, float]]:
+    """epd's runs by name, its 16-stream against 1-stream ratio in each of `rounds` pairs, and
+    its time to first token at one request beside the one-process path's."""
     url = "http://127.0.0.1:8300/v1"
     command = [sys.executable, "-m", "epd.cli", "serve", "--model", str(checkpoint)]
     command += ["--dtype", dtype]
@@ -101,7 +106,8 @@ def epd_runs(
     server = start(command, url, out / "epd.log")
     try:
         runs = text_runs(url, out, quick) | image_runs(url, out)
-        return runs, scaling_rounds(url, out, rounds)
+        scaling = scaling_rounds(url, out, rounds)
+        return runs, scaling, ttft_pairs(url, checkpoint, dtype, TTFT_PAIRS)
     finally:
         stop(server)
 
@@ -139,6 +145,38 @@ def scaling_rounds(url: str, out: Path, rounds: int) -> list[float]:
         )
         ratios.append(many["output_throughput"] / one["output_throughput"])
     return ratios
+
+
+def ttft_pairs(url: str, checkpoint: Path, dtype: str, count: int) -> dict[str, float]:
+    """TTFT p50 at one request, served and through the one-process path, on the same prompts
+    taken in turn (served, then alone, then the next prompt), so that both meet the same
+    seconds of a machine whose speed drifts; the one-process path runs in this process while
+    the server idles."""
+    pipeline = LocalPipeline(checkpoint, dtype=model_dtype(dtype))
+    local_completions(pipeline, checkpoint.name, 4, seed=1)  # warm, as the server was
+    served, alone = [], []
+    with requests.Session() as session:  # one kept-alive connection, as `epd bench` keeps
+        for body in bodies(BenchConfig(**SHORT, seed=2), checkpoint.name, count):
+            served.append(streamed_ttft_s(session, url, body))
+            alone.append(pipeline.chat(body | {"stream": False, "stream_options": None}))
+    served_ms = statistics.median(served) * 1000
+    return {"served_ms": served_ms, "local_ms": ttft_p50_ms(alone)}
+
+
+def streamed_ttft_s(session: requests.Session, url: str, body: dict[str, Any]) -> float:
+    """Seconds from sending a streamed chat request to its first content chunk."""
+    start = time.perf_counter()
+    first = None
+    with session.post(f"{url}/chat/completions", json=body | {"stream": True}, stream=True) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if first is None and line.startswith(b"data: {"):
+                choices = json.loads(line[6:])["choices"]
+                if choices and choices[0]["delta"].get("content"):
+                    first = time.perf_counter() - start
+    if first is None:
+        raise RuntimeError("a streamed reply had no content")
+    return first
 
 
 def image_runs(url: str, out: Path) -> dict[str, dict[str, Any]]:
@@ -213,18 +251,28 @@ def transformers_runs(checkpoint: Path, out: Path, dtype: str) -> dict[str, dict
     return runs
 
 
+def local_completions(
+    pipeline: LocalPipeline, model: str, count: int, seed: int = 0, **workload: Any
+) -> list[Completion]:
+    """`count` requests of the workload (TEXT unless changed), one at a time."""
+    config = BenchConfig(**(TEXT | workload), seed=seed)
+    return [
+        pipeline.chat(body | {"stream": False, "stream_options": None})
+        for body in bodies(config, model, count)
+    ]
+
+
+def ttft_p50_ms(completions: list[Completion]) -> float:
+    return statistics.median(c.first_token_s for c in completions) * 1000
+
+
 def local_run(checkpoint: Path, dtype: str) -> dict[str, float]:
     """The one-process path, one request at a time, on the whole machine."""
     pipeline = LocalPipeline(checkpoint, dtype=model_dtype(dtype))
-    for body in bodies(BenchConfig(**TEXT, seed=1), checkpoint.name, 4):  # warm, as the servers
-        pipeline.chat(body | {"stream": False, "stream_options": None})
-    config = BenchConfig(**TEXT)
-    completions = [
-        pipeline.chat(body | {"stream": False, "stream_options": None})
-        for body in bodies(config, checkpoint.name, 8)
-    ]
+    local_completions(pipeline, checkpoint.name, 4, seed=1)  # warm, as the servers
+    completions = local_completions(pipeline, checkpoint.name, 8)
     return {
-        "ttft_p50_ms": statistics.median(c.first_token_s for c in completions) * 1000,
+        "ttft_p50_ms": ttft_p50_ms(completions),
         "tokens_per_s": sum(len(c.token_ids) for c in completions)
         / sum(c.total_s for c in completions),
     }
@@ -258,16 +306,21 @@ def main() -> None:
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     checkpoint = make_checkpoint(args.out / "small", "small")
-    runs, ratios = epd_runs(checkpoint, args.out, args.quick, args.dtype, args.rounds)
+    runs, ratios, ttft = epd_runs(checkpoint, args.out, args.quick, args.dtype, args.rounds)
     runs |= transformers_runs(checkpoint, args.out, args.dtype)
     local = local_run(checkpoint, args.dtype)
-    summary = {"runs": runs, "local": local, "ratios_16_to_1": ratios}
+    summary = {"runs": runs, "local": local, "ratios_16_to_1": ratios, "ttft_in_turn": ttft}
     (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
     print(table(runs, local))
     if ratios:
         shown = ", ".join(f"{r:.2f}" for r in ratios)
         median = statistics.median(ratios)
         print(f"\n16 streams against 1, back to back: {shown}; median {median:.2f}")
+    served, alone = ttft["served_ms"], ttft["local_ms"]
+    print(
+        f"TTFT p50 at 1 request, {TTFT_PAIRS} prompts in turn: served {served:.1f} ms, "
+        f"one-process {alone:.1f} ms, ratio {served / alone:.2f}"
+    )
 
 
 if __name__ == "__main__":
