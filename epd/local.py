@@ -116,8 +116,10 @@ class LocalPipeline:
         )
         deltas = {index: [first] for index, first in enumerate(prefilled.first)}
         first_token_s = time.perf_counter() - start
-        if prefilled.handoff is not None:  # as decode: its first outputs are prefill's, above
-            self.scheduler.add(prefilled.handoff)
+        if prefilled.handoff is not None:  # as decode, which sends only what comes after
+            continued = [output for _, output in self.scheduler.add(prefilled.handoff)]
+            if continued != list(prefilled.first):  # the two roles must agree on the reply
+                raise RuntimeError(f"decode read the first tokens as {continued}, not as prefill")
         while len(self.scheduler):
             step = self.scheduler.step()
             if step.failed or step.refused:

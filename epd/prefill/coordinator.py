@@ -336,9 +336,14 @@ class Coordinator:
                 self.outbox.send(stream.decoder, Abort(stream.request_id))
 
     async def read_deltas(self, stream: Stream) -> AsyncIterator[TokenDelta]:
+        """Prefill's first deltas, then decode's, each of which must carry on its choice: a
+        decoder that repeats a token (one of another version, which sends the first token
+        again) or revives an ended choice fails the request rather than garble it."""
         open_choices = set(range(stream.choices))
+        tokens = [0] * stream.choices  # each choice's tokens so far
         try:
             for delta in stream.first:
+                tokens[delta.index] = delta.completion_tokens
                 if delta.finish_reason is not None:
                     open_choices.discard(delta.index)
                 yield delta
@@ -352,9 +357,15 @@ class Coordinator:
                 if stream.sent_at:  # decode's first delta: the hand-off's round trip is done
                     self.metrics.handoff_seconds.observe(now() - stream.sent_at)
                     stream.sent_at = 0.0
+                choice = f"choice {item.index} of {stream.choices}"
                 if item.index not in open_choices:
-                    choice = f"choice {item.index} of {stream.choices}"
                     raise Internal(f"decode sent a delta for {choice}, which is not open")
+                if item.completion_tokens != tokens[item.index] + len(item.token_ids):
+                    raise Internal(
+                        f"decode's delta for {choice} does not follow on: {item.completion_tokens}"
+                        f" tokens in all, after {tokens[item.index]} and {len(item.token_ids)} new"
+                    )
+                tokens[item.index] = item.completion_tokens
                 if item.finish_reason is not None:
                     open_choices.discard(item.index)
                 yield item

@@ -61,8 +61,9 @@ class PrefillMetrics(RoleMetrics):
         self.handoff_bytes = counter("kv_handoff_bytes", "Bytes of KV caches handed to decoders.")
         self.handoff_seconds = seconds(
             "kv_handoff_seconds",
-            "From handing a KV cache to a decoder until its first delta came back "
-            "(transfer, admission and one decode step: the first token is prefill's).",
+            "From handing a KV cache to a decoder until its first delta came back: transfer, "
+            "admission, any wait for a batch slot or KV blocks, and one decode step (the first "
+            "token is prefill's own).",
         )
         self.peer_up = gauge(
             "peer_up", "1 while a peer answers (heartbeats), else 0.", ["role", "address"]

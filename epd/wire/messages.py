@@ -10,7 +10,7 @@ hand-off holding one must be refused before it meets the requests it would be ba
 from __future__ import annotations
 
 import typing
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import torch
 from msgspec import Meta
@@ -25,7 +25,6 @@ from epd.generation.params import (
     TokenLogprob,
     require,
 )
-from epd.generation.transcript import Output
 from epd.multimodal.grids import Grid
 from epd.wire.limits import (
     MAX_ITEMS,
@@ -35,6 +34,9 @@ from epd.wire.limits import (
     check_id,
     check_tensor,
 )
+
+if TYPE_CHECKING:  # only its fields are read: the wire need not load tokenizers
+    from epd.generation.transcript import Output
 
 
 class WireMessage(Record, frozen=True, tag=True):

@@ -160,6 +160,62 @@ def test_a_stream_is_released_once_however_its_reply_ends(tiny_checkpoint, tmp_p
     assert [type(m) for m in sent] == ([] if read else [Abort])
 
 
+def reply_of(config, service, first, from_decode):
+    """What a reader of the stream gets (deltas, then the error that ended it, if one did) and
+    what prefill sent: prefill's first deltas of two choices, then decode's."""
+
+    async def main():
+        coordinator = Coordinator(config, service.engine, 64, service.watchdog)
+        sent = []
+        coordinator.outbox.send = lambda peer, message: sent.append(message) or True
+        stream = Stream("r1", "decoder", choices=2, first=first)
+        coordinator.streams["r1"] = stream
+        for delta in from_decode:
+            stream.queue.put_nowait(delta)
+        got = []
+        try:
+            async for delta in coordinator.deltas(stream):
+                got.append((delta.index, delta.text))
+        except PrefillError as e:
+            got.append(str(e))
+        await coordinator.stop()
+        return got, [type(m).__name__ for m in sent]
+
+    return asyncio.run(main())
+
+
+FIRST = (
+    TokenDelta("r1", (5,), "a", completion_tokens=1),
+    TokenDelta("r1", (6,), "", completion_tokens=1, finish_reason="stop", index=1),
+)
+
+
+def test_a_reply_is_prefills_first_tokens_then_decodes_for_the_open_choices(
+    tiny_checkpoint, tmp_path
+):
+    config = ipc_config(tiny_checkpoint, tmp_path)
+    then = TokenDelta("r1", (7, 8), "bc", completion_tokens=3, finish_reason="length")
+    got, sent = reply_of(config, build_service(config), FIRST, [then])
+    assert got == [(0, "a"), (1, ""), (0, "bc")] and sent == []  # finished: nothing to abort
+
+
+@pytest.mark.parametrize(
+    "wrong, problem",
+    [
+        # A decoder of the version before, which sent each first token itself.
+        (TokenDelta("r1", (5,), "a", completion_tokens=1), "does not follow on"),
+        (TokenDelta("r1", (9,), "x", completion_tokens=2, index=1), "which is not open"),
+    ],
+)
+def test_a_decoder_that_repeats_a_token_or_revives_a_choice_fails_the_request(
+    tiny_checkpoint, tmp_path, wrong, problem
+):
+    config = ipc_config(tiny_checkpoint, tmp_path)
+    got, sent = reply_of(config, build_service(config), FIRST, [wrong])
+    assert got[:2] == [(0, "a"), (1, "")] and problem in got[2] and len(got) == 3
+    assert sent == ["Abort"]  # decode frees what it holds of the request
+
+
 def test_a_lost_decoders_last_words_come_before_the_loss(tiny_checkpoint, tmp_path, monkeypatch):
     """The disconnect is seen on another connection than the decoder's messages, so it can
     overtake them: a request it ended in its last words ends with its reason; one it left
