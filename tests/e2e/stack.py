@@ -204,7 +204,8 @@ LONG = 3000  # tokens: long enough that a stop request or a kill lands while the
 
 def long_stream(client: openai.OpenAI, started: threading.Semaphore) -> tuple[int, str | None]:
     """A stream of LONG tokens: its token count and finish reason; `started` is released once
-    its first text arrives."""
+    decode holds it: at its second piece of text (the first token's comes from prefill, before
+    decode has taken the request)."""
     chunks = client.chat.completions.create(
         model="tiny",
         messages=[{"role": "user", "content": "count"}],
@@ -213,11 +214,12 @@ def long_stream(client: openai.OpenAI, started: threading.Semaphore) -> tuple[in
         stream_options={"include_usage": True},
         extra_body={"ignore_eos": True},
     )
-    reason, usage, under_way = None, 0, False
+    reason, usage, texts = None, 0, 0
     for chunk in chunks:
-        if chunk.choices and chunk.choices[0].delta.content and not under_way:
-            under_way = True
-            started.release()
+        if chunk.choices and chunk.choices[0].delta.content:
+            texts += 1
+            if texts == 2:
+                started.release()
         if chunk.choices and chunk.choices[0].finish_reason:
             reason = chunk.choices[0].finish_reason
         if chunk.usage:
@@ -228,8 +230,7 @@ def long_stream(client: openai.OpenAI, started: threading.Semaphore) -> tuple[in
 def streams_under_way(
     pool: ThreadPoolExecutor, client: openai.OpenAI, count: int
 ) -> list[Future[tuple[int, str | None]]]:
-    """`count` long streams (`long_stream`) run in `pool`, returned once each has had its first
-    text."""
+    """`count` long streams (`long_stream`) run in `pool`, returned once decode holds each."""
     started = threading.Semaphore(0)
     streams = [pool.submit(long_stream, client, started) for _ in range(count)]
     for _ in streams:
