@@ -1,5 +1,5 @@
-"""One choice being generated: its transcript (stop rules, text) and what generates it, its
-cache and sampler. Shared by decode and tests; where its outputs go is decode's business."""
+"""One choice being generated: its transcript (prompt, stop rules, text) and what generates it,
+its cache and sampler. Shared by decode and tests; where its outputs go is decode's business."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ from typing import Any
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from epd.generation.logits import presence
 from epd.generation.params import SamplingParams, TokenLogprob
 from epd.generation.sampling import token_logprob
 from epd.generation.transcript import Transcript
@@ -30,17 +29,9 @@ class Sequence(Transcript):
         matcher: Any = None,
         index: int = 0,
     ) -> None:
-        super().__init__(sampling, tokenizer, eos_ids, matcher)
+        super().__init__(sampling, tokenizer, eos_ids, prompt_ids, matcher)
         self.request_id, self.index = request_id, index  # index: the choice (n > 1)
         self.generator, self.cache = generator, cache
-        self.prompt_ids = prompt_ids  # (prompt tokens,) int64, for repetition penalties
-        self._prompt_presence: torch.Tensor | None = None
-
-    def prompt_presence(self, vocab: int, device: torch.device) -> torch.Tensor:
-        """(vocab,) bool: the prompt's tokens, for repetition penalties; made once."""
-        if self._prompt_presence is None:
-            self._prompt_presence = presence(self.prompt_ids, vocab, device)
-        return self._prompt_presence
 
     @property
     def key(self) -> tuple[str, int]:

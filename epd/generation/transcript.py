@@ -1,4 +1,5 @@
 """A choice's reply as its client gets it: the tokens accepted, the text released, why it ended.
+With its prompt, it is also the history that the sampling controls read (`logits.History`).
 
 A reply ends on an eos id (the token is counted but adds no text; with `ignore_eos` it goes on,
 as benchmarks ask) or one of its `stop_token_ids`, on a stop string (the reply is cut before it,
@@ -17,10 +18,12 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from transformers import PreTrainedTokenizerBase
 
 from epd.generation.detokenizer import Detokenizer
 from epd.generation.grammar import advance
+from epd.generation.logits import presence
 from epd.generation.params import FinishReason, SamplingParams, TokenLogprob
 
 
@@ -41,15 +44,24 @@ class Transcript:
         sampling: SamplingParams,
         tokenizer: PreTrainedTokenizerBase,
         eos_ids: Collection[int],
+        prompt_ids: torch.Tensor,
         matcher: Any = None,
     ) -> None:
         self.sampling, self.tokenizer, self.eos_ids = sampling, tokenizer, frozenset(eos_ids)
+        self.prompt_ids = prompt_ids  # (prompt tokens,) int64, for repetition penalties
+        self._prompt_presence: torch.Tensor | None = None
         self.stop_ids = frozenset(sampling.stop_token_ids)
         self.matcher = matcher  # the request's grammar, fed every accepted token
         self.detokenizer = Detokenizer(tokenizer, sampling.skip_special_tokens)
         self.tokens: list[int] = []
         self.text, self.sent = "", 0  # reply text so far; characters already released
         self.finish_reason: FinishReason | None = None
+
+    def prompt_presence(self, vocab: int, device: torch.device) -> torch.Tensor:
+        """(vocab,) bool: the prompt's tokens, for repetition penalties; made once."""
+        if self._prompt_presence is None:
+            self._prompt_presence = presence(self.prompt_ids, vocab, device)
+        return self._prompt_presence
 
     def accept(self, token: int, logprob: TokenLogprob | None = None) -> Output:
         """Record a generated token and say what the client gets for it."""

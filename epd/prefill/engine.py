@@ -17,13 +17,12 @@ import logging
 from collections.abc import Collection
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any
 
 import torch
 from transformers import PreTrainedTokenizerBase
 
 from epd.generation.grammar import GrammarError, Grammars
-from epd.generation.logits import NoTokenAllowed, adjust, presence, require_a_token
+from epd.generation.logits import NoTokenAllowed, adjust, require_a_token
 from epd.generation.params import SamplingParams
 from epd.generation.sampling import make_generator, sample_batch, token_logprob
 from epd.generation.transcript import Output, Transcript
@@ -60,19 +59,6 @@ class Chunk:
     @property
     def last(self) -> bool:
         return self.stop == len(self.prompt.prompt_ids)
-
-
-@dataclass(frozen=True)
-class FirstToken:
-    """The history the first token's controls see: the prompt, and no reply yet."""
-
-    sampling: SamplingParams
-    prompt_ids: torch.Tensor
-    matcher: Any  # the grammar's matcher at its start, or None
-    tokens: tuple[int, ...] = ()
-
-    def prompt_presence(self, vocab: int, device: torch.device) -> torch.Tensor:
-        return presence(self.prompt_ids, vocab, device)
 
 
 @dataclass(frozen=True)
@@ -196,12 +182,18 @@ class PrefillEngine:
             generators = [make_generator(sampling.choice_seed(i)) for i in range(sampling.n)]
             ids = torch.tensor(prompt.prompt_ids, dtype=torch.int64)
             grammar = sampling.grammar
-            firsts = [
-                FirstToken(sampling, ids, self.grammars.matcher(grammar) if grammar else None)
+            replies = [  # each choice's, so far only its prompt: what the controls read
+                Transcript(
+                    sampling,
+                    self.tokenizer,
+                    self.eos_ids,
+                    ids,
+                    self.grammars.matcher(grammar) if grammar else None,
+                )
                 for _ in generators
             ]
             rows = logits[None].expand(sampling.n, -1)  # (n, vocab): one prompt, n choices
-            adjusted = adjust(rows, firsts, self.eos_ids)
+            adjusted = adjust(rows, replies, self.eos_ids)
             require_a_token(adjusted)
             tokens = sample_batch(adjusted, [sampling] * sampling.n, generators).tolist()
             top = sampling.top_logprobs
@@ -209,9 +201,8 @@ class PrefillEngine:
                 token_logprob(logits, t, top, self.tokenizer) if sampling.logprobs else None
                 for t in tokens
             )
-            outputs = tuple(  # each choice's matcher goes on from its masking to its token
-                Transcript(sampling, self.tokenizer, self.eos_ids, first.matcher).accept(t, lp)
-                for first, t, lp in zip(firsts, tokens, logprobs, strict=True)
+            outputs = tuple(
+                reply.accept(t, lp) for reply, t, lp in zip(replies, tokens, logprobs, strict=True)
             )
             if all(output.finish_reason for output in outputs):
                 return Prefilled(outputs, None)

@@ -2,6 +2,7 @@
 that prefill starts and decode continues."""
 
 import pytest
+import torch
 
 from epd.checkpoint.tokenizer import load_tokenizer
 from epd.generation.params import SamplingParams
@@ -15,7 +16,8 @@ def tokenizer(tiny_checkpoint):
 
 def transcript(tokenizer, **params):
     sampling = SamplingParams(**({"max_tokens": 100} | params))
-    return Transcript(sampling, tokenizer, [tokenizer.convert_tokens_to_ids("<|im_end|>")])
+    eos = [tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    return Transcript(sampling, tokenizer, eos, torch.tensor([1, 2, 3]))
 
 
 def feed(reply, tokenizer, text):
