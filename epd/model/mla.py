@@ -171,11 +171,14 @@ class MLAttention(nn.Module):
         sees the rows where visible (N, K) holds → (N, H, v)."""
         w_kv = self.kv_b_proj.weight.unflatten(0, (self.heads, -1))  # (H, nope + v, rank)
         w_uk, w_uv = w_kv.split([self.nope, self.v_dim], dim=1)
-        # Absorb the key up-projection: q_nope·(W_uk c) = (q_nope W_uk)·c.
-        q_latent = torch.einsum("nhc,hcr->nhr", q_nope, w_uk)
+        # Absorb the key up-projection: q_nope·(W_uk c) = (q_nope W_uk)·c. Batched over heads
+        # on views: einsum would copy the weight's halves into new memory on every call.
+        q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # (N, H, rank)
         q = torch.cat((q_latent, q_pe), dim=-1) * self.scale  # (N, H, rank + rope)
         scores = torch.matmul(q, cache.mT)  # (N, H, K)
         scores.masked_fill_(~visible[:, None, :], float("-inf"))
         weights = scores.softmax(-1, dtype=torch.float32).to(cache.dtype)
-        out = torch.matmul(weights, cache[..., : self.rank])  # (N, H, rank): W_uv applied after
-        return torch.einsum("nhr,hvr->nhv", out, w_uv)
+        # Over the whole rows, k_pe included, and the k_pe columns dropped after: a product
+        # over cache[..., :rank] would first copy that strided slice of every row.
+        out = torch.matmul(weights, cache)[..., : self.rank]  # (N, H, rank): W_uv applied after
+        return torch.bmm(out.transpose(0, 1), w_uv.mT).transpose(0, 1)  # (N, H, v)
