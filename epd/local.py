@@ -48,7 +48,11 @@ class Choice:
 class Completion:
     choices: list[Choice]  # one per n
     prompt_tokens: int
-    first_token_s: float  # time to the first token (benchmarks compare the stack with it)
+    first_token_s: float  # time to the first token, which may carry no text yet
+    # Time to the first output with text, or to the end if none had any: what a streaming
+    # client times as its first token (benchmarks compare the stack with it, as `epd bench`
+    # and OpenAI-style benchmarks time the first chunk with content).
+    first_text_s: float
     total_s: float
 
     # The first choice's, which is the only one unless the request asked for n > 1.
@@ -116,6 +120,7 @@ class LocalPipeline:
         )
         deltas = {index: [first] for index, first in enumerate(prefilled.first)}
         first_token_s = time.perf_counter() - start
+        first_text_s = first_token_s if any(first.text for first in prefilled.first) else None
         if prefilled.handoff is not None:  # as decode, which sends only what comes after
             continued = [output for _, output in self.scheduler.add(prefilled.handoff)]
             if continued != list(prefilled.first):  # the two roles must agree on the reply
@@ -126,9 +131,13 @@ class LocalPipeline:
                 raise RuntimeError([*step.refused, *step.failed][0][1])
             for sequence, delta in step.produced:
                 deltas[sequence.index].append(delta)
+                if first_text_s is None and delta.text:
+                    first_text_s = time.perf_counter() - start
+        total_s = time.perf_counter() - start
         return Completion(
             choices=[Choice.of(deltas[i]) for i in sorted(deltas)],
             prompt_tokens=len(prepared.prompt_ids),
             first_token_s=first_token_s,
-            total_s=time.perf_counter() - start,
+            first_text_s=total_s if first_text_s is None else first_text_s,
+            total_s=total_s,
         )
