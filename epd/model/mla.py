@@ -174,11 +174,25 @@ class MLAttention(nn.Module):
         # Absorb the key up-projection: q_nope·(W_uk c) = (q_nope W_uk)·c. Batched over heads
         # on views: einsum would copy the weight's halves into new memory on every call.
         q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # (N, H, rank)
-        q = torch.cat((q_latent, q_pe), dim=-1) * self.scale  # (N, H, rank + rope)
-        scores = torch.matmul(q, cache.mT)  # (N, H, K)
-        scores.masked_fill_(~visible[:, None, :], float("-inf"))
-        weights = scores.softmax(-1, dtype=torch.float32).to(cache.dtype)
-        # Over the whole rows, k_pe included, and the k_pe columns dropped after: a product
-        # over cache[..., :rank] would first copy that strided slice of every row.
-        out = torch.matmul(weights, cache)[..., : self.rank]  # (N, H, rank): W_uv applied after
+        q = torch.cat((q_latent, q_pe), dim=-1)  # (N, H, rank + rope)
+        out = self.attend_latent(q, cache, visible)[..., : self.rank]  # W_uv applied after
         return torch.bmm(out.transpose(0, 1), w_uv.mT).transpose(0, 1)  # (N, H, v)
+
+    def attend_latent(
+        self, q: torch.Tensor, cache: torch.Tensor, visible: torch.Tensor
+    ) -> torch.Tensor:
+        """Multi-query attention of q (N, H, L) over latent rows (N, K, L), each query n its
+        own, or (K, L), shared, where visible (N, K) → (N, H, L): one fused kernel, with the
+        whole rows as values (k_pe's columns come out too, for the caller to drop: a value
+        tensor of cache[..., :rank] would first copy that strided slice of every row)."""
+        n, heads = q.shape[:2]
+        if cache.dim() == 2:  # shared: all N·H query rows in one batch
+            q, cache = q.flatten(0, 1)[None], cache[None]  # (1, N·H, L), (1, K, L)
+            visible = visible.repeat_interleave(heads, dim=0)[None]  # (1, N·H, K)
+        else:
+            visible = visible[:, None, :]  # (N, 1, K): every head of a query alike
+        # One "head" whose H (or N·H) query positions share the keys (4-D, as the kernels take).
+        out = F.scaled_dot_product_attention(
+            q[:, None], cache[:, None], cache[:, None], visible[:, None], scale=self.scale
+        )
+        return out[:, 0].reshape(n, heads, -1)
