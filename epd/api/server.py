@@ -17,6 +17,7 @@ from epd.checkpoint.weights import load_model
 from epd.config.roles import PrefillConfig
 from epd.dtypes import model_dtype
 from epd.prefill.engine import PrefillEngine
+from epd.runtime.health import HTTP_PROTOCOL
 from epd.runtime.process import (
     STOP_GRACE_S,
     announce_ready,
@@ -113,6 +114,7 @@ def run(config: PrefillConfig) -> None:
             log_config=None,  # uvicorn's lines go through our handler, in our format
             access_log=config.access_log,
             timeout_graceful_shutdown=int(STOP_GRACE_S / 2),  # then open streams are cut
+            http=HTTP_PROTOCOL,
         ),
         service,
     )

@@ -21,6 +21,10 @@ Status = Callable[[], dict[str, object]]
 Problems = Callable[[], list[str]]
 DRAINING = "draining: shutting down"  # the problem a stopping process names
 START_TIMEOUT_S = 10.0
+# uvicorn's HTTP parser for every server here, named so that an installed httptools is not
+# picked up: with it uvicorn bounds no request's headers (a 64 MB one was read whole and
+# answered), where h11 refuses headers past 16 KiB with a 400.
+HTTP_PROTOCOL = "h11"
 
 
 def health_router(
@@ -60,7 +64,13 @@ class HealthServer:
         app = FastAPI(openapi_url=None)
         app.include_router(router)
         config = uvicorn.Config(
-            app, host=host, port=port, log_config=None, access_log=False, lifespan="off"
+            app,
+            host=host,
+            port=port,
+            log_config=None,
+            access_log=False,
+            lifespan="off",
+            http=HTTP_PROTOCOL,
         )
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, name="health", daemon=True)

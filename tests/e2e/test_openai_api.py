@@ -2,6 +2,7 @@
 path: routine fields, an earlier reply echoed back, and the sampling controls."""
 
 import asyncio
+import contextlib
 import json
 import re
 import time
@@ -496,3 +497,14 @@ def test_each_request_ends_with_one_log_line(stack, model_name):
     assert " done: " in ok and "+ 5 output tokens, 0 images, TTFT" in ok
     (bad,) = [line for line in lines if "request log-2: 400 after" in line]
     assert "top_p" in bad
+
+
+def test_a_request_with_headers_past_the_bound_is_refused_and_the_api_goes_on(stack):
+    _, base = stack
+    url = f"http://127.0.0.1:{base + 20}/v1/models"
+    # h11 reads no further than 16 KiB: a 400, sent while the client may still be writing,
+    # which then sees the connection reset instead.
+    with contextlib.suppress(httpx.TransportError):
+        refused = httpx.get(url, headers={"x-padding": "a" * 1_000_000}, timeout=30)
+        assert refused.status_code == 400
+    assert httpx.get(url, timeout=30).status_code == 200
