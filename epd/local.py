@@ -49,10 +49,10 @@ class Completion:
     choices: list[Choice]  # one per n
     prompt_tokens: int
     first_token_s: float  # time to the first token, which may carry no text yet
-    # Time to the first output with text, or to the end if none had any: what a streaming
-    # client times as its first token (benchmarks compare the stack with it, as `epd bench`
-    # and OpenAI-style benchmarks time the first chunk with content).
-    first_text_s: float
+    # Time to the first output with text (None if none had any): what a streaming client
+    # times as its first token (benchmarks compare the stack with it, as `epd bench` and
+    # OpenAI-style benchmarks time the first chunk with content).
+    first_text_s: float | None
     total_s: float
 
     # The first choice's, which is the only one unless the request asked for n > 1.
@@ -138,6 +138,6 @@ class LocalPipeline:
             choices=[Choice.of(deltas[i]) for i in sorted(deltas)],
             prompt_tokens=len(prepared.prompt_ids),
             first_token_s=first_token_s,
-            first_text_s=total_s if first_text_s is None else first_text_s,
+            first_text_s=first_text_s,
             total_s=total_s,
         )
