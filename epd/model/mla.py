@@ -182,17 +182,40 @@ class MLAttention(nn.Module):
         self, q: torch.Tensor, cache: torch.Tensor, visible: torch.Tensor
     ) -> torch.Tensor:
         """Multi-query attention of q (N, H, L) over latent rows (N, K, L), each query n its
-        own, or (K, L), shared, where visible (N, K) → (N, H, L): one fused kernel, with the
-        whole rows as values (k_pe's columns come out too, for the caller to drop: a value
-        tensor of cache[..., :rank] would first copy that strided slice of every row)."""
-        n, heads = q.shape[:2]
-        if cache.dim() == 2:  # shared: all N·H query rows in one batch
-            q, cache = q.flatten(0, 1)[None], cache[None]  # (1, N·H, L), (1, K, L)
-            visible = visible.repeat_interleave(heads, dim=0)[None]  # (1, N·H, K)
-        else:
-            visible = visible[:, None, :]  # (N, 1, K): every head of a query alike
-        # One "head" whose H (or N·H) query positions share the keys (4-D, as the kernels take).
-        out = F.scaled_dot_product_attention(
-            q[:, None], cache[:, None], cache[:, None], visible[:, None], scale=self.scale
-        )
-        return out[:, 0].reshape(n, heads, -1)
+        own, or (K, L), shared, where visible (N, K) → (N, H, L), the whole rows as values
+        (k_pe's columns come out too, for the caller to drop: a value tensor of
+        cache[..., :rank] would first copy that strided slice of every row)."""
+        if q.device.type == "cpu":
+            return fused_latent_attention(q, cache, visible, self.scale)
+        # On a GPU the fused kernels that take a mask run a block per request's few query rows
+        # and do not split a long cache across blocks; two batched products spread it.
+        # (Unmeasured: no GPU has been lent. docs/benchmarks.md)
+        return latent_attention(q, cache, visible, self.scale)
+
+
+def latent_attention(
+    q: torch.Tensor, cache: torch.Tensor, visible: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """`MLAttention.attend_latent` as two batched products: scores (N, H, K), then values."""
+    scores = torch.matmul(q * scale, cache.mT)  # (N, H, K)
+    scores.masked_fill_(~visible[:, None, :], float("-inf"))
+    weights = scores.softmax(-1, dtype=torch.float32).to(cache.dtype)
+    return torch.matmul(weights, cache)
+
+
+def fused_latent_attention(
+    q: torch.Tensor, cache: torch.Tensor, visible: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """`MLAttention.attend_latent` in one fused kernel, never writing the (N, H, K) scores:
+    on a CPU a decode step's attention ran 4-5% faster this way (docs/benchmarks.md)."""
+    n, heads = q.shape[:2]
+    if cache.dim() == 2:  # shared: all N·H query rows in one batch
+        q, cache = q.flatten(0, 1)[None], cache[None]  # (1, N·H, L), (1, K, L)
+        visible = visible.repeat_interleave(heads, dim=0)[None]  # (1, N·H, K)
+    else:
+        visible = visible[:, None, :]  # (N, 1, K): every head of a query alike
+    # One "head" whose H (or N·H) query positions share the keys (4-D, as the kernels take).
+    out = F.scaled_dot_product_attention(
+        q[:, None], cache[:, None], cache[:, None], visible[:, None], scale=scale
+    )
+    return out[:, 0].reshape(n, heads, -1)
