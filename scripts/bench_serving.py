@@ -28,6 +28,7 @@ from typing import Any
 
 import requests
 
+from epd.bench.client import Timing, read
 from epd.bench.config import BenchConfig
 from epd.bench.workload import bodies
 from epd.checkpoint.export import export_language_model
@@ -167,18 +168,14 @@ def ttft_pairs(url: str, checkpoint: Path, dtype: str, count: int) -> dict[str, 
 
 
 def streamed_ttft_s(session: requests.Session, url: str, body: dict[str, Any]) -> float | None:
-    """Seconds from sending a streamed chat request to its first content chunk (None if it
-    had none)."""
-    start = time.perf_counter()
-    first = None
+    """Seconds from sending a streamed chat request to its first content chunk, read as `epd
+    bench` reads its lines (None if it had none)."""
+    timing, start = Timing(0.0), time.perf_counter()
     with session.post(f"{url}/chat/completions", json=body | {"stream": True}, stream=True) as r:
         r.raise_for_status()
         for line in r.iter_lines():
-            if first is None and line.startswith(b"data: {"):
-                choices = json.loads(line[6:])["choices"]
-                if choices and choices[0]["delta"].get("content"):
-                    first = time.perf_counter() - start
-    return first
+            read(line.decode(), timing, time.perf_counter() - start)
+    return timing.first_token
 
 
 def image_runs(url: str, out: Path) -> dict[str, dict[str, Any]]:
