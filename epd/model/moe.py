@@ -111,10 +111,13 @@ class Experts(nn.Module):
         """`mix`, given the rows per expert (E,): the rows sorted by expert run through it."""
         tokens, k = ids.shape
         order = ids.flatten().argsort(stable=True)  # (T·k,) slots grouped by expert
-        y = self(x[order // k], counts)  # (T·k, D), in slot order
-        per_slot = torch.empty_like(y).index_copy_(0, order, y).view(tokens, k, x.shape[-1])
-        # Summing the k slots of a token in a fixed order keeps the result deterministic.
-        return (per_slot * weights.to(x.dtype)[..., None]).sum(1)
+        y = self(x.index_select(0, order // k), counts)  # (T·k, D), in slot order
+        # Each token's j-th choice at (j, t): summed over the leading dim, the k choices add up
+        # along whole contiguous rows. Summed over a middle dim, (T, k, D), bfloat16 took
+        # ~2.5x longer on a CPU. The fixed order of the sum keeps the result deterministic.
+        landed = order.argsort().view(tokens, k).t().flatten()  # (k·T,) rows of y
+        per_choice = y.index_select(0, landed).view(k, tokens, x.shape[-1])  # (k, T, D)
+        return (per_choice * weights.t().to(x.dtype)[..., None]).sum(0)
 
 
 def per_expert_names(
