@@ -8,7 +8,8 @@ expert at batch 16), and MKL runs such products from row-major weights at a thir
 this VM's memory bandwidth; oneDNN, from weights reordered once at load, runs them 1.3-1.9×
 faster. Small linears stay as they are: below `MIN_PACKED_LINEAR` weights, oneDNN's fixed cost
 per call (~10 µs) outweighs what it saves. Products of many rows (prefill's) run plain:
-oneDNN keeps a kernel per row count it meets (`MAX_PACKED_ROWS`). The packed copies are extra
+oneDNN keeps a kernel per row count it meets (`MAX_PACKED_ROWS`); only a prompt's expert
+products in bfloat16, a few hundred rows each, run packed (`MAX_PACKED_EXPERT_ROWS`). The packed copies are extra
 memory (those weights twice, bfloat16 experts three times: `PackedExperts`): the parameters
 stay, because state dicts name them (docs/benchmarks.md).
 
@@ -41,6 +42,11 @@ MIN_PACKED_LINEAR = 256 * 512
 # up to 1024 of them: products run packed only for the few rows of a decode step, their counts
 # rounded up, so a process meets at most 15 counts per weight shape (docs/benchmarks.md).
 MAX_PACKED_ROWS, ROW_STEP = 64, 8
+# An expert's products in bfloat16 run packed up to this many rows, padded past MAX_PACKED_ROWS
+# to a multiple of ROW_BUCKET (6 more kernels per shape): a prompt's ~T·k/E rows per expert ran
+# 25-30% faster so than from the plain weight, a 240-token prefill ~7% (docs/benchmarks.md). In
+# float32 the plain weight was as fast, and the prefill slower packed.
+MAX_PACKED_EXPERT_ROWS = 256
 # Up to this many rows, every expert runs at once when at least half have rows (`mix`); past
 # it the products the tokens do not need cost more than the calls it saves. Only in bfloat16:
 # in float32 a decode step gained nothing measurable, so it keeps no second copy.
@@ -75,14 +81,22 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 
 
 def product(
-    x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    packed: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    max_rows: int = MAX_PACKED_ROWS,
 ) -> torch.Tensor:
     """x (N, in) → x @ weight.T + bias (N, out): through `packed` (weight packed by `pack`)
     for 1 to MAX_PACKED_ROWS rows, their count above ROW_STEP rounded up to a multiple of it
-    (zero rows added, their results dropped); through the plain weight for more rows."""
-    if not 0 < x.shape[0] <= MAX_PACKED_ROWS:
-        return bucketed_linear(x, weight, bias)
-    return packed_product(x, packed, bias)
+    (zero rows added, their results dropped), and up to `max_rows` rounded up to a multiple of
+    ROW_BUCKET; through the plain weight for more rows."""
+    rows = x.shape[0]
+    if 0 < rows <= MAX_PACKED_ROWS:
+        return packed_product(x, packed, bias)
+    if 0 < rows <= max_rows:
+        return onednn_linear(padded(x, ROW_BUCKET), packed, bias)[:rows]
+    return bucketed_linear(x, weight, bias)
 
 
 def packed_product(
@@ -306,14 +320,18 @@ class PackedExperts(Repacked, Experts):
         """
         if not self.down or records_grad(x, self.gate_up_proj, self.down_proj):
             return super().forward(x, counts)
+        wide = self.down_proj.dtype == torch.bfloat16
+        most = MAX_PACKED_EXPERT_ROWS if wide else MAX_PACKED_ROWS
         out, end = torch.empty_like(x), 0
         for expert, rows in enumerate(counts.tolist()):
             if rows:
                 start, end = end, end + rows
-                gate_up = product(x[start:end], self.gate_up_proj[expert], self.gate_up[expert])
+                gate_up = product(
+                    x[start:end], self.gate_up_proj[expert], self.gate_up[expert], max_rows=most
+                )
                 gate, up = gate_up.split(self.hidden, dim=-1)
                 out[start:end] = product(
-                    F.silu(gate) * up, self.down_proj[expert], self.down[expert]
+                    F.silu(gate) * up, self.down_proj[expert], self.down[expert], max_rows=most
                 )
         return out
 

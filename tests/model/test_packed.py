@@ -315,6 +315,38 @@ def test_experts_with_many_or_rounded_rows_equal_a_plain_loop():
 
 
 @pytest.mark.parametrize(
+    "dtype, tolerance, packed_rows",
+    [  # a prompt's expert products: bfloat16 packed up to 256 rows (65 → 96), float32 to 64
+        (torch.float32, 1e-6, {16, 64}),
+        pytest.param(torch.bfloat16, 2e-2, {16, 64, 96, 256}, marks=BF16),
+    ],
+)
+@torch.inference_mode()
+def test_a_prompts_expert_products_run_packed_where_that_gains(
+    monkeypatch, dtype, tolerance, packed_rows
+):
+    seen = set()
+
+    def recording(x, weight, bias):
+        seen.add(x.shape[0])
+        return real(x, weight, bias)
+
+    real = packed.onednn_linear
+    monkeypatch.setattr(packed, "onednn_linear", recording)
+    moe = pack_for_cpu(moe_of(experts_of().to(dtype)))
+    # Rows per expert: 13 (run as 16), 64, 65 (as 96 in bfloat16), 256 and 257 (plain).
+    rows = {0: 13, 1: 64, 2: 65, 3: 256, 4: 257}
+    ids = torch.tensor([e for e, n in rows.items() for _ in range(n)])[:, None]
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(len(ids), 16, generator=generator).to(dtype)
+    weights = torch.rand(len(ids), 1, generator=generator)
+    got = moe.routed(x, weights, ids)
+    want = reference_routed(experts_of(), x.float(), weights, ids)
+    assert got.dtype == dtype and rel_err(got.float(), want) <= tolerance
+    assert seen == packed_rows
+
+
+@pytest.mark.parametrize(
     "dtype, run_as",
     [  # over 64 rows, bfloat16 products run as a multiple of 32 (65 → 96); others as they are
         (torch.bfloat16, {*range(1, 65), 96, 128, 160}),
