@@ -101,9 +101,14 @@ class Experts(nn.Module):
         gate, up = gate_up.split(self.hidden, dim=-1)
         return F.grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=ends)
 
-    def mix(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """x (T, D), weights and expert ids (T, k) → Σ_k weight_k · expert_k(x) (T, D)."""
-        return self.mix_sorted(x, weights, ids, torch.bincount(ids.flatten(), minlength=len(self)))
+    def mix(
+        self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, shared: MLP | None = None
+    ) -> torch.Tensor:
+        """x (T, D), weights and expert ids (T, k) → Σ_k weight_k · expert_k(x) (T, D), plus
+        shared(x) if a shared expert is given."""
+        counts = torch.bincount(ids.flatten(), minlength=len(self))
+        out = self.mix_sorted(x, weights, ids, counts)
+        return out if shared is None else out + shared(x)
 
     def mix_sorted(
         self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, counts: torch.Tensor
@@ -161,10 +166,7 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (T, D) → (T, D): Σ_k weight_k · expert_k(x) + shared(x)."""
         weights, ids = self.gate(x)
-        out = self.routed(x, weights, ids)
-        if hasattr(self, "shared_experts"):
-            out = out + self.shared_experts(x)
-        return out
+        return self.experts.mix(x, weights, ids, getattr(self, "shared_experts", None))
 
     def routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x (T, D), weights and expert ids (T, k) → Σ_k weight_k · expert_k(x) (T, D)."""

@@ -9,9 +9,9 @@ this VM's memory bandwidth; oneDNN, from weights reordered once at load, runs th
 faster. Small linears stay as they are: below `MIN_PACKED_LINEAR` weights, oneDNN's fixed cost
 per call (~10 µs) outweighs what it saves. Products of many rows (prefill's) run plain:
 oneDNN keeps a kernel per row count it meets (`MAX_PACKED_ROWS`); only a prompt's expert
-products in bfloat16, a few hundred rows each, run packed (`MAX_PACKED_EXPERT_ROWS`). The packed copies are extra
-memory (those weights twice, bfloat16 experts three times: `PackedExperts`): the parameters
-stay, because state dicts name them (docs/benchmarks.md).
+products in bfloat16, a few hundred rows each, run packed (`MAX_PACKED_EXPERT_ROWS`). The
+packed copies are extra memory (those weights twice, bfloat16 experts three times:
+`PackedExperts`): the parameters stay, because state dicts name them (docs/benchmarks.md).
 
 oneDNN also runs the plain products of bfloat16 weights on a CPU, and builds a kernel for each
 row count it meets (~1 ms for a (256, 512) @ (512, 1408) product that then takes 0.5 ms): a
@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from epd.memory import available_memory
-from epd.model.moe import Experts
+from epd.model.moe import MLP, Experts
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 # Linears of fewer weights run faster unpacked (a (512, 256) one gains; docs/benchmarks.md).
@@ -255,10 +255,14 @@ class PackedExperts(Repacked, Experts):
     down: list[torch.Tensor]
     gate_up_all: torch.Tensor | None
     down_all: torch.Tensor | None
+    shared_key: tuple[int, ...]
 
     def __init__(self, experts: int, dim: int, hidden: int) -> None:
         super().__init__(experts, dim, hidden)
         self.gate_up, self.down, self.gate_up_all, self.down_all = [], [], None, None
+        # The shared expert's chunks of `hidden` in the side-by-side copy (`fold`), and which
+        # weights they copy: (address, version) of each.
+        self.shared_chunks, self.shared_key = 0, ()
 
     @staticmethod
     def sizes(module: Any) -> tuple[int, int, int]:
@@ -281,37 +285,82 @@ class PackedExperts(Repacked, Experts):
         self.down = [pack(w) for w in self.down_proj] if packable else []
         self.gate_up_all = self.down_all = None
         if packable and self.all_at_once:
-            self.gate_up_all = pack(self.gate_up_proj.flatten(0, 1))
-            # (E, D, H) → (D, E·H): expert e's down_proj in columns [e·H, (e + 1)·H)
-            self.down_all = pack(self.down_proj.permute(1, 0, 2).flatten(1))
+            self.pack_side_by_side(None)
 
-    def mix(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """x (T, D), weights and expert ids (T, k) → Σ_k weight_k · expert_k(x) (T, D).
+    def pack_side_by_side(self, shared: MLP | None) -> None:
+        """The experts side by side, and after them the shared expert's chunks of `hidden` as
+        more experts (its gate and up rows, its down columns: silu(gate)·up acts row by row,
+        and the down product sums over the chunks as over experts)."""
+        gate_up = [self.gate_up_proj.flatten(0, 1)]  # (E·2H, D)
+        # (E, D, H) → (D, E·H): expert e's down_proj in columns [e·H, (e + 1)·H)
+        down = [self.down_proj.permute(1, 0, 2).flatten(1)]
+        self.shared_chunks, self.shared_key = 0, ()
+        if shared is not None:
+            gates = shared.gate_proj.weight.split(self.hidden)  # n × (H, D)
+            ups = shared.up_proj.weight.split(self.hidden)
+            gate_up += [torch.cat(chunk) for chunk in zip(gates, ups, strict=True)]
+            down.append(shared.down_proj.weight)  # (D, n·H)
+            self.shared_chunks, self.shared_key = len(gates), weights_key(shared)
+        self.gate_up_all, self.down_all = pack(torch.cat(gate_up)), pack(torch.cat(down, dim=1))
+
+    def fold(self, shared: MLP | None) -> bool:
+        """Whether the shared expert runs in the side-by-side products: put there at its first
+        call, and again whenever its weights change (they load after these, or move). Its
+        chunks add their weights' memory to that copy (1/32 of the experts' in Kimi-VL)."""
+        if shared is None or self.gate_up_all is None:
+            return False
+        weight = shared.gate_proj.weight
+        if weight.shape[0] % self.hidden or (weight.dtype, weight.device) != (
+            self.down_proj.dtype,
+            self.down_proj.device,
+        ):
+            return False
+        if weights_key(shared) != self.shared_key:
+            self.pack_side_by_side(shared)
+        return True
+
+    def unfold(self) -> None:
+        """The shared expert's weights may have changed: fold them in again at the next call."""
+        self.shared_key = ()
+
+    def mix(
+        self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, shared: MLP | None = None
+    ) -> torch.Tensor:
+        """x (T, D), weights and expert ids (T, k) → Σ_k weight_k · expert_k(x) (T, D), plus
+        shared(x) if a shared expert is given.
 
         Every expert at once when at least half have rows: the weights of the experts a row is
         not routed to are zero, so the down product sums just its k experts. It multiplies
         E/k times the useful products, but one oneDNN call instead of two per expert costs
         less on the few rows of a decode step (docs/benchmarks.md, "Every expert at once").
-        Every row then passes through every expert: an expert whose output is not finite
-        would spoil rows not routed to it (0 · NaN), where the loop would spoil only its own.
+        The shared expert runs in the same two products (`fold`), weighted 1: three calls fewer
+        (a decode step ~6% faster). Every row then passes through every expert: an expert
+        whose output is not finite would spoil rows not routed to it (0 · NaN), where the loop
+        would spoil only its own.
         """
         experts, tokens = len(self), x.shape[0]
         counts = torch.bincount(ids.flatten(), minlength=experts)  # (E,) rows per expert
-        gate_up_all, down_all = self.gate_up_all, self.down_all
         if (
-            gate_up_all is None
-            or down_all is None
+            self.gate_up_all is None
             or not 0 < tokens <= MAX_ALL_EXPERTS_ROWS
             or records_grad(x, self.gate_up_proj, self.down_proj)
             or 2 * int(counts.count_nonzero()) < experts
         ):
-            return self.mix_sorted(x, weights, ids, counts)
-        gate_up = packed_product(x, gate_up_all).view(tokens, experts, -1)
-        gate, up = gate_up.split(self.hidden, dim=-1)  # (T, E, H) each
-        # (T, E): each token's weight per expert, summed should an expert appear twice
-        mixing = x.new_zeros(tokens, experts).scatter_add_(1, ids, weights.to(x.dtype))
-        hidden = F.silu(gate) * up * mixing[..., None]  # (T, E, H)
-        return packed_product(hidden.flatten(1), down_all)
+            out = self.mix_sorted(x, weights, ids, counts)
+            return out if shared is None else out + shared(x)
+        folded = self.fold(shared)
+        assert self.gate_up_all is not None and self.down_all is not None  # packed by `fold`
+        columns = experts + self.shared_chunks  # the experts, then any shared chunks
+        gate_up = packed_product(x, self.gate_up_all).view(tokens, columns, -1)
+        gate, up = gate_up.split(self.hidden, dim=-1)  # (T, E + n, H) each
+        # (T, E + n): each token's weight per expert, summed should an expert appear twice;
+        # 1 for the shared chunks if the shared expert is asked for, else 0
+        mixing = x.new_zeros(tokens, columns)
+        mixing[:, :experts].scatter_add_(1, ids, weights.to(x.dtype))
+        mixing[:, experts:] = float(folded)
+        hidden = F.silu(gate) * up * mixing[..., None]  # (T, E + n, H)
+        out = packed_product(hidden.flatten(1), self.down_all)
+        return out + shared(x) if shared is not None and not folded else out
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Rows sorted by expert (S, D), rows per expert (E,) → each row through its expert (S, D).
@@ -334,6 +383,12 @@ class PackedExperts(Repacked, Experts):
                     F.silu(gate) * up, self.down_proj[expert], self.down[expert], max_rows=most
                 )
         return out
+
+
+def weights_key(module: nn.Module) -> tuple[int, ...]:
+    """Where a module's parameters live: that changes when they move. Loading new weights
+    copies them in place: `pack_for_cpu` has a shared expert's loads `unfold` its experts."""
+    return tuple(p.data_ptr() for p in module.parameters())
 
 
 def pack_for_cpu(model: nn.Module) -> nn.Module:
@@ -367,7 +422,11 @@ def pack_for_cpu(model: nn.Module) -> nn.Module:
                 kept[i], room = copy, room - size
     for (parent, name, child, packed), copies in zip(found, kept, strict=True):
         if copies:
-            setattr(parent, name, packed.of(child, copies))
+            setattr(parent, name, new := packed.of(child, copies))
+            shared = getattr(parent, "shared_experts", None)
+            if isinstance(new, PackedExperts) and isinstance(shared, nn.Module):
+                # New weights for it, loaded with the experts or alone, are folded in anew.
+                shared.register_load_state_dict_post_hook(lambda *_, new=new: new.unfold())
     left = sum((w - k) * size for w, k, size in zip(wanted, kept, sizes, strict=True))
     if left:
         log.warning(

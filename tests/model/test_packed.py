@@ -8,7 +8,7 @@ from torch import nn
 from epd.checkpoint.synthetic import make_checkpoint
 from epd.checkpoint.weights import load_model
 from epd.model import packed
-from epd.model.moe import Experts
+from epd.model.moe import MLP, Experts
 from epd.model.packed import (
     MAX_ALL_EXPERTS_ROWS,
     MIN_PACKED_LINEAR,
@@ -79,6 +79,64 @@ def test_every_expert_runs_at_once_only_for_few_rows_and_most_experts_in_bfloat1
     assert rel_err(moe.routed(x, weights, ids).float(), want) <= tolerance
     assert bool(calls) is not at_once
     assert (moe.experts.down_all is not None) is (dtype == torch.bfloat16)
+
+
+def moe_with_shared(dtype: torch.dtype, sign: float = 1.0) -> nn.Module:
+    """`moe_of` with a shared expert two experts wide (hidden 16 = 2 × 8), its weights seeded."""
+    moe = moe_of(experts_of())
+    moe.shared_experts = MLP(16, 16)
+    generator = torch.Generator().manual_seed(5)
+    for p in moe.shared_experts.parameters():
+        p.data = sign * torch.randn(p.shape, generator=generator)
+    return moe.to(dtype)
+
+
+def plain_moe_output(moe: nn.Module, x: torch.Tensor, weights, ids) -> torch.Tensor:
+    """Σ_k weight_k · expert_k(x) + shared(x), in float32, one token and expert at a time."""
+    shared = moe.shared_experts
+    plain = MLP(16, 16)
+    plain.load_state_dict({k: v.float() for k, v in shared.state_dict().items()})
+    return reference_routed(experts_of(), x.float(), weights, ids) + plain(x.float())
+
+
+@BF16
+@torch.inference_mode()
+def test_the_shared_expert_runs_inside_the_products_of_every_expert_at_once(monkeypatch):
+    moe = pack_for_cpu(moe_with_shared(torch.bfloat16))
+    generator = torch.Generator().manual_seed(2)
+    x = torch.randn(8, 16, generator=generator).bfloat16()
+    weights = torch.rand(8, 2, generator=generator)
+    want = plain_moe_output(moe, x, weights, IDS)
+    monkeypatch.setattr(moe.gate, "forward", lambda _: (weights, IDS))
+    with monkeypatch.context() as m:  # in the experts' two products, never on its own
+        m.setattr(MLP, "forward", lambda *_: pytest.fail("the shared expert ran on its own"))
+        got = moe(x)
+    assert moe.experts.shared_chunks == 2 and rel_err(got.float(), want) <= 2e-2
+    # The routed experts alone, from the same copy: the shared chunks weighted 0.
+    routed = moe.routed(x, weights, IDS)
+    assert rel_err(routed.float(), reference_routed(experts_of(), x.float(), weights, IDS)) <= 2e-2
+    # Few rows per expert: the loop, and the shared expert on its own.
+    few = moe.experts.mix(x, weights, FEW, moe.shared_experts)
+    assert rel_err(few.float(), plain_moe_output(moe, x, weights, FEW)) <= 2e-2
+
+
+@BF16
+@torch.inference_mode()
+def test_new_shared_weights_are_folded_in_again():
+    """Loaded with the experts (after they repack) or alone, the shared expert's new weights
+    are in the next call's products."""
+    other = moe_with_shared(torch.bfloat16, -2)
+    x, weights = torch.randn(8, 16).bfloat16(), torch.rand(8, 2)
+    want = plain_moe_output(other, x, weights, IDS)
+    for load in ("moe", "shared expert"):
+        moe = pack_for_cpu(moe_with_shared(torch.bfloat16))
+        moe.experts.mix(x, weights, IDS, moe.shared_experts)  # folded with the first weights
+        if load == "moe":
+            moe.load_state_dict(other.state_dict())
+        else:
+            moe.shared_experts.load_state_dict(other.shared_experts.state_dict())
+        got = moe.experts.mix(x, weights, IDS, moe.shared_experts)
+        assert rel_err(got.float(), want) <= 2e-2, load
 
 
 def test_the_swap_keeps_parameters_and_checkpoint_names():
