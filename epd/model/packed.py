@@ -304,9 +304,10 @@ class PackedExperts(Repacked, Experts):
         self.gate_up_all, self.down_all = pack(torch.cat(gate_up)), pack(torch.cat(down, dim=1))
 
     def fold(self, shared: MLP | None) -> bool:
-        """Whether the shared expert runs in the side-by-side products: put there at its first
-        call, and again whenever its weights change (they load after these, or move). Its
-        chunks add their weights' memory to that copy (1/32 of the experts' in Kimi-VL)."""
+        """Whether the shared expert runs in the side-by-side products: put there when packing
+        (`pack_for_cpu`), and again at the first call after its weights change (they load
+        after these, or move). Its chunks add their weights' memory to that copy (1/32 of the
+        experts' in Kimi-VL)."""
         if shared is None or self.gate_up_all is None:
             return False
         weight = shared.gate_proj.weight
@@ -334,7 +335,7 @@ class PackedExperts(Repacked, Experts):
         E/k times the useful products, but one oneDNN call instead of two per expert costs
         less on the few rows of a decode step (docs/benchmarks.md, "Every expert at once").
         The shared expert runs in the same two products (`fold`), weighted 1: three calls fewer
-        (a decode step ~6% faster). Every row then passes through every expert: an expert
+        (a batch-16 step ~5% faster). Every row then passes through every expert: an expert
         whose output is not finite would spoil rows not routed to it (0 · NaN), where the loop
         would spoil only its own.
         """
@@ -424,7 +425,8 @@ def pack_for_cpu(model: nn.Module) -> nn.Module:
         if copies:
             setattr(parent, name, new := packed.of(child, copies))
             shared = getattr(parent, "shared_experts", None)
-            if isinstance(new, PackedExperts) and isinstance(shared, nn.Module):
+            if isinstance(new, PackedExperts) and isinstance(shared, MLP):
+                new.fold(shared)  # now, not in the first decode step that runs them all
                 # New weights for it, loaded with the experts or alone, are folded in anew.
                 shared.register_load_state_dict_post_hook(lambda *_, new=new: new.unfold())
     left = sum((w - k) * size for w, k, size in zip(wanted, kept, sizes, strict=True))

@@ -103,6 +103,7 @@ def plain_moe_output(moe: nn.Module, x: torch.Tensor, weights, ids) -> torch.Ten
 @torch.inference_mode()
 def test_the_shared_expert_runs_inside_the_products_of_every_expert_at_once(monkeypatch):
     moe = pack_for_cpu(moe_with_shared(torch.bfloat16))
+    assert moe.experts.shared_chunks == 2  # folded when packed, before any call
     generator = torch.Generator().manual_seed(2)
     x = torch.randn(8, 16, generator=generator).bfloat16()
     weights = torch.rand(8, 2, generator=generator)
