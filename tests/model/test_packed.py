@@ -345,18 +345,24 @@ def test_where_memory_is_short_the_experts_are_packed_first(monkeypatch, caplog)
     assert "not packed" in caplog.text
 
 
-@torch.inference_mode()
-def test_a_process_meets_few_row_counts_per_packed_weight(monkeypatch):
-    """oneDNN keeps a kernel (~0.5-1 MiB) per row count it meets: prefill's many prompt lengths
-    must not each leave one behind."""
-    seen = set()
+def packed_row_counts(monkeypatch: pytest.MonkeyPatch) -> set[int]:
+    """The row counts packed products run with from now on, as they happen."""
+    seen: set[int] = set()
+    real = packed.onednn_linear
 
     def recording(x, weight, bias):
         seen.add(x.shape[0])
         return real(x, weight, bias)
 
-    real = packed.onednn_linear
     monkeypatch.setattr(packed, "onednn_linear", recording)
+    return seen
+
+
+@torch.inference_mode()
+def test_a_process_meets_few_row_counts_per_packed_weight(monkeypatch):
+    """oneDNN keeps a kernel (~0.5-1 MiB) per row count it meets: prefill's many prompt lengths
+    must not each leave one behind."""
+    seen = packed_row_counts(monkeypatch)
     linear = PackedLinear.of(linear_of())
     for rows in range(1, 300):
         x = torch.randn(rows, linear.in_features)
@@ -384,14 +390,7 @@ def test_experts_with_many_or_rounded_rows_equal_a_plain_loop():
 def test_a_prompts_expert_products_run_packed_where_that_gains(
     monkeypatch, dtype, tolerance, packed_rows
 ):
-    seen = set()
-
-    def recording(x, weight, bias):
-        seen.add(x.shape[0])
-        return real(x, weight, bias)
-
-    real = packed.onednn_linear
-    monkeypatch.setattr(packed, "onednn_linear", recording)
+    seen = packed_row_counts(monkeypatch)
     moe = pack_for_cpu(moe_of(experts_of().to(dtype)))
     # Rows per expert: 13 (run as 16), 64, 65 (as 96 in bfloat16), 256 and 257 (plain).
     rows = {0: 13, 1: 64, 2: 65, 3: 256, 4: 257}
