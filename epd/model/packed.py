@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import platform
+import weakref
 from typing import Any, TypeVar
 
 import torch
@@ -246,9 +247,10 @@ class PackedExperts(Repacked, Experts):
     at once (`mix`).
 
     gate_up: E packed (2H, D); down: E packed (D, H); in ALL_EXPERTS_DTYPES also gate_up_all:
-    packed (E·2H, D), the experts side by side, and down_all: packed (D, E·H). Empty lists and
-    None where the weights cannot be packed (another device or dtype), and then the grouped
-    matmul runs.
+    packed ((E + n)·2H, D), the experts side by side and then the shared expert's n chunks of
+    H (`fold`; n is 0 without one), and down_all: packed (D, (E + n)·H). Empty lists and None
+    where the weights cannot be packed (another device or dtype), and then the grouped matmul
+    runs.
     """
 
     gate_up: list[torch.Tensor]
@@ -260,8 +262,8 @@ class PackedExperts(Repacked, Experts):
     def __init__(self, experts: int, dim: int, hidden: int) -> None:
         super().__init__(experts, dim, hidden)
         self.gate_up, self.down, self.gate_up_all, self.down_all = [], [], None, None
-        # The shared expert's chunks of `hidden` in the side-by-side copy (`fold`), and which
-        # weights they copy: (address, version) of each.
+        # The shared expert's chunks of `hidden` in the side-by-side copy (`fold`), and where
+        # the weights they copy live (`weights_key`).
         self.shared_chunks, self.shared_key = 0, ()
 
     @staticmethod
@@ -291,34 +293,46 @@ class PackedExperts(Repacked, Experts):
         """The experts side by side, and after them the shared expert's chunks of `hidden` as
         more experts (its gate and up rows, its down columns: silu(gate)·up acts row by row,
         and the down product sums over the chunks as over experts)."""
+        # The old copy goes first: two at once would be the memory peak. Should packing fail
+        # (out of memory), None leaves `mix` to the loop, consistent.
+        self.gate_up_all = self.down_all = None
+        self.shared_chunks, self.shared_key = 0, ()
         gate_up = [self.gate_up_proj.flatten(0, 1)]  # (E·2H, D)
         # (E, D, H) → (D, E·H): expert e's down_proj in columns [e·H, (e + 1)·H)
         down = [self.down_proj.permute(1, 0, 2).flatten(1)]
-        self.shared_chunks, self.shared_key = 0, ()
+        chunks = 0
         if shared is not None:
             gates = shared.gate_proj.weight.split(self.hidden)  # n × (H, D)
             ups = shared.up_proj.weight.split(self.hidden)
             gate_up += [torch.cat(chunk) for chunk in zip(gates, ups, strict=True)]
             down.append(shared.down_proj.weight)  # (D, n·H)
-            self.shared_chunks, self.shared_key = len(gates), weights_key(shared)
-        self.gate_up_all, self.down_all = pack(torch.cat(gate_up)), pack(torch.cat(down, dim=1))
+            chunks = len(gates)
+        gate_up_all, down_all = pack(torch.cat(gate_up)), pack(torch.cat(down, dim=1))
+        self.gate_up_all, self.down_all = gate_up_all, down_all
+        if shared is not None:
+            self.shared_chunks, self.shared_key = chunks, weights_key(shared)
 
     def fold(self, shared: MLP | None) -> bool:
         """Whether the shared expert runs in the side-by-side products: put there when packing
         (`pack_for_cpu`), and again at the first call after its weights change (they load
         after these, or move). Its chunks add their weights' memory to that copy (1/32 of the
         experts' in Kimi-VL)."""
-        if shared is None or self.gate_up_all is None:
-            return False
-        weight = shared.gate_proj.weight
-        if weight.shape[0] % self.hidden or (weight.dtype, weight.device) != (
-            self.down_proj.dtype,
-            self.down_proj.device,
-        ):
+        if shared is None or self.gate_up_all is None or not self.can_fold(shared):
             return False
         if weights_key(shared) != self.shared_key:
             self.pack_side_by_side(shared)
         return True
+
+    def can_fold(self, shared: MLP) -> bool:
+        """Its weights in the experts' dtype and device, its width a multiple of theirs."""
+        gate, up, down = shared.gate_proj.weight, shared.up_proj.weight, shared.down_proj.weight
+        mine = (self.down_proj.dtype, self.down_proj.device)
+        width = gate.shape[0]
+        return (
+            all((w.dtype, w.device) == mine for w in (gate, up, down))
+            and width % self.hidden == 0
+            and up.shape[0] == down.shape[1] == width
+        )
 
     def unfold(self) -> None:
         """The shared expert's weights may have changed: fold them in again at the next call."""
@@ -388,8 +402,15 @@ class PackedExperts(Repacked, Experts):
 
 def weights_key(module: nn.Module) -> tuple[int, ...]:
     """Where a module's parameters live: that changes when they move. Loading new weights
-    copies them in place: `pack_for_cpu` has a shared expert's loads `unfold` its experts."""
+    copies them in place: `pack_for_cpu` has any load into a shared expert (or into one of its
+    linears) `unfold` its experts."""
     return tuple(p.data_ptr() for p in module.parameters())
+
+
+def shared_bytes(moe: nn.Module) -> int:
+    """Bytes of the shared expert beside a layer's experts, if any."""
+    shared = getattr(moe, "shared_experts", None)
+    return sum(p.nbytes for p in shared.parameters()) if isinstance(shared, MLP) else 0
 
 
 def pack_for_cpu(model: nn.Module) -> nn.Module:
@@ -410,9 +431,10 @@ def pack_for_cpu(model: nn.Module) -> nn.Module:
         if (packed := packed_form(name, child))
     ]
     found.sort(key=lambda swap: swap[3] is not PackedExperts)  # stable: experts first
-    sizes = [  # bytes of one copy
+    sizes = [  # bytes of one copy (the experts' with a shared expert beside them: `fold`)
         sum(p.nbytes for n, p in child.named_parameters(recurse=False) if n != "bias")
-        for _, _, child, _ in found
+        + (shared_bytes(parent) if packed is PackedExperts else 0)
+        for parent, _, child, packed in found
     ]
     wanted = [packed.copies(child) for _, _, child, packed in found]
     budget = available_memory() // 2
@@ -427,8 +449,13 @@ def pack_for_cpu(model: nn.Module) -> nn.Module:
             shared = getattr(parent, "shared_experts", None)
             if isinstance(new, PackedExperts) and isinstance(shared, MLP):
                 new.fold(shared)  # now, not in the first decode step that runs them all
-                # New weights for it, loaded with the experts or alone, are folded in anew.
-                shared.register_load_state_dict_post_hook(lambda *_, new=new: new.unfold())
+                # New weights for it (or any of its linears), loaded with the experts or alone,
+                # are folded in anew; weakly held, so experts swapped out can be freed.
+                experts = weakref.ref(new)
+                for module in shared.modules():
+                    module.register_load_state_dict_post_hook(
+                        lambda *_, experts=experts: (e := experts()) and e.unfold()
+                    )
     left = sum((w - k) * size for w, k, size in zip(wanted, kept, sizes, strict=True))
     if left:
         log.warning(

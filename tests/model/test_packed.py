@@ -81,10 +81,10 @@ def test_every_expert_runs_at_once_only_for_few_rows_and_most_experts_in_bfloat1
     assert (moe.experts.down_all is not None) is (dtype == torch.bfloat16)
 
 
-def moe_with_shared(dtype: torch.dtype, sign: float = 1.0) -> nn.Module:
-    """`moe_of` with a shared expert two experts wide (hidden 16 = 2 × 8), its weights seeded."""
+def moe_with_shared(dtype: torch.dtype, sign: float = 1.0, width: int = 16) -> nn.Module:
+    """`moe_of` with a shared expert `width` wide (16: two experts' 8), its weights seeded."""
     moe = moe_of(experts_of())
-    moe.shared_experts = MLP(16, 16)
+    moe.shared_experts = MLP(16, width)
     generator = torch.Generator().manual_seed(5)
     for p in moe.shared_experts.parameters():
         p.data = sign * torch.randn(p.shape, generator=generator)
@@ -94,7 +94,7 @@ def moe_with_shared(dtype: torch.dtype, sign: float = 1.0) -> nn.Module:
 def plain_moe_output(moe: nn.Module, x: torch.Tensor, weights, ids) -> torch.Tensor:
     """Σ_k weight_k · expert_k(x) + shared(x), in float32, one token and expert at a time."""
     shared = moe.shared_experts
-    plain = MLP(16, 16)
+    plain = MLP(16, shared.gate_proj.out_features)
     plain.load_state_dict({k: v.float() for k, v in shared.state_dict().items()})
     return reference_routed(experts_of(), x.float(), weights, ids) + plain(x.float())
 
@@ -119,6 +119,18 @@ def test_the_shared_expert_runs_inside_the_products_of_every_expert_at_once(monk
     # Few rows per expert: the loop, and the shared expert on its own.
     few = moe.experts.mix(x, weights, FEW, moe.shared_experts)
     assert rel_err(few.float(), plain_moe_output(moe, x, weights, FEW)) <= 2e-2
+    twice = moe.experts.mix(x, weights, TWICE, moe.shared_experts)  # one expert twice a token
+    assert rel_err(twice.float(), plain_moe_output(moe, x, weights, TWICE)) <= 2e-2
+
+
+@BF16
+@torch.inference_mode()
+def test_a_shared_expert_that_cannot_fold_runs_on_its_own():
+    moe = pack_for_cpu(moe_with_shared(torch.bfloat16, width=12))  # not a multiple of 8
+    x, weights = torch.randn(8, 16).bfloat16(), torch.rand(8, 2)
+    got = moe.experts.mix(x, weights, IDS, moe.shared_experts)
+    assert moe.experts.shared_chunks == 0 and moe.experts.down_all is not None
+    assert rel_err(got.float(), plain_moe_output(moe, x, weights, IDS)) <= 2e-2
 
 
 @BF16
@@ -129,13 +141,17 @@ def test_new_shared_weights_are_folded_in_again():
     other = moe_with_shared(torch.bfloat16, -2)
     x, weights = torch.randn(8, 16).bfloat16(), torch.rand(8, 2)
     want = plain_moe_output(other, x, weights, IDS)
-    for load in ("moe", "shared expert"):
+    for load in ("moe", "shared expert", "its linears"):
         moe = pack_for_cpu(moe_with_shared(torch.bfloat16))
         moe.experts.mix(x, weights, IDS, moe.shared_experts)  # folded with the first weights
         if load == "moe":
             moe.load_state_dict(other.state_dict())
-        else:
+        elif load == "shared expert":
             moe.shared_experts.load_state_dict(other.shared_experts.state_dict())
+        else:
+            for name in ("gate_proj", "up_proj", "down_proj"):
+                linear = getattr(moe.shared_experts, name)
+                linear.load_state_dict(getattr(other.shared_experts, name).state_dict())
         got = moe.experts.mix(x, weights, IDS, moe.shared_experts)
         assert rel_err(got.float(), want) <= 2e-2, load
 
