@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import platform
 import weakref
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
@@ -183,13 +184,18 @@ class Repacked(nn.Module):
         self.register_load_state_dict_post_hook(lambda module, _: module.pack())
 
     @classmethod
-    def of(cls: type[R], module: Any, copies: int = 1) -> R:
+    def of(cls: type[R], module: Any, copies: int = 1, parent: nn.Module | None = None) -> R:
         """The packed form of `module`, over its very parameters (`over_parameters`), keeping
-        `copies` packed copies of them (1 to `cls.copies(module)`)."""
+        `copies` packed copies of them (1 to `cls.copies(module)`), in `parent` if given."""
         new = over_parameters(cls, cls.sizes(module), module)
         new.copies_kept = max(1, min(copies, cls.copies(module)))
+        if parent is not None:
+            new.placed_in(parent)
         new.pack()
         return new
+
+    def placed_in(self, parent: nn.Module) -> None:
+        """Take what it packs along from the module that holds it (here: nothing)."""
 
     @staticmethod
     def sizes(module: Any) -> tuple[Any, ...]:
@@ -262,8 +268,9 @@ class PackedExperts(Repacked, Experts):
     def __init__(self, experts: int, dim: int, hidden: int) -> None:
         super().__init__(experts, dim, hidden)
         self.gate_up, self.down, self.gate_up_all, self.down_all = [], [], None, None
-        # The shared expert's chunks of `hidden` in the side-by-side copy (`fold`), and where
-        # the weights they copy live (`weights_key`).
+        # The shared expert beside them (`placed_in`; held weakly), its chunks of `hidden` in
+        # the side-by-side copy (`fold`), and where the weights they copy live (`weights_key`).
+        self.shared_expert: Callable[[], MLP | None] = lambda: None
         self.shared_chunks, self.shared_key = 0, ()
 
     @staticmethod
@@ -287,7 +294,21 @@ class PackedExperts(Repacked, Experts):
         self.down = [pack(w) for w in self.down_proj] if packable else []
         self.gate_up_all = self.down_all = None
         if packable and self.all_at_once:
-            self.pack_side_by_side(None)
+            shared = self.shared_expert()
+            self.pack_side_by_side(shared if shared is not None and self.can_fold(shared) else None)
+
+    def placed_in(self, parent: nn.Module) -> None:
+        """A shared expert beside them is packed with them (`fold`), and any load into it (or
+        into one of its linears) folds it in again."""
+        shared = getattr(parent, "shared_experts", None)
+        if not isinstance(shared, MLP):
+            return
+        self.shared_expert = weakref.ref(shared)
+        experts = weakref.ref(self)  # weakly, so experts swapped out can be freed
+        for module in shared.modules():
+            module.register_load_state_dict_post_hook(
+                lambda *_, experts=experts: (e := experts()) and e.unfold()
+            )
 
     def pack_side_by_side(self, shared: MLP | None) -> None:
         """The experts side by side, and after them the shared expert's chunks of `hidden` as
@@ -313,14 +334,17 @@ class PackedExperts(Repacked, Experts):
             self.shared_chunks, self.shared_key = chunks, weights_key(shared)
 
     def fold(self, shared: MLP | None) -> bool:
-        """Whether the shared expert runs in the side-by-side products: put there when packing
-        (`pack_for_cpu`), and again at the first call after its weights change (they load
-        after these, or move). Its chunks add their weights' memory to that copy (1/32 of the
-        experts' in Kimi-VL)."""
-        if shared is None or self.gate_up_all is None or not self.can_fold(shared):
+        """Whether the shared expert runs in the side-by-side products: put there when packing,
+        and again at the first call after its weights change (they load after these, or
+        move). Its chunks add their weights' memory to that copy (1/32 of the experts' in
+        Kimi-VL)."""
+        if shared is None or self.gate_up_all is None:
             return False
-        if weights_key(shared) != self.shared_key:
-            self.pack_side_by_side(shared)
+        if weights_key(shared) == self.shared_key:  # folded, as it is now
+            return True
+        if not self.can_fold(shared):
+            return False
+        self.pack_side_by_side(shared)
         return True
 
     def can_fold(self, shared: MLP) -> bool:
@@ -361,10 +385,18 @@ class PackedExperts(Repacked, Experts):
             or records_grad(x, self.gate_up_proj, self.down_proj)
             or 2 * int(counts.count_nonzero()) < experts
         ):
-            out = self.mix_sorted(x, weights, ids, counts)
-            return out if shared is None else out + shared(x)
-        folded = self.fold(shared)
-        assert self.gate_up_all is not None and self.down_all is not None  # packed by `fold`
+            out, folded = self.mix_sorted(x, weights, ids, counts), False
+        else:
+            folded = self.fold(shared)
+            out = self.all_at_once_product(x, weights, ids, folded)
+        return out + shared(x) if shared is not None and not folded else out
+
+    def all_at_once_product(
+        self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, shared: bool
+    ) -> torch.Tensor:
+        """`mix` through the side-by-side copy, its shared chunks weighted 1 if `shared`."""
+        assert self.gate_up_all is not None and self.down_all is not None
+        experts, tokens = len(self), x.shape[0]
         columns = experts + self.shared_chunks  # the experts, then any shared chunks
         gate_up = packed_product(x, self.gate_up_all).view(tokens, columns, -1)
         gate, up = gate_up.split(self.hidden, dim=-1)  # (T, E + n, H) each
@@ -372,10 +404,9 @@ class PackedExperts(Repacked, Experts):
         # 1 for the shared chunks if the shared expert is asked for, else 0
         mixing = x.new_zeros(tokens, columns)
         mixing[:, :experts].scatter_add_(1, ids, weights.to(x.dtype))
-        mixing[:, experts:] = float(folded)
+        mixing[:, experts:] = float(shared)
         hidden = F.silu(gate) * up * mixing[..., None]  # (T, E + n, H)
-        out = packed_product(hidden.flatten(1), self.down_all)
-        return out + shared(x) if shared is not None and not folded else out
+        return packed_product(hidden.flatten(1), self.down_all)
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Rows sorted by expert (S, D), rows per expert (E,) → each row through its expert (S, D).
@@ -402,8 +433,8 @@ class PackedExperts(Repacked, Experts):
 
 def weights_key(module: nn.Module) -> tuple[int, ...]:
     """Where a module's parameters live: that changes when they move. Loading new weights
-    copies them in place: `pack_for_cpu` has any load into a shared expert (or into one of its
-    linears) `unfold` its experts."""
+    copies them in place: any load into a shared expert (or into one of its linears) has its
+    experts `unfold` (`PackedExperts.placed_in`)."""
     return tuple(p.data_ptr() for p in module.parameters())
 
 
@@ -445,17 +476,7 @@ def pack_for_cpu(model: nn.Module) -> nn.Module:
                 kept[i], room = copy, room - size
     for (parent, name, child, packed), copies in zip(found, kept, strict=True):
         if copies:
-            setattr(parent, name, new := packed.of(child, copies))
-            shared = getattr(parent, "shared_experts", None)
-            if isinstance(new, PackedExperts) and isinstance(shared, MLP):
-                new.fold(shared)  # now, not in the first decode step that runs them all
-                # New weights for it (or any of its linears), loaded with the experts or alone,
-                # are folded in anew; weakly held, so experts swapped out can be freed.
-                experts = weakref.ref(new)
-                for module in shared.modules():
-                    module.register_load_state_dict_post_hook(
-                        lambda *_, experts=experts: (e := experts()) and e.unfold()
-                    )
+            setattr(parent, name, packed.of(child, copies, parent))
     left = sum((w - k) * size for w, k, size in zip(wanted, kept, sizes, strict=True))
     if left:
         log.warning(
