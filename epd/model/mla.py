@@ -46,6 +46,9 @@ class MLAttention(nn.Module):
             c.kv_lora_rank, c.num_attention_heads * (self.nope + self.v_dim), bias=False
         )
         self.o_proj = nn.Linear(c.num_attention_heads * self.v_dim, c.hidden_size, bias=False)
+        # float32 copies of kv_b_proj's halves for a CPU (`absorbing`), and the weight they copy
+        self.copies: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.copied: tuple[int, int, torch.dtype] | None = None
 
     def queries(self, x: torch.Tensor, angles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x (N, D) → q_nope (N, H, nope), rotated q_pe (N, H, rope)."""
@@ -169,14 +172,42 @@ class MLAttention(nn.Module):
         """Queries (N, H, ·) scored against latent cache rows, never expanded: the rows are
         (N, K, rank + rope), each query its own, or (K, rank + rope), shared by all; query n
         sees the rows where visible (N, K) holds → (N, H, v)."""
-        w_kv = self.kv_b_proj.weight.unflatten(0, (self.heads, -1))  # (H, nope + v, rank)
-        w_uk, w_uv = w_kv.split([self.nope, self.v_dim], dim=1)
-        # Absorb the key up-projection: q_nope·(W_uk c) = (q_nope W_uk)·c. Batched over heads
-        # on views: einsum would copy the weight's halves into new memory on every call.
-        q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # (N, H, rank)
-        q = torch.cat((q_latent, q_pe), dim=-1)  # (N, H, rank + rope)
+        w_uk, w_uv_t = self.absorbing()
+        # Absorb the key up-projection: q_nope·(W_uk c) = (q_nope W_uk)·c, batched over heads.
+        q_latent = torch.bmm(q_nope.transpose(0, 1).to(w_uk.dtype), w_uk)  # (H, N, rank)
+        q = torch.cat((q_latent.transpose(0, 1).to(q_pe.dtype), q_pe), dim=-1)  # (N, H, L)
         out = self.attend_latent(q, cache, visible)[..., : self.rank]  # W_uv applied after
-        return torch.bmm(out.transpose(0, 1), w_uv.mT).transpose(0, 1)  # (N, H, v)
+        out = torch.bmm(out.transpose(0, 1).to(w_uv_t.dtype), w_uv_t)  # (H, N, v)
+        return out.transpose(0, 1).to(q_pe.dtype)
+
+    def absorbing(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """kv_b_proj's key half W_uk (H, nope, rank) and its value half transposed, W_uvᵀ
+        (H, rank, v): views of the weight, or on a CPU for a weight narrower than float32,
+        contiguous float32 copies.
+
+        There, the two batched products over bfloat16 views copied W_uvᵀ into new memory on
+        every call and ran a slow kernel: 170 µs a layer at one token, 45 from the float32
+        copies, and a decode step ran 3-6% faster (docs/benchmarks.md). The copies (a layer's
+        kv_b_proj in float32: 8 MiB for Kimi-VL-A3B) are made again whenever the weight moves
+        or changes (its address or version), as plain tensors even in inference mode. Where
+        autograd records the weight, the views serve: gradients reach it.
+        """
+        weight = self.kv_b_proj.weight
+        w_uk, w_uv = weight.unflatten(0, (self.heads, -1)).split([self.nope, self.v_dim], dim=1)
+        if (
+            not weight.is_cpu
+            or weight.dtype == torch.float32
+            or (torch.is_grad_enabled() and weight.requires_grad)
+        ):
+            self.copies = None  # moved off the CPU, say: nothing stale held
+            return w_uk, w_uv.mT
+        version = 0 if weight.is_inference() else weight._version  # inference tensors have none
+        key = (weight.data_ptr(), version, weight.dtype)
+        if self.copies is None or self.copied != key:
+            with torch.inference_mode(False), torch.no_grad():
+                self.copies = (w_uk.float().contiguous(), w_uv.mT.float().contiguous())
+            self.copied = key
+        return self.copies
 
     def attend_latent(
         self, q: torch.Tensor, cache: torch.Tensor, visible: torch.Tensor

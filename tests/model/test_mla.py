@@ -1,7 +1,8 @@
 import pytest
 import torch
 
-from epd.model.mla import fused_latent_attention, latent_attention
+from epd.model.config import TextConfig
+from epd.model.mla import MLAttention, fused_latent_attention, latent_attention
 
 # Kimi-VL's latent rows: kv_lora_rank 512 + qk_rope_head_dim 64; 16 heads.
 HEADS, WIDTH = 16, 576
@@ -31,3 +32,73 @@ def test_the_fused_kernel_equals_the_two_products_over_shared_rows(dtype, tolera
     products = latent_attention(q, rows, visible, 0.05)
     assert fused.shape == products.shape == (7, HEADS, WIDTH)
     torch.testing.assert_close(fused.float(), products.float(), atol=tolerance, rtol=tolerance)
+
+
+def bfloat16_attention() -> MLAttention:
+    config = TextConfig(
+        vocab_size=32,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+    )
+    torch.manual_seed(0)
+    return MLAttention(config, 0).to(torch.bfloat16)
+
+
+def decode_inputs(attention: MLAttention) -> tuple[torch.Tensor, ...]:
+    """Queries of 3 requests (nope and rope halves) and their latent caches of 5, 9 and 12 rows."""
+    generator = torch.Generator().manual_seed(2)
+    heads, width = attention.heads, attention.rank + attention.rope
+    q_nope = torch.randn(3, heads, attention.nope, generator=generator).bfloat16()
+    q_pe = torch.randn(3, heads, attention.rope, generator=generator).bfloat16()
+    cache = torch.randn(3, 12, width, generator=generator).bfloat16()
+    visible = torch.arange(12)[None, :] < torch.tensor([5, 9, 12])[:, None]
+    return q_nope, q_pe, cache, visible
+
+
+def by_the_views(attention: MLAttention, *inputs: torch.Tensor) -> torch.Tensor:
+    """`through_latent` over views of the weight: where autograd records it."""
+    attention.kv_b_proj.weight.requires_grad_(True)
+    with torch.enable_grad():
+        return attention.through_latent(*inputs).detach()
+
+
+def test_a_bfloat16_decode_absorbs_through_float32_copies_of_kv_b_proj():
+    attention = bfloat16_attention()
+    inputs = decode_inputs(attention)
+    with torch.inference_mode():
+        copied = attention.through_latent(*inputs)
+        w_uk, w_uv_t = attention.absorbing()
+    assert w_uk.dtype == w_uv_t.dtype == torch.float32
+    assert w_uk.is_contiguous() and w_uv_t.is_contiguous()
+    assert not w_uk.is_inference()  # usable outside inference mode too
+    halves = attention.kv_b_proj.weight.float().unflatten(0, (4, -1)).split([16, 16], dim=1)
+    torch.testing.assert_close(w_uk, halves[0], rtol=0, atol=0)
+    torch.testing.assert_close(w_uv_t, halves[1].mT, rtol=0, atol=0)
+    assert copied.dtype == torch.bfloat16 and copied.shape == (3, 4, 16)
+    torch.testing.assert_close(copied, by_the_views(attention, *inputs), rtol=2e-2, atol=2e-2)
+
+
+def test_new_kv_b_proj_weights_reach_the_next_decode():
+    attention = bfloat16_attention()
+    inputs = decode_inputs(attention)
+    with torch.no_grad():
+        before = attention.through_latent(*inputs)
+        state = attention.state_dict()
+        state["kv_b_proj.weight"] = torch.randn_like(state["kv_b_proj.weight"])
+        attention.load_state_dict(state)  # copied into the same memory: only the version moves
+        after = attention.through_latent(*inputs)
+    assert not torch.equal(before, after)
+    torch.testing.assert_close(after, by_the_views(attention, *inputs), rtol=2e-2, atol=2e-2)
+
+
+def test_gradients_reach_kv_b_proj_through_the_absorbed_products():
+    attention = bfloat16_attention()
+    attention.through_latent(*decode_inputs(attention)).float().sum().backward()
+    assert attention.kv_b_proj.weight.grad is not None
+    assert attention.kv_b_proj.weight.grad.abs().sum() > 0
