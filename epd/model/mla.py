@@ -46,9 +46,8 @@ class MLAttention(nn.Module):
             c.kv_lora_rank, c.num_attention_heads * (self.nope + self.v_dim), bias=False
         )
         self.o_proj = nn.Linear(c.num_attention_heads * self.v_dim, c.hidden_size, bias=False)
-        # float32 copies of kv_b_proj's halves for a CPU (`absorbing`), and the weight they copy
-        self.copies: tuple[torch.Tensor, torch.Tensor] | None = None
-        self.copied: tuple[int, int, torch.dtype] | None = None
+        # On a CPU, the weight kv_b_proj's float32 halves copy (its key) and them (`absorbing`)
+        self.copies: tuple[tuple[int, int, torch.dtype], torch.Tensor, torch.Tensor] | None = None
 
     def queries(self, x: torch.Tensor, angles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x (N, D) → q_nope (N, H, nope), rotated q_pe (N, H, rope)."""
@@ -193,21 +192,25 @@ class MLAttention(nn.Module):
         autograd records the weight, the views serve: gradients reach it.
         """
         weight = self.kv_b_proj.weight
-        w_uk, w_uv = weight.unflatten(0, (self.heads, -1)).split([self.nope, self.v_dim], dim=1)
         if (
             not weight.is_cpu
             or weight.dtype == torch.float32
             or (torch.is_grad_enabled() and weight.requires_grad)
         ):
             self.copies = None  # moved off the CPU, say: nothing stale held
-            return w_uk, w_uv.mT
+            return self.halves(weight)
         version = 0 if weight.is_inference() else weight._version  # inference tensors have none
         key = (weight.data_ptr(), version, weight.dtype)
-        if self.copies is None or self.copied != key:
+        if self.copies is None or self.copies[0] != key:
             with torch.inference_mode(False), torch.no_grad():
-                self.copies = (w_uk.float().contiguous(), w_uv.mT.float().contiguous())
-            self.copied = key
-        return self.copies
+                w_uk, w_uv_t = (w.float().contiguous() for w in self.halves(weight))
+            self.copies = (key, w_uk, w_uv_t)
+        return self.copies[1], self.copies[2]
+
+    def halves(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of kv_b_proj's weight: W_uk (H, nope, rank) and W_uvᵀ (H, rank, v)."""
+        w_uk, w_uv = weight.unflatten(0, (self.heads, -1)).split([self.nope, self.v_dim], dim=1)
+        return w_uk, w_uv.mT
 
     def attend_latent(
         self, q: torch.Tensor, cache: torch.Tensor, visible: torch.Tensor
