@@ -41,6 +41,10 @@ IMAGE = {"prompt_tokens": 20, "output_tokens": 64, "images": 1}
 # Time to first token, served against the one-process path: prompts in turn, 16 tokens each.
 SHORT: dict[str, Any] = TEXT | {"output_tokens": 16}
 TTFT_PAIRS = 40
+# Before each side's request of a TTFT pair: an idle process's OpenMP threads spin for ~5 ms
+# after its last op (4.4-6.7 ms of CPU in 50 ms idle after each one-process request, measured
+# here), and on two cores that spin takes one from whatever starts next.
+SETTLE_S = 0.05
 
 
 def start(command: list[str], url: str, log: Path) -> subprocess.Popen[bytes]:
@@ -152,13 +156,17 @@ def ttft_pairs(url: str, checkpoint: Path, dtype: str, count: int) -> dict[str, 
     """TTFT p50 at one request, served and through the one-process path, on the same prompts
     taken in turn (served, then alone, then the next prompt), so that both meet the same
     seconds of a machine whose speed drifts; the one-process path runs in this process while
-    the server idles."""
+    the server idles. Each side starts SETTLE_S after the other ends: without the pause, the
+    served forward began while this process's threads still spun, and the one-process one
+    long after the server's had stopped (its stream ends with decode's steps)."""
     pipeline = LocalPipeline(checkpoint, dtype=model_dtype(dtype))
     local_completions(pipeline, checkpoint.name, 4, seed=1)  # warm, as the server was
     served, alone = [], []
     with requests.Session() as session:  # one kept-alive connection, as `epd bench` keeps
         for body in bodies(BenchConfig(**SHORT, seed=2), checkpoint.name, count):
+            time.sleep(SETTLE_S)
             ttft = streamed_ttft_s(session, url, body)
+            time.sleep(SETTLE_S)
             completion = pipeline.chat(body | {"stream": False, "stream_options": None})
             if ttft is not None and completion.first_text_s is not None:  # both have text
                 served.append(ttft)
