@@ -27,7 +27,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from epd.generation.grammar import GrammarError, Grammars
-from epd.generation.logits import NoTokenAllowed, adjust, require_a_token
+from epd.generation.logits import NoTokenAllowed, adjust, finite_rows, require_a_token
 from epd.generation.sampling import restore_generator, sample_batch
 from epd.generation.sequence import Sequence
 from epd.generation.transcript import Output
@@ -276,7 +276,7 @@ class Scheduler:
     ) -> list[int | Exception]:
         """Each row's next token, drawn in one batched call; a row that is not finite, or that
         fails when drawn alone after the batch failed, gets its error instead."""
-        finite = torch.isfinite(logits).all(-1).tolist()
+        finite = finite_rows(logits)
         results: list[int | Exception] = [
             NonFinite("the model's logits for this request are not finite") for _ in batch
         ]
