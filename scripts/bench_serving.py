@@ -152,7 +152,7 @@ def scaling_rounds(url: str, out: Path, rounds: int) -> list[float]:
     return ratios
 
 
-def ttft_pairs(url: str, checkpoint: Path, dtype: str, count: int) -> dict[str, float]:
+def ttft_pairs(url: str, checkpoint: Path, dtype: str, count: int) -> dict[str, dict[str, float]]:
     """TTFT p50 at one request, served and through the one-process path, on the same prompts
     taken in turn (served, then alone, then the next prompt), so that both meet the same
     seconds of a machine whose speed drifts; the one-process path runs in this process while
@@ -171,20 +171,21 @@ def ttft_pairs(url: str, checkpoint: Path, dtype: str, count: int) -> dict[str, 
             if ttft is not None and completion.first_text_s is not None:  # both have text
                 served.append(ttft)
                 alone.append(completion)
-    pairs = {"": list(zip(served, alone, strict=True))}
+    pairs = list(zip(served, alone, strict=True))
     # A first token that is only part of a UTF-8 character shows text with a later one: served,
     # that token comes from decode, after the hand-off (docs/benchmarks.md).
-    for name, at_first in (("_text_first", True), ("_text_later", False)):
-        pairs[name] = [
-            p for p in pairs[""] if (p[1].first_text_s == p[1].first_token_s) == at_first
-        ]
-    result = {}
-    for name, chosen in pairs.items():
-        if chosen:
-            result[f"served{name}_ms"] = statistics.median(s for s, _ in chosen) * 1000
-            result[f"local{name}_ms"] = ttft_p50_ms([c for _, c in chosen])
-            result[f"prompts{name}"] = len(chosen)
-    return result
+    at_first = [(s, c) for s, c in pairs if c.first_text_s == c.first_token_s]
+    later = [(s, c) for s, c in pairs if c.first_text_s != c.first_token_s]
+    groups = {"all": pairs, "text at the first token": at_first, "text later": later}
+    return {
+        which: {
+            "served_ms": statistics.median(s for s, _ in chosen) * 1000,
+            "local_ms": ttft_p50_ms([c for _, c in chosen]),
+            "prompts": len(chosen),
+        }
+        for which, chosen in groups.items()
+        if chosen
+    }
 
 
 def streamed_ttft_s(session: requests.Session, url: str, body: dict[str, Any]) -> float | None:
@@ -340,17 +341,12 @@ def main() -> None:
         shown = ", ".join(f"{r:.2f}" for r in ratios)
         median = statistics.median(ratios)
         print(f"\n16 streams against 1, back to back: {shown}; median {median:.2f}")
-    for name, which in (
-        ("", "all"),
-        ("_text_first", "text at the first token"),
-        ("_text_later", "text later"),
-    ):
-        if f"served{name}_ms" in ttft:
-            served, alone = ttft[f"served{name}_ms"], ttft[f"local{name}_ms"]
-            print(
-                f"TTFT p50 at 1 request, {ttft[f'prompts{name}']} prompts in turn ({which}): "
-                f"served {served:.1f} ms, one-process {alone:.1f} ms, ratio {served / alone:.2f}"
-            )
+    for which, group in ttft.items():
+        served, alone = group["served_ms"], group["local_ms"]
+        print(
+            f"TTFT p50 at 1 request, {group['prompts']} prompts in turn ({which}): "
+            f"served {served:.1f} ms, one-process {alone:.1f} ms, ratio {served / alone:.2f}"
+        )
 
 
 if __name__ == "__main__":

@@ -26,8 +26,9 @@ from functools import cached_property
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from epd.generation.finite import finite_rows
 from epd.generation.grammar import GrammarError, Grammars
-from epd.generation.logits import NoTokenAllowed, adjust, finite_rows, require_a_token
+from epd.generation.logits import NoTokenAllowed, adjust, require_a_token
 from epd.generation.sampling import restore_generator, sample_batch
 from epd.generation.sequence import Sequence
 from epd.generation.transcript import Output

@@ -58,14 +58,6 @@ class NoTokenAllowed(ValueError):
     that min_tokens bans): the request asked for the impossible."""
 
 
-def finite_rows(logits: torch.Tensor) -> list[bool]:
-    """Whether each row of logits (B, vocab) holds no NaN and no ±inf: its greatest and least
-    values (NaN spreads to both) are finite. With a real vocabulary (163 840), `isfinite(x)
-    .all(-1)` took 10.4 ms for 16 float32 rows on one CPU thread, every decode step; this 1.1
-    (docs/benchmarks.md)."""
-    return (logits.amax(-1).isfinite() & logits.amin(-1).isfinite()).tolist()
-
-
 def require_a_token(adjusted: torch.Tensor) -> None:
     """Raise NoTokenAllowed if a row of adjusted logits (B, vocab) is -inf throughout."""
     if not bool(torch.isfinite(adjusted).any(-1).all()):

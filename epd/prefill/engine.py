@@ -21,8 +21,9 @@ from functools import cached_property
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from epd.generation.finite import all_finite
 from epd.generation.grammar import GrammarError, Grammars
-from epd.generation.logits import NoTokenAllowed, adjust, finite_rows, require_a_token
+from epd.generation.logits import NoTokenAllowed, adjust, require_a_token
 from epd.generation.params import SamplingParams
 from epd.generation.sampling import make_generator, sample_batch, token_logprob
 from epd.generation.transcript import Output, Transcript
@@ -176,7 +177,7 @@ class PrefillEngine:
         """Sample each choice's first token, say what the client gets for it, and pack what
         decode needs to go on (unless those tokens ended every choice)."""
         try:
-            if not finite_rows(logits[None])[0]:  # an overflow: this request fails alone
+            if not all_finite(logits):  # an overflow: this request fails alone
                 raise ValueError("the model's logits for this prompt are not finite")
             sampling = prompt.sampling
             generators = [make_generator(sampling.choice_seed(i)) for i in range(sampling.n)]

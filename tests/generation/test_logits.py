@@ -4,7 +4,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from epd.generation.logits import adjust, finite_rows, presence
+from epd.generation.logits import adjust, presence
 from epd.generation.params import SamplingParams
 from epd.generation.sampling import sample_batch
 
@@ -90,19 +90,3 @@ def test_repetition_penalty_covers_the_prompt():
     logits[0, 30] = 2.5  # in the prompt: 2.5 / 2 = 1.25 falls below the others
     (adjusted,) = adjust(logits, [row(prompt=(30,), repetition_penalty=2.0)], EOS)
     assert adjusted[30] == pytest.approx(1.25) and int(adjusted.argmax()) != 30
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("vocab", [1, 7, 497, 4099])
-def test_finite_rows_finds_each_bad_row_and_only_those(dtype, vocab):
-    # A bad value at the start, inside or end of some rows (past and between vector widths);
-    # the greatest and least finite values pass.
-    logits = torch.randn(6, vocab).to(dtype)
-    logits[0, 0] = torch.finfo(dtype).max
-    logits[0, -1] = -torch.finfo(dtype).max
-    logits[1, vocab // 2] = math.nan
-    logits[3, -1] = math.inf
-    logits[4, 0] = -math.inf
-    logits[5, :] = math.nan
-    assert finite_rows(logits) == [True, False, True, False, False, False]
-    assert finite_rows(logits) == torch.isfinite(logits).all(-1).tolist()

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from epd.wire.limits import all_finite
+from epd.generation.finite import all_finite, finite_rows
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -46,3 +46,19 @@ def test_it_agrees_with_isfinite_on_random_tensors():
             spot = int(torch.randint(0, values.numel(), (1,), generator=generator))
             values[spot] = [math.nan, math.inf, -math.inf][spot % 3]
         assert all_finite(values) == bool(torch.isfinite(values).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab", [1, 7, 497, 4099])
+def test_finite_rows_finds_each_bad_row_and_only_those(dtype, vocab):
+    # A bad value at the start, inside or end of some rows (past and between vector widths);
+    # the greatest and least finite values pass.
+    logits = torch.randn(6, vocab).to(dtype)
+    logits[0, 0] = torch.finfo(dtype).max
+    logits[0, -1] = -torch.finfo(dtype).max
+    logits[1, vocab // 2] = math.nan
+    logits[3, -1] = math.inf
+    logits[4, 0] = -math.inf
+    logits[5, :] = math.nan
+    assert finite_rows(logits) == [True, False, True, False, False, False]
+    assert finite_rows(logits) == torch.isfinite(logits).all(-1).tolist()

@@ -1,0 +1,27 @@
+"""Whether tensors hold only finite values, read once: by their least and greatest values.
+
+NaN spreads to both bounds, +inf to the greatest, -inf to the least, so a tensor is finite
+exactly when both bounds are. `isfinite(t).all()` first writes a bool per value; on one CPU
+thread (docs/benchmarks.md):
+- a whole tensor, `all_finite`: one `aminmax` pass. A hand-off's bfloat16 cache of 61 MB took
+  15 ms against 135, time a decode step's batch waits while the hand-off is received;
+- rows, `finite_rows`: `amax` and `amin` along them (here faster than `aminmax` along a
+  dimension, 1.1 against 4.9 ms). 16 float32 rows of logits over Kimi-VL's 163 840-token
+  vocabulary took 1.1 ms against 10.4, every decode step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def all_finite(tensor: torch.Tensor) -> bool:
+    """Whether a floating tensor holds no NaN and no ±inf (an empty one does not)."""
+    if tensor.numel() == 0:
+        return True
+    return all(bool(bound.isfinite()) for bound in torch.aminmax(tensor))
+
+
+def finite_rows(logits: torch.Tensor) -> list[bool]:
+    """Whether each row of logits (B, vocab) holds no NaN and no ±inf."""
+    return (logits.amax(-1).isfinite() & logits.amin(-1).isfinite()).tolist()
