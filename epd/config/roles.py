@@ -7,6 +7,7 @@ drift from what the code reads. A bad value raises a ValueError naming the setti
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,8 @@ def required(help: str) -> Any:
 
 def _check_value(name: str, value: Any) -> str | None:
     """Why `value` is not acceptable for a setting called `name`, or None."""
+    if isinstance(value, float) and not math.isfinite(value):  # a NaN passes `< 0` and `>= 1`
+        return "must be a finite number"
     if name == "dtype" and value not in DTYPE_CHOICES:
         return f"must be one of {', '.join(DTYPE_CHOICES)}"
     if name.endswith("port") and not 0 < value < 65536:

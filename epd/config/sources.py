@@ -119,11 +119,14 @@ def add_flags(
             kwargs |= {"nargs": "+", "type": typing.get_args(hint)[0]}
         else:
             kwargs["type"] = hint
-        default = "required" if f.default is dataclasses.MISSING else f"default: {f.default}"
-        default = f"{note}{default}"
-        parser.add_argument(
-            f"--{name.replace('_', '-')}", help=f"{f.metadata['help']} ({default})", **kwargs
-        )
+        text = f.metadata["help"]
+        if f.default is dataclasses.MISSING:
+            said = "required"
+        else:  # a help that names its default in words says it better than the value
+            said = "" if "(default:" in text else f"default: {f.default}"
+        said = f"{note}{said}".removesuffix("; ")
+        help_text = f"{text} ({said})" if said else text
+        parser.add_argument(f"--{name.replace('_', '-')}", help=help_text, **kwargs)
 
 
 # Settings `epd serve` decides for its children: the loopback addresses that join them.

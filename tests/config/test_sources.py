@@ -8,9 +8,18 @@ from pathlib import Path
 
 import pytest
 
+from epd.bench.config import BenchConfig
 from epd.cli import parser
 from epd.config.roles import ROLES, DecodeConfig, EncodeConfig, PrefillConfig
-from epd.config.sources import read_config_file, resolve, role_values, secret_env, to_flags
+from epd.config.sources import (
+    build,
+    flag_values,
+    read_config_file,
+    resolve,
+    role_values,
+    secret_env,
+    to_flags,
+)
 from epd.runtime.process import available_cores
 from epd.serve import busy_threads, core_shares, plan
 
@@ -78,6 +87,8 @@ def test_bad_files_name_the_key(tmp_path, text, message):
         (["--max-images", "0"], "max_images=0: must be at least 1"),
         (["--min-chunk-tokens", "-1"], "min_chunk_tokens=-1: must be 0 .off. or a positive"),
         (["--busy-threads", "-1"], "busy_threads=-1: must be 0 .as threads. or a positive"),
+        (["--encode-timeout-s", "nan"], "encode_timeout_s=nan: must be a finite number"),
+        (["--token-timeout-s", "inf"], "token_timeout_s=inf: must be a finite number"),
     ],
 )
 def test_bad_values_name_the_setting(extra, message):
@@ -237,3 +248,16 @@ def test_serve_passes_each_child_setting_to_the_roles_that_have_it(tmp_path):
 def test_a_negative_kv_budget_is_refused():
     with pytest.raises(ValueError, match="max_kv_tokens=-1: must be 0 .automatic. or a positive"):
         resolve(DecodeConfig, "decode", args("decode", "--model", "/m", "--max-kv-tokens", "-1"))
+
+
+def test_bench_refuses_a_rate_that_is_not_a_number():
+    with pytest.raises(ValueError, match="rate=nan: must be a finite number"):
+        build(BenchConfig, flag_values(args("bench", "--rate", "nan"), BenchConfig))
+
+
+def test_a_help_that_names_its_default_is_not_given_a_second(capsys):
+    with pytest.raises(SystemExit):
+        args("bench", "--help")
+    text = " ".join(capsys.readouterr().out.split())
+    model = text[text.index("--model MODEL model") : text.index("--api-key API_KEY sent")]
+    assert model.count("default") == 1 and "(default: the server's first)" in model
