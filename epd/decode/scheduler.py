@@ -266,6 +266,8 @@ class Scheduler:
     def _fail(self, step: Step, sequence: Sequence, error: Exception) -> None:
         if isinstance(error, NoTokenAllowed | GrammarError):  # what it asked for, not a fault
             log.warning("request %s cannot go on: %s", sequence.request_id, error)
+            if isinstance(error, GrammarError) and sequence.sampling.grammar:
+                self.grammars.forget(sequence.sampling.grammar)
             step.refused.append((sequence, str(error)))
         else:
             log.error("request %s failed in a decode step", sequence.request_id, exc_info=error)

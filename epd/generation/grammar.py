@@ -27,6 +27,9 @@ from transformers import PreTrainedTokenizerBase
 
 COMPACT_JSON = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
 CACHED_GRAMMARS = 256
+# llguidance's own limits, but errors without its parser state: that dump is kilobytes long
+# and would go back to the client in every error about its grammar.
+LIMITS = llguidance.LLParserLimits(verbose_errors=False)
 
 
 class GrammarError(ValueError):
@@ -71,15 +74,24 @@ class Grammars:
         """A fresh matcher at the start of `grammar`."""
         return self.compile(grammar).deep_copy()
 
+    def forget(self, grammar: str) -> None:
+        """Drop a grammar whose matcher failed. Copies share their lexer with the compiled
+        matcher: once one hits a lexer limit (say, `a{999999}`), every later copy fails at its
+        first token, and only a fresh compile tells that again."""
+        with self.lock:
+            self.compiled.pop(grammar, None)
+
     def compile(self, grammar: str) -> llguidance.LLMatcher:
         """The cached matcher at the start of `grammar` (not to be fed tokens: copy it)."""
         with self.lock:
             template = self.compiled.get(grammar)
             if template is None:
-                problem = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer)
+                problem = llguidance.LLMatcher.validate_grammar(
+                    grammar, self.tokenizer, limits=LIMITS
+                )
                 if problem:
                     raise GrammarError(f"unusable grammar: {problem}")
-                template = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
+                template = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0, limits=LIMITS)
                 if template.is_error():
                     raise GrammarError(f"unusable grammar: {template.get_error()}")
                 self.compiled[grammar] = template
@@ -112,10 +124,15 @@ def llguidance_tokenizer(
 
 
 def mask_forbidden(logits: torch.Tensor, rows: list[int], matchers: list[Any]) -> None:
-    """Set, in place, the logits (B, vocab) of tokens each matcher forbids to -inf."""
+    """Set, in place, the logits (B, vocab) of tokens each matcher forbids to -inf.
+
+    Raises GrammarError for a matcher that failed (a lexer limit, say): its mask would allow
+    only a stop token, and the output would end there, short of what the grammar asks for."""
     bitmask = llguidance.torch.allocate_token_bitmask(len(rows), logits.shape[-1])  # (n, words)
     for i, matcher in enumerate(matchers):
         llguidance.torch.fill_next_token_bitmask(matcher, bitmask, i)
+        if matcher.is_error():
+            raise GrammarError(f"the grammar failed: {matcher.get_error()}")
     index = torch.tensor(rows, device=logits.device)
     bits = torch.arange(32, dtype=torch.int32, device=logits.device)
     words = bitmask.to(logits.device)[:, :, None]  # (n, words, 1): bit j of word w is token 32w+j
@@ -125,6 +142,6 @@ def mask_forbidden(logits: torch.Tensor, rows: list[int], matchers: list[Any]) -
 
 def advance(matcher: llguidance.LLMatcher, token: int) -> bool:
     """Feed the matcher a sampled token; True once the grammar allows nothing more."""
-    if not matcher.consume_token(token):
+    if not matcher.consume_token(token) or matcher.is_error():
         raise GrammarError(f"the grammar refused token {token}: {matcher.get_error()}")
     return bool(matcher.is_stopped())

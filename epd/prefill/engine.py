@@ -220,6 +220,8 @@ class PrefillEngine:
             )
             return Prefilled(outputs, handoff)
         except (NoTokenAllowed, GrammarError) as e:  # what the request asked for: a 400
+            if isinstance(e, GrammarError) and prompt.sampling.grammar:
+                self.grammars.forget(prompt.sampling.grammar)
             return BadRequest(str(e))
         except Exception as e:  # e.g. a cache with NaN from an overflow: this request only
             return e

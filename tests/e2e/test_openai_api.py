@@ -260,6 +260,14 @@ def test_unusable_structured_output_is_a_400(client, model_name, extra, fragment
         ask(client, model_name, TEXT, max_tokens=5, extra_body=extra)
 
 
+def test_a_grammar_that_gives_up_is_a_400_each_time_it_is_asked(client, model_name):
+    # The lexer reaches its limit at the first token; later copies of the compiled grammar
+    # shared that lexer and once answered 200 with an empty reply the regex does not accept.
+    for _ in range(3):
+        with pytest.raises(openai.BadRequestError, match="lexer"):
+            ask(client, model_name, TEXT, max_tokens=5, extra_body={"guided_regex": "a{999999}"})
+
+
 def test_n_choices_are_each_sampled_on_their_own_and_reproducible(client, model_name, local):
     params = {"max_tokens": 12, "temperature": 1.2, "seed": 21}
     reply = ask(client, model_name, IMAGE, n=3, **params)

@@ -100,3 +100,29 @@ def test_compiled_grammars_are_cached_and_bounded(setup):
     for i in range(CACHED_GRAMMARS + 1):
         grammars.check(regex_grammar(f"a{{{i + 1}}}"))
     assert len(grammars.compiled) == CACHED_GRAMMARS and grammar not in grammars.compiled
+
+
+def test_a_grammar_that_fails_fails_every_time_it_is_asked(setup):
+    """A lexer limit reached by one copy is shared by the compiled matcher's later copies: they
+    must fail too (not allow only a stop token, an empty reply the grammar does not accept),
+    and once the grammar is forgotten a fresh compile fails the same way."""
+    tokenizer, eos, grammars = setup
+    grammar = regex_grammar("a{999999}")
+
+    def first_token() -> None:
+        matcher = grammars.matcher(grammar)
+        logits = torch.zeros(1, len(tokenizer))
+        mask_forbidden(logits, [0], [matcher])
+        allowed = torch.isfinite(logits[0]).nonzero().flatten().tolist()
+        assert eos not in allowed
+        advance(matcher, allowed[0])
+
+    with pytest.raises(GrammarError, match="lexer") as failed:
+        first_token()
+    assert len(str(failed.value)) < 300  # llguidance's parser state is not in the message
+    with pytest.raises(GrammarError, match="lexer"):  # the next copy, at its mask
+        first_token()
+    grammars.forget(grammar)
+    assert grammar not in grammars.compiled
+    with pytest.raises(GrammarError, match="lexer"):
+        first_token()
