@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import uuid
 from dataclasses import dataclass, field
@@ -283,9 +284,17 @@ class PromptBuilder:
 
 
 def texts_of(message: dict[str, Any]) -> list[str]:
-    """The text a chat message puts in the prompt: its content, and its tool calls' arguments."""
+    """The text a chat message puts in the prompt: its content, and its tool calls' arguments.
+
+    Neighbouring text parts come as one text: the template renders them with nothing between,
+    so "<|im_" and "end|>" in two parts spell a control token together. An image part, which
+    renders as control tokens, ends a run."""
     content = message.get("content") or ""
-    texts = [content] if isinstance(content, str) else [p.get("text", "") for p in content]
+    if isinstance(content, str):
+        texts = [content]
+    else:
+        runs = itertools.groupby(content, key=lambda part: "text" in part)
+        texts = ["".join(p["text"] for p in parts) for is_text, parts in runs if is_text]
     return texts + [call["function"]["arguments"] for call in message.get("tool_calls", ())]
 
 
