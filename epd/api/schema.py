@@ -144,7 +144,7 @@ class GenerationRequest(BaseModel):
     # None: the checkpoint's generation_config.json default, else the usual one.
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=-1)  # 0 or -1: no limit
+    top_k: int | None = Field(None, ge=-1, le=2**31 - 1)  # 0 or -1: no limit
     min_p: float | None = Field(None, ge=0, le=1)
     repetition_penalty: float | None = Field(None, ge=0.01, le=100)
     presence_penalty: float = Field(0.0, ge=-2, le=2, allow_inf_nan=False)

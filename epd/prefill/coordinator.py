@@ -308,7 +308,12 @@ class Coordinator:
         decoder = (await self.pick(self.decoders, "decode"))[0]
         stream = Stream(request_id, decoder, len(first), first, sent_at=now())
         self.streams[request_id] = stream
-        if not self.outbox.send(decoder, handoff):
+        try:
+            sent = self.outbox.send(decoder, handoff)
+        except BaseException:  # e.g. a value the wire cannot carry: no stream to wait for
+            del self.streams[request_id]
+            raise
+        if not sent:
             del self.streams[request_id]
             raise Unavailable(f"decode server {decoder} is not reachable")
         self.metrics.handoff_bytes.inc(handoff.cache.nbytes)

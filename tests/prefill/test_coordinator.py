@@ -13,8 +13,10 @@ from PIL import Image
 from epd.api.app import create_app
 from epd.api.server import build_service
 from epd.config.roles import PrefillConfig
+from epd.generation.transcript import Output
 from epd.prefill import coordinator as coordinator_module
 from epd.prefill.coordinator import Coordinator, EncodeWait, Stream, split, within
+from epd.prefill.engine import Prefilled
 from epd.prefill.errors import PrefillError
 from epd.wire.messages import Abort, Failure, TokenDelta
 
@@ -158,6 +160,29 @@ def test_a_stream_is_released_once_however_its_reply_ends(tiny_checkpoint, tmp_p
     sent, running, streams = asyncio.run(main())
     assert streams == {} and not running  # prefill no longer counts it as running
     assert [type(m) for m in sent] == ([] if read else [Abort])
+
+
+def test_a_hand_off_the_wire_cannot_carry_leaves_no_stream_behind(tiny_checkpoint, tmp_path):
+    """A send that raises (a value msgpack cannot hold, say) fails its request; a stream left
+    behind would be waited on by nobody and keep prefill counting it as running for ever."""
+    config = ipc_config(tiny_checkpoint, tmp_path)
+    service = build_service(config)
+
+    def refuse(peer, message):
+        raise OverflowError("can't serialize ints that large")
+
+    async def main():
+        coordinator = Coordinator(config, service.engine, 64, service.watchdog)
+        coordinator.outbox.send = refuse
+        coordinator.outbox.is_up = lambda address: True
+        first = (Output(token_ids=(7,), text="", completion_tokens=1),)
+        with pytest.raises(OverflowError):
+            await coordinator.hand_off("r1", Prefilled(first, object()))  # type: ignore[arg-type]
+        running = coordinator.batcher.others_running()
+        await coordinator.stop()
+        return running, dict(coordinator.streams)
+
+    assert asyncio.run(main()) == (False, {})
 
 
 def reply_of(config, service, first, from_decode):
