@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -18,7 +19,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from epd.api.errors import APIError, as_api_error, bad_request, overloaded
 from epd.api.images import ImageLoader, MediaPolicy
-from epd.api.middleware import Gate, add_middleware, api_key, arrived, request_id
+from epd.api.middleware import (
+    Gate,
+    Unforeseen,
+    add_middleware,
+    api_key,
+    arrived,
+    request_id,
+)
 from epd.api.prepare import PromptBuilder, check_grammar
 from epd.api.responses import Reply, TextReply
 from epd.api.schema import (
@@ -142,8 +150,9 @@ def handle_errors(app: FastAPI, metrics: PrefillMetrics) -> None:
             api_error.body(), status_code=api_error.status, headers=api_error.headers
         )
 
-    for kind in (APIError, PrefillError, Exception):
+    for kind in (APIError, PrefillError):
         app.add_exception_handler(kind, as_json)
+    app.add_middleware(Unforeseen, handler=as_json)  # the first added: innermost
 
 
 def create_app(service: Service, on_started: Callable[[], Any] | None = None) -> FastAPI:
@@ -193,14 +202,14 @@ def create_app(service: Service, on_started: Callable[[], Any] | None = None) ->
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        chat = service.served(parse_request(await json_body(request)))
+        chat = service.served(await read_body(request, parse_request))
         with service.queue_slot():
             reply, deltas, images = await start_chat(service, chat, request)
         return await respond(service, request, reply, deltas, chat, images)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        legacy = service.served(parse_completion(await json_body(request)))
+        legacy = service.served(await read_body(request, parse_completion))
         with service.queue_slot():
             prepared = await service.off_loop(
                 service.builder.prepare_completion, legacy, request_id(request)
@@ -218,21 +227,37 @@ def create_app(service: Service, on_started: Callable[[], Any] | None = None) ->
     return app
 
 
-async def json_body(request: Request) -> Any:
-    """The parsed body; large bodies are parsed off the event loop (a 20 MB body takes ~0.2 s)."""
+async def read_body(request: Request, parse: Callable[[Any], T]) -> T:
+    """The body, parsed as JSON and then by `parse`; a large body off the event loop: a 34 MB
+    one of a million messages held every other stream up for 5.7 s."""
     body = await request.body()  # its size is bounded by the middleware, before it arrives
-    return await asyncio.to_thread(parse_json, body) if len(body) > 1 << 20 else parse_json(body)
+    if len(body) <= 1 << 20:
+        return parse(parse_json(body))
+    return await asyncio.to_thread(lambda: parse(parse_json(body)))
+
+
+# A UTF-16 surrogate escape. JSON may pair two into one character; one left alone is text
+# that no UTF-8 encoder takes (the tokenizer, the wire), found only much later.
+SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 
 
 def parse_json(body: bytes) -> Any:
     try:
-        return json.loads(body)
+        parsed = json.loads(body)
     except RecursionError:  # the parser's own depth limit: arrays nested 100 000 deep
         raise bad_request("the request body is nested too deeply") from None
     except ValueError as e:  # bad JSON or UTF-8, or an integer of over 4300 digits
         if "digits" in str(e):
             raise bad_request("the request body holds a number of over 4300 digits") from None
         raise bad_request("the request body is not valid JSON") from None
+    if SURROGATE_ESCAPE.search(body):  # rare: look at the strings themselves
+        try:
+            json.dumps(parsed, ensure_ascii=False).encode()
+        except UnicodeEncodeError:
+            raise bad_request(
+                "the request body holds a lone UTF-16 surrogate (\\ud800-\\udfff)"
+            ) from None
+    return parsed
 
 
 def unknown_model(asked: str, served: str) -> APIError:

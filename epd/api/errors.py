@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from starlette.requests import ClientDisconnect
+
 from epd.prefill.errors import BadImage, BadRequest, PrefillError, TimedOut, Unavailable
 
 
@@ -85,4 +87,6 @@ def as_api_error(error: Exception) -> APIError:
         return error
     if isinstance(error, PrefillError):
         return from_prefill(error)
+    if isinstance(error, ClientDisconnect):  # it left while sending its body: nobody to tell
+        return APIError(499, "the client closed the request", code="client_closed_request")
     return internal(f"{type(error).__name__}: {error}")

@@ -8,13 +8,13 @@ import os
 import re
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -47,6 +47,37 @@ class RequestIds:
             await send(message)
 
         await self.app(scope, receive, send_with_id)
+
+
+class Unforeseen:
+    """An error no route foresaw, answered as the route's own errors are, by `handler`, unless
+    the response had begun (then nothing more can be said). Starlette's own handler for any
+    Exception sends its answer and raises again, and uvicorn then closes the connection: a
+    client's next request on it failed."""
+
+    def __init__(
+        self, app: ASGIApp, handler: Callable[[Request, Exception], Awaitable[Response]]
+    ) -> None:
+        self.app, self.handler = app, handler
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def watched(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watched)
+        except Exception as error:
+            if started:
+                raise
+            response = await self.handler(Request(scope, receive), error)
+            await response(scope, receive, send)
 
 
 def request_id(request: Request) -> str:

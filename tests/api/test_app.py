@@ -5,8 +5,11 @@ import json
 
 import pytest
 from fastapi.testclient import TestClient
+from starlette.requests import ClientDisconnect
 
-from epd.api.app import create_app
+from epd.api.app import create_app, parse_json
+from epd.api.errors import APIError, as_api_error
+from epd.api.prepare import PromptBuilder
 from epd.api.server import build_service
 from epd.config.roles import PrefillConfig
 
@@ -537,3 +540,47 @@ def test_peers_named_by_host_follow_their_dns_answers(tiny_checkpoint, tmp_path,
         metrics = client.get("/metrics").text
         assert 'address="tcp://127.0.0.8:7999"' in metrics
         assert 'address="tcp://127.0.0.7:7999"' not in metrics
+
+
+@pytest.mark.parametrize(
+    "field", ['"messages": [{"role": "user", "content": "\\ud800"}]', '"stop": ["a\\udfff"]']
+)
+def test_a_lone_surrogate_is_a_400(client, field):
+    body = '{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], ' + field + "}"
+    response = client.post(
+        "/v1/chat/completions", content=body, headers={"Content-Type": "application/json"}
+    )
+    assert response.status_code == 400 and "surrogate" in response.json()["error"]["message"]
+
+
+def test_json_surrogates_pair_into_characters_and_alone_are_refused():
+    assert parse_json(b'"\\ud83d\\ude00 \\\\ud800"') == "\U0001f600 \\ud800"  # an escaped \\
+    with pytest.raises(APIError, match="surrogate"):
+        parse_json(b'{"a": ["x\\ud83dy"]}')
+
+
+def test_an_unforeseen_error_is_a_json_500_and_the_connection_lives_on(
+    tiny_checkpoint, tmp_path, monkeypatch
+):
+    """Starlette's handler for any exception raised it again after answering, and uvicorn then
+    closed the connection: the client's next request on it failed."""
+    peers = {"encoders": (f"ipc://{tmp_path}/e",), "decoders": (f"ipc://{tmp_path}/d",)}
+    config = PrefillConfig(
+        model=str(tiny_checkpoint), bind=f"ipc://{tmp_path}/p", served_model_name="tiny", **peers
+    )
+    service = build_service(config)
+
+    def read(self, chat):
+        raise RuntimeError("unforeseen")
+
+    monkeypatch.setattr(PromptBuilder, "read", read)
+    with TestClient(create_app(service)) as client:  # raises what the app raises
+        response = client.post("/v1/chat/completions", json={"model": "tiny", "messages": USER})
+        assert response.status_code == 500
+        assert response.json()["error"]["message"] == "RuntimeError: unforeseen"
+        assert response.headers["x-request-id"]
+        assert client.get("/v1/models").status_code == 200
+
+
+def test_a_client_that_left_mid_body_is_not_a_server_error():
+    assert as_api_error(ClientDisconnect()).status == 499
