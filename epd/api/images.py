@@ -85,10 +85,11 @@ class ImageLoader:
 
     async def load_one(self, url: str, index: int) -> bytes:
         limit = self.policy.max_bytes
-        if url.startswith("data:"):
+        scheme = url[:8].lower()  # schemes are case-insensitive (RFC 3986): DATA:, HTTP://
+        if scheme.startswith("data:"):
             loop = asyncio.get_running_loop()
             return await loop.run_in_executor(self._decoding, from_data_url, url, index, limit)
-        if not url.startswith(("http://", "https://")):
+        if not scheme.startswith(("http://", "https://")):
             raise bad_request(
                 f"image {index}: only data: and http(s): URLs are supported", code="invalid_image"
             )
@@ -119,11 +120,15 @@ class ImageLoader:
 
     async def _get(self, url: str, index: int) -> bytes | str:
         """The body of `url`, or the URL it redirects to."""
-        parts = urlsplit(url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
+        try:
+            parts = urlsplit(url)
+            hostname = parts.hostname  # parsed here: "[zz]" and "[::1" raise ValueError
+        except ValueError:
+            raise _refused(index, f"{_short(url)} is not a valid URL") from None
+        if parts.scheme not in ("http", "https") or not hostname:
             raise _refused(index, f"{_short(url)} is not an http(s) URL with a host")
         try:  # an internationalised name, as DNS, Host and TLS spell it
-            host = parts.hostname.encode("idna").decode("ascii")
+            host = hostname.encode("idna").decode("ascii")
         except UnicodeError:
             raise _refused(index, f"{_short(url)} has an invalid host name") from None
         try:
@@ -220,7 +225,7 @@ def not_public(address: IPAddress) -> str | None:
 
 def from_data_url(url: str, index: int, max_bytes: int) -> bytes:
     header, sep, payload = url.partition(",")
-    if not sep or not header.endswith(";base64"):
+    if not sep or not header.lower().endswith(";base64"):
         raise bad_request(f"image {index}: data URL must be base64 encoded", code="invalid_image")
     if len(payload) * 3 // 4 > max_bytes:
         raise bad_request(f"image {index}: larger than {max_bytes} bytes", code="invalid_image")

@@ -212,6 +212,18 @@ def test_an_international_host_name_is_a_400_not_a_500():
     assert "invalid host name" in refusal("http://a..b/a.png")
 
 
+@pytest.mark.parametrize("url", ["http://[zz]/a.png", "http://[::1/a.png", "https://[1:2]x/"])
+def test_a_malformed_url_is_a_400_not_a_500(url):
+    assert "is not a valid URL" in refusal(url)
+
+
+def test_schemes_are_case_insensitive(web):
+    png = base64.b64encode(PNG).decode()
+    assert load(f"DATA:image/png;BASE64,{png}") == PNG
+    port = web[0]
+    assert load(f"HTTP://127.0.0.1:{port}/png", allowed_domains=("127.0.0.1",)) == PNG
+
+
 def test_the_first_failure_cancels_the_requests_other_fetches(web):
     port, _ = web
 
