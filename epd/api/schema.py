@@ -130,6 +130,8 @@ class ResponseFormat(Strict):
     def schema_given(self) -> ResponseFormat:
         if self.type == "json_schema" and self.json_schema is None:
             raise ValueError("type json_schema needs a json_schema")
+        if self.type != "json_schema" and self.json_schema is not None:
+            raise ValueError(f"type {self.type} takes no json_schema")  # it would not apply
         return self
 
 

@@ -37,7 +37,11 @@ class GrammarError(ValueError):
 
 
 def json_schema_grammar(schema: dict[str, Any] | bool) -> str:
-    """llguidance grammar text for output valid against a JSON schema, compact JSON."""
+    """llguidance grammar text for output valid against a JSON schema, compact JSON. The
+    schema `true` allows any JSON value, as `{}` does; `false` allows none."""
+    if schema is False:
+        raise GrammarError("the schema false allows no value")
+    schema = {} if schema is True else schema
     return llguidance.LLMatcher.grammar_from_json_schema(
         json.dumps(schema),
         overrides=COMPACT_JSON,  # type: ignore[arg-type]

@@ -77,6 +77,25 @@ def test_models_and_health_that_names_the_missing_peers(client):
             "needs a json_schema",
         ),
         ({"messages": USER, "response_format": {"type": "xml"}}, 400, "invalid response_format"),
+        (  # a schema beside type text would not apply: refused rather than silently applied
+            {
+                "messages": USER,
+                "response_format": {"type": "text", "json_schema": {"name": "x", "schema": {}}},
+            },
+            400,
+            "type text takes no json_schema",
+        ),
+        (
+            {
+                "messages": USER,
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": False},
+                },
+            },
+            400,
+            "the schema false allows no value",
+        ),
         ({"messages": USER, "tools": [{"type": "function"}]}, 400, "invalid tools.0.function"),
         ({"messages": USER, "tool_choice": "required"}, 400, "tool_choice 'required' needs tools"),
         (

@@ -62,6 +62,12 @@ def test_random_logits_still_give_valid_compact_json(setup, seed):
     assert not re.search(r"\s", text.replace(json.loads(text)["name"], ""))  # compact
 
 
+@pytest.mark.parametrize("schema", [True, {}])
+def test_the_schema_true_allows_any_json_value(setup, schema):
+    text, _ = follow(setup, json_schema_grammar(schema), seed=1)
+    json.loads(text)
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_regex_and_choice(setup, seed):
     text, _ = follow(setup, regex_grammar(r"[a-c]{2,4}-[0-9]{2}"), seed)
