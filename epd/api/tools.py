@@ -82,11 +82,13 @@ class ForcedTools:
 @dataclass
 class ToolReply(Reply):
     """A chat reply whose choices are tool calls. A choice cut short by max_tokens cannot be
-    parsed into calls: it stays text, with finish_reason `length`."""
+    parsed into calls: it stays text, with finish_reason `length` (streamed, a named call
+    whose arguments had begun to go out ends with them cut short: they cannot be taken back)."""
 
     forced: ForcedTools = field(default_factory=lambda: ForcedTools(()))
     texts: dict[int, str] = field(default_factory=dict)  # streamed text so far, by choice
     opened: set[int] = field(default_factory=set)  # named: choices whose call header went out
+    held: dict[int, list[TokenDelta]] = field(default_factory=dict)  # not in a chunk yet
 
     def message(self, text: str, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
         calls = self.forced.calls(text) if finish_reason == "stop" else None
@@ -106,9 +108,10 @@ class ToolReply(Reply):
         the whole list of calls when the choice ends (it is one JSON array until then)."""
         index = delta.index
         self.texts[index] = self.texts.get(index, "") + delta.text
+        self.held.setdefault(index, []).append(delta)
         finish = delta.finish_reason
         content: dict[str, Any] = {}
-        if self.forced.name and finish in (None, "stop"):
+        if self.forced.name and (finish in (None, "stop") or index in self.opened):
             call: dict[str, Any] = {"index": 0, "function": {"arguments": delta.text}}
             if index not in self.opened:
                 self.opened.add(index)
@@ -121,8 +124,9 @@ class ToolReply(Reply):
             content = {"content": self.texts[index]}
         else:
             return ""  # a list of calls is not a call until it is complete
-        reason = "tool_calls" if "tool_calls" in content and finish else finish
-        choice = {"index": index, "delta": content, "logprobs": None, "finish_reason": reason}
+        reason = "tool_calls" if "tool_calls" in content and finish == "stop" else finish
+        logprobs = self.logprobs(self.held.pop(index))
+        choice = {"index": index, "delta": content, "logprobs": logprobs, "finish_reason": reason}
         return self.chunk([choice])
 
 

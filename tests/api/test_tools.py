@@ -1,0 +1,56 @@
+"""Forced tool calls as stream chunks: arguments as they come, logprobs with them."""
+
+import json
+
+from epd.api.schema import Tool
+from epd.api.tools import ForcedTools, ToolReply
+from epd.generation.params import TokenLogprob
+from epd.wire.messages import TokenDelta
+
+TOOL = Tool.model_validate(
+    {"type": "function", "function": {"name": "get", "parameters": {"type": "object"}}}
+)
+
+
+def deltas(pieces, finish):
+    """One delta a piece, each with its token's logprob; the last ends the choice."""
+    return [
+        TokenDelta(
+            "r",
+            token_ids=(i,),
+            text=piece,
+            completion_tokens=i + 1,
+            finish_reason=finish if i == len(pieces) - 1 else None,
+            logprobs=(TokenLogprob(piece, -0.5 * i, tuple(piece.encode())),),
+        )
+        for i, piece in enumerate(pieces)
+    ]
+
+
+def stream(forced, pieces, finish):
+    reply = ToolReply("r", "m", 3, want_logprobs=True, forced=forced)
+    chunks = [reply.delta_chunk(d) for d in deltas(pieces, finish)]
+    return [json.loads(c.removeprefix("data: "))["choices"][0] for c in chunks if c]
+
+
+def test_a_named_call_cut_short_ends_its_arguments_without_repeating_them():
+    choices = stream(ForcedTools((TOOL,), "get"), ['{"', "a", '":1'], "length")
+    calls = [c["delta"]["tool_calls"][0] for c in choices]
+    assert "".join(call["function"]["arguments"] for call in calls) == '{"a":1'
+    assert calls[0]["function"]["name"] == "get" and "name" not in calls[1]["function"]
+    assert all("content" not in c["delta"] for c in choices)
+    assert [c["finish_reason"] for c in choices] == [None, None, "length"]
+    assert [c["logprobs"]["content"][0]["token"] for c in choices] == ['{"', "a", '":1']
+
+
+def test_a_named_call_that_ends_is_tool_calls():
+    choices = stream(ForcedTools((TOOL,), "get"), ['{"a"', ":1}"], "stop")
+    assert choices[-1]["finish_reason"] == "tool_calls"
+
+
+def test_a_list_of_calls_comes_whole_with_every_token_logprob():
+    text = ['[{"name":"get",', '"parameters":{}}', "]"]
+    choices = stream(ForcedTools((TOOL,)), text, "stop")
+    assert len(choices) == 1 and choices[0]["finish_reason"] == "tool_calls"
+    assert choices[0]["delta"]["tool_calls"][0]["function"] == {"name": "get", "arguments": "{}"}
+    assert [e["token"] for e in choices[0]["logprobs"]["content"]] == text
