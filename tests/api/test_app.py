@@ -59,6 +59,7 @@ def test_models_and_health_that_names_the_missing_peers(client):
     assert client.get("/v1/models").json()["data"][0]["id"] == "tiny"
     health = client.get("/health")  # no encoder or decoder answers this prefill
     assert health.status_code == 503 and health.json()["status"] == "unavailable"
+    assert client.head("/health").status_code == 503 and client.head("/health/live").is_success
     problems = " ".join(health.json()["problems"])
     assert "no encode server answers" in problems and "no decode server answers" in problems
     assert set(health.json()["peers"].values()) == {"down"}
