@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import sys
 import time
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -68,6 +69,7 @@ class Stream:
     first: tuple[TokenDelta, ...] = ()  # each choice's first token, from prefill
     queue: asyncio.Queue[TokenDelta | PrefillError] = field(default_factory=asyncio.Queue)
     sent_at: float = 0.0  # when the hand-off went to the decoder (perf_counter)
+    max_tokens: int = sys.maxsize  # the request's: no choice may have more
 
 
 async def within(awaitable: Awaitable[T], seconds: float, error: Exception) -> T:
@@ -258,7 +260,8 @@ class Coordinator:
         self.metrics.images.inc(len(keys))
         self.metrics.image_cache_hits.inc(len(rows))
         if missing:
-            encoded = check_payloads(request, missing, await self.encode_images(request, missing))
+            payloads = await self.encode_images(request, missing)
+            encoded = check_payloads(request, missing, payloads, self.engine.lm.config.hidden_size)
             for index, image_rows in zip(missing, encoded, strict=True):
                 self.images.put(keys[index], image_rows)
                 rows[index] = image_rows
@@ -306,7 +309,14 @@ class Coordinator:
         if handoff is None:
             return Stream(request_id, "", len(first), first)
         decoder = (await self.pick(self.decoders, "decode"))[0]
-        stream = Stream(request_id, decoder, len(first), first, sent_at=now())
+        stream = Stream(
+            request_id,
+            decoder,
+            len(first),
+            first,
+            sent_at=now(),
+            max_tokens=handoff.sampling.max_tokens,
+        )
         self.streams[request_id] = stream
         try:
             sent = self.outbox.send(decoder, handoff)
@@ -370,6 +380,11 @@ class Coordinator:
                         f"decode's delta for {choice} does not follow on: {item.completion_tokens}"
                         f" tokens in all, after {tokens[item.index]} and {len(item.token_ids)} new"
                     )
+                if item.completion_tokens > stream.max_tokens:
+                    raise Internal(
+                        f"decode sent {item.completion_tokens} tokens for {choice}, past the "
+                        f"request's max_tokens of {stream.max_tokens}"
+                    )
                 tokens[item.index] = item.completion_tokens
                 if item.finish_reason is not None:
                     open_choices.discard(item.index)
@@ -392,14 +407,18 @@ def split(count: int, workers: int) -> list[tuple[int, int]]:
 
 
 def check_payloads(
-    request: PreparedRequest, indices: list[int], payloads: list[ImageEmbeddings]
+    request: PreparedRequest, indices: list[int], payloads: list[ImageEmbeddings], hidden: int
 ) -> list[torch.Tensor]:
     """Each image's rows (tokens, hidden), refusing payloads whose grids or rows disagree with
-    the placeholders expanded for the images at `indices`."""
+    the placeholders expanded for the images at `indices`, or whose rows are not `hidden`
+    wide (they would be cached by the images' hashes, and fail each later request for those
+    images too)."""
     grids = tuple(grid for p in payloads for grid in kimi_vl_grids(p.grids))
     expected = tuple(request.grids[i] for i in indices)
     if grids != expected:
         raise Internal(f"encode returned grids {list(grids)} for images of grids {list(expected)}")
+    if wrong := [p.embeddings.shape[1] for p in payloads if p.embeddings.shape[1] != hidden]:
+        raise Internal(f"encode returned embeddings {wrong[0]} wide, not the model's {hidden}")
     embeddings = torch.cat([p.embeddings for p in payloads])
     slots = [request.image_tokens[i] for i in indices]
     if embeddings.shape[0] != sum(slots):

@@ -4,8 +4,11 @@ prefill settings reach the batcher."""
 import asyncio
 import base64
 import io
+import re
+from types import SimpleNamespace
 
 import pytest
+import torch
 import zmq
 from fastapi.testclient import TestClient
 from PIL import Image
@@ -13,12 +16,21 @@ from PIL import Image
 from epd.api.app import create_app
 from epd.api.server import build_service
 from epd.config.roles import PrefillConfig
+from epd.generation.params import SamplingParams
 from epd.generation.transcript import Output
 from epd.prefill import coordinator as coordinator_module
-from epd.prefill.coordinator import Coordinator, EncodeWait, Stream, split, within
+from epd.prefill.coordinator import (
+    Coordinator,
+    EncodeWait,
+    Stream,
+    check_payloads,
+    split,
+    within,
+)
 from epd.prefill.engine import Prefilled
 from epd.prefill.errors import PrefillError
-from epd.wire.messages import Abort, Failure, TokenDelta
+from epd.prefill.request import PreparedRequest
+from epd.wire.messages import Abort, Failure, ImageEmbeddings, TokenDelta
 
 
 def ipc_config(checkpoint, tmp_path, **settings) -> PrefillConfig:
@@ -37,6 +49,26 @@ def test_split_images_over_encoders():
     assert split(6, 3) == [(0, 2), (2, 4), (4, 6)]
     assert split(2, 4) == [(0, 1), (1, 2)]
     assert split(3, 1) == [(0, 3)]
+
+
+@pytest.mark.parametrize(
+    "rows,problem",
+    [
+        (torch.zeros(8, 16), None),
+        (torch.zeros(8, 7), "embeddings 7 wide, not the model's 16"),
+        (torch.zeros(9, 16), "9 embedding rows for 8 image slots"),
+    ],
+)
+def test_image_payloads_must_fit_the_slots_and_the_model(rows, problem):
+    """A payload that does not fit would be cached by its image's hash and fail each later
+    request with that image too."""
+    request = PreparedRequest("r", [1] * 8, [b"png"], ((4, 8),), (8,), SamplingParams(4))
+    payload = ImageEmbeddings("r", 0, ((4, 8),), rows)
+    if problem is None:
+        assert check_payloads(request, [0], [payload], 16)[0].shape == (8, 16)
+    else:
+        with pytest.raises(PrefillError, match=re.escape(problem)):
+            check_payloads(request, [0], [payload], 16)
 
 
 def test_within_raises_the_given_error_on_time():
@@ -177,7 +209,8 @@ def test_a_hand_off_the_wire_cannot_carry_leaves_no_stream_behind(tiny_checkpoin
         coordinator.outbox.is_up = lambda address: True
         first = (Output(token_ids=(7,), text="", completion_tokens=1),)
         with pytest.raises(OverflowError):
-            await coordinator.hand_off("r1", Prefilled(first, object()))  # type: ignore[arg-type]
+            handoff = SimpleNamespace(sampling=SamplingParams(4))
+            await coordinator.hand_off("r1", Prefilled(first, handoff))  # type: ignore[arg-type]
         running = coordinator.batcher.others_running()
         await coordinator.stop()
         return running, dict(coordinator.streams)
@@ -193,7 +226,7 @@ def reply_of(config, service, first, from_decode):
         coordinator = Coordinator(config, service.engine, 64, service.watchdog)
         sent = []
         coordinator.outbox.send = lambda peer, message: sent.append(message) or True
-        stream = Stream("r1", "decoder", choices=2, first=first)
+        stream = Stream("r1", "decoder", choices=2, first=first, max_tokens=4)
         coordinator.streams["r1"] = stream
         for delta in from_decode:
             stream.queue.put_nowait(delta)
@@ -230,6 +263,7 @@ def test_a_reply_is_prefills_first_tokens_then_decodes_for_the_open_choices(
         # A decoder of the version before, which sent each first token itself.
         (TokenDelta("r1", (5,), "a", completion_tokens=1), "does not follow on"),
         (TokenDelta("r1", (9,), "x", completion_tokens=2, index=1), "which is not open"),
+        (TokenDelta("r1", (7,) * 4, "x", completion_tokens=5), "past the request's max_tokens"),
     ],
 )
 def test_a_decoder_that_repeats_a_token_or_revives_a_choice_fails_the_request(
