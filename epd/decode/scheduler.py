@@ -137,6 +137,11 @@ class Scheduler:
             )
         if handoff.request_id in self:
             raise ValueError(f"request {handoff.request_id} is already decoding")
+        if handoff.sampling.n > self.max_waiting:  # never: it is no use coming back later
+            raise TooLarge(
+                f"n={handoff.sampling.n} choices are more than decode's {self.max_waiting} "
+                "waiting places (4 × --max-batch-size)"
+            )
         if len(self.waiting) + handoff.sampling.n > self.max_waiting:
             raise Busy(f"decode is full: {len(self.waiting)} sequences wait for a batch slot")
 

@@ -7,7 +7,7 @@ import torch
 from epd.checkpoint.config import load_generation_config, load_model_config
 from epd.checkpoint.tokenizer import load_tokenizer
 from epd.checkpoint.weights import load_model
-from epd.decode.scheduler import Busy, Scheduler, default_kv_tokens
+from epd.decode.scheduler import Busy, Scheduler, TooLarge, default_kv_tokens
 from epd.generation.grammar import choice_grammar
 from epd.generation.params import SamplingParams
 from epd.prefill.engine import PrefillEngine
@@ -257,6 +257,10 @@ def test_decode_refuses_what_it_has_no_room_to_park(parts):
         )
     with pytest.raises(Busy, match="decode is full"):
         scheduler.add(handoff(engine, 1))
+    # More choices than it has places for at all: no use trying again later.
+    many = engine.run("n5", PROMPTS[0], None, SamplingParams(8, temperature=1.0, n=5)).handoff
+    with pytest.raises(TooLarge, match="n=5 choices are more than decode's 4 waiting places"):
+        Scheduler(lm, tokenizer, eos, max_batch_size=1).add(many)
 
 
 def test_n_choices_decode_apart_and_abort_together(parts):
