@@ -22,6 +22,12 @@ from epd.wire.messages import Message
 
 log = logging.getLogger(__name__)
 QUEUED_MESSAGES = 256  # per connection, so a flood waits in its sender, not in this process
+# A connection that is not a live ZeroMQ peer holds a descriptor until dropped: one that does
+# not finish its handshake (libzmq's default waits 30 s), or one that finished it and then
+# answers no ping (without pings, kept for ever: a host that vanished without closing, or a
+# hostile client holding descriptors). Real peers answer pings from libzmq's own I/O thread.
+HANDSHAKE_MS = 5000
+HEARTBEAT_MS, HEARTBEAT_TIMEOUT_MS = 1000, 5000
 REFUSALS_LOGGED_PER_S = 10
 
 
@@ -64,8 +70,14 @@ class Inbox:
         self.socket = context.socket(zmq.PULL)
         if curve is not None:  # peers without the keys are dropped in the handshake
             curve.serve(self.socket)
-        self.socket.setsockopt(zmq.LINGER, 0)
-        self.socket.setsockopt(zmq.RCVHWM, QUEUED_MESSAGES)
+        for option, value in (
+            (zmq.LINGER, 0),
+            (zmq.RCVHWM, QUEUED_MESSAGES),
+            (zmq.HANDSHAKE_IVL, HANDSHAKE_MS),
+            (zmq.HEARTBEAT_IVL, HEARTBEAT_MS),
+            (zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS),
+        ):
+            self.socket.setsockopt(option, value)
         if max_frame_bytes >= 0:
             self.socket.setsockopt(zmq.MAXMSGSIZE, max(max_frame_bytes, max_header_bytes))
         self.socket.bind(address)

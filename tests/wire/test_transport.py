@@ -1,6 +1,8 @@
 """Inbox and Outbox over real ZeroMQ sockets: nothing waits on a peer, nothing grows unbounded."""
 
 import os
+import socket
+import struct
 import threading
 import time
 
@@ -8,6 +10,7 @@ import pytest
 import torch
 import zmq
 
+from epd.wire import transport
 from epd.wire.messages import Abort, ImageEmbeddings
 from epd.wire.outbox import Outbox
 from epd.wire.transport import Inbox, WireProbe
@@ -45,6 +48,33 @@ def test_messages_arrive_typed(context, address):
     assert outbox.send(address, ImageEmbeddings("r", 0, ((4, 6),), embeddings))
     received = inbox.recv(timeout_ms=2000)
     assert isinstance(received, ImageEmbeddings) and torch.equal(received.embeddings, embeddings)
+
+
+ZMTP_GREETING = b"\xff" + bytes(8) + b"\x7f\x03\x00" + b"NULL".ljust(20, b"\x00") + bytes(32)
+READY = b"\x05READY\x0bSocket-Type" + struct.pack(">I", 4) + b"PUSH"
+
+
+def test_connections_that_are_no_live_peer_are_dropped(context, monkeypatch):
+    """One that never finishes its handshake and one that finishes it and then answers no
+    ping each hold a descriptor; both are dropped, while a real peer stays connected."""
+    monkeypatch.setattr(transport, "HANDSHAKE_MS", 500)
+    monkeypatch.setattr(transport, "HEARTBEAT_MS", 100)
+    monkeypatch.setattr(transport, "HEARTBEAT_TIMEOUT_MS", 500)
+    probe = socket.socket()
+    probe.bind(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+    probe.close()
+    address = f"tcp://127.0.0.1:{port}"
+    inbox, outbox = Inbox(context, address), Outbox(context, [address])
+    silent = socket.create_connection(("127.0.0.1", port))
+    mute = socket.create_connection(("127.0.0.1", port))
+    mute.sendall(ZMTP_GREETING + b"\x04" + bytes([len(READY)]) + READY)
+    for connection in (silent, mute):
+        connection.settimeout(5)
+        while connection.recv(4096):  # its greeting, then pings, until the inbox closes it
+            pass
+    assert outbox.is_up(address) and outbox.send(address, Abort("still here"))
+    assert inbox.recv(timeout_ms=2000) == Abort("still here")
 
 
 def test_an_inbox_says_whether_a_message_waits_unread(context, address):
