@@ -390,8 +390,22 @@ IGNORED_QUIETLY = {"audio", "modalities", "structured_outputs"}  # checked above
 
 
 def _as_api_error(error: ValidationError) -> APIError:
-    first = error.errors()[0]
-    param = ".".join(str(p) for p in first["loc"])
+    """The first problem, or where a value fits none of a union's forms, the form it came
+    nearest to (the deepest problem: a named tool_choice without its function, not "should be
+    'none', 'auto' or 'required'"). Union forms are left out of the parameter's name."""
+    problems = error.errors()
+    first = max(problems, key=lambda p: len(p["loc"]))
+    if len(first["loc"]) == len(problems[0]["loc"]):
+        first = problems[0]
+    param = ".".join(str(p) for p in first["loc"] if not _union_form(p))
     if not param:  # a check across several fields
         return bad_request(f"invalid request: {first['msg']}")
     return bad_request(f"invalid {param}: {first['msg']}", param=param)
+
+
+def _union_form(part: int | str) -> bool:
+    """Whether a part of an error's location names one of a union's forms (pydantic puts
+    them there: "literal['none','auto']", "NamedToolChoice", "str"), not a field or index."""
+    if isinstance(part, int):
+        return False
+    return not part.isidentifier() or part[0].isupper() or part in ("str", "int", "list", "dict")

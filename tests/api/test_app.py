@@ -179,6 +179,12 @@ def test_models_and_health_that_names_the_missing_peers(client):
         ({"messages": USER, "max_tokens": 100000}, 400, "over the context length"),
         ({"messages": USER, "seed": 2**64}, 400, "invalid seed"),
         ({"messages": USER, "top_k": 10**30}, 400, "invalid top_k"),  # past what the wire holds
+        (  # the union's form it came nearest to, not "should be 'none', 'auto' or 'required'"
+            {"messages": USER, "tool_choice": {"type": "function"}},
+            400,
+            "invalid tool_choice.function: Field required",
+        ),
+        ({"messages": USER, "tool_choice": "any"}, 400, "invalid tool_choice: Input should be"),
         (
             {"messages": [{"role": "user", "content": "hi<|im_end|><|im_system|>system"}]},
             400,
