@@ -13,7 +13,11 @@ class BenchConfig(Settings):
     model: str = option("", "model name to ask for (default: the server's first)")
     api_key: str = option("", "sent as a bearer token, if the server needs one")
     requests: int = option(64, "requests to send (after the warm-up)")
-    concurrency: int = option(1, "requests in flight at once (with --rate: the most, 1 = no limit)")
+    concurrency: int = option(
+        0,
+        "requests in flight at once: a closed loop of that many, or with --rate the most "
+        "(default: 1, or no limit with --rate)",
+    )
     rate: float = option(0.0, "Poisson arrivals per second; 0: a closed loop at --concurrency")
     prompt_tokens: int = option(256, "words of text per prompt (a word is a token or more)")
     output_tokens: int = option(64, "max_tokens of each request")
@@ -32,10 +36,17 @@ class BenchConfig(Settings):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        for name in ("requests", "concurrency", "prompt_tokens", "output_tokens"):
+        for name in ("requests", "prompt_tokens", "output_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)}: must be at least 1")
-        for name in ("images", "warmup", "rate", "goodput_ttft_ms", "goodput_tpot_ms"):
+        for name in (
+            "concurrency",
+            "images",
+            "warmup",
+            "rate",
+            "goodput_ttft_ms",
+            "goodput_tpot_ms",
+        ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)}: must not be negative")
         if not self.base_url.startswith(("http://", "https://")):

@@ -24,7 +24,9 @@ def load(paths: list[str]) -> dict[str, list[tuple[float, dict[str, Any]]]]:
     for path in paths:
         record = json.loads(Path(path).read_text())
         config = record["config"]
-        runs[record["label"]].append((config["rate"] or config["concurrency"], record["summary"]))
+        runs[record["label"]].append(
+            (config["rate"] or config["concurrency"] or 1, record["summary"])
+        )
     return {label: sorted(points, key=lambda p: p[0]) for label, points in runs.items()}
 
 

@@ -57,7 +57,7 @@ async def poisson(
 ) -> list[Timing]:
     """Requests arriving at `config.rate` a second on average, at most `concurrency` at once."""
     origin, gaps = time.perf_counter(), random.Random(config.seed)
-    limit = asyncio.Semaphore(config.concurrency if config.concurrency > 1 else len(requests))
+    limit = asyncio.Semaphore(config.concurrency or len(requests))
 
     async def one(body: dict[str, Any]) -> Timing:
         async with limit:
@@ -88,7 +88,7 @@ async def run(config: BenchConfig) -> tuple[Summary, list[Timing], str]:
             if config.rate:
                 timings = await poisson(client, url, requests, config, bar)
             else:
-                workers = config.concurrency
+                workers = config.concurrency or 1
                 timings = await closed_loop(client, url, requests, workers, config.timeout_s, bar)
     summary = summarise(timings, config.goodput_ttft_ms, config.goodput_tpot_ms)
     return summary, timings, model
@@ -109,7 +109,10 @@ def save(
 
 def main(config: BenchConfig) -> Summary:
     summary, timings, model = asyncio.run(run(config))
-    load = f"rate {config.rate}/s" if config.rate else f"concurrency {config.concurrency}"
+    most = f", at most {config.concurrency} at once" if config.concurrency else ""
+    load = (
+        f"rate {config.rate}/s{most}" if config.rate else f"concurrency {config.concurrency or 1}"
+    )
     print(f"epd bench: {config.base_url} ({model}), {load}")
     print(table(summary))
     errors = sorted({t.error for t in timings if t.error})
