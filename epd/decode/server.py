@@ -77,15 +77,17 @@ class DecodeServer:
                 if self.drop(message.request_id):
                     log.info("aborted %s: its client went away", message.request_id)
             else:
-                log.error("ignored a %s: decode takes KVHandoff and Abort", type(message).__name__)
+                self.inbox.refusals.log(
+                    f"a {type(message).__name__}: decode takes KVHandoff and Abort"
+                )
 
     def admit(self, handoff: KVHandoff) -> None:
         request_id, reply_to = handoff.request_id, handoff.reply_to
         if not self.prefills.allows(reply_to):
-            log.error("refused %s: %r is not a prefill of this decoder", request_id, reply_to)
+            self.inbox.refusals.log(f"{request_id}: {reply_to!r} is not a prefill of this decoder")
             return
         if request_id in self.scheduler:  # a Failure would end the request in flight
-            log.error("ignored a second hand-off of %s", request_id)
+            self.inbox.refusals.log(f"a second hand-off of {request_id}")
             return
         if not self.taking:
             why = "decode is shutting down: it finishes what it holds and takes nothing new"

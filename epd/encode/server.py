@@ -161,13 +161,11 @@ class EncodeServer:
         """The message, if it is a request this encoder takes; a Failure goes back at once for
         one over its limits."""
         if not isinstance(message, EncodeRequest):
-            log.error("ignored a %s: encode only takes EncodeRequest", type(message).__name__)
+            self.inbox.refusals.log(f"a {type(message).__name__}: encode only takes EncodeRequest")
             return None
         if not self.prefills.allows(message.reply_to):
-            log.error(
-                "refused %s: %r is not a prefill of this encoder",
-                message.request_id,
-                message.reply_to,
+            self.inbox.refusals.log(
+                f"{message.request_id}: {message.reply_to!r} is not a prefill of this encoder"
             )
             return None
         if (refusal := self.over_limits(message)) is not None:

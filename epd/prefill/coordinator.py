@@ -172,7 +172,7 @@ class Coordinator:
         elif isinstance(message, Failure):
             self.fail(message.request_id, from_failure(message))
         else:
-            log.error("ignored a %s: prefill does not take it", type(message).__name__)
+            self.inbox.refusals.log(f"a {type(message).__name__}: prefill does not take it")
 
     def fail(self, request_id: str, error: PrefillError) -> None:
         for (rid, _), wait in self.waits.items():
@@ -413,7 +413,10 @@ def check_payloads(
     the placeholders expanded for the images at `indices`, or whose rows are not `hidden`
     wide (they would be cached by the images' hashes, and fail each later request for those
     images too)."""
-    grids = tuple(grid for p in payloads for grid in kimi_vl_grids(p.grids))
+    try:
+        grids = tuple(grid for p in payloads for grid in kimi_vl_grids(p.grids))
+    except ValueError as e:  # e.g. an odd side, which the 2×2 merge cannot take
+        raise Internal(f"encode returned unusable grids: {e}") from None
     expected = tuple(request.grids[i] for i in indices)
     if grids != expected:
         raise Internal(f"encode returned grids {list(grids)} for images of grids {list(expected)}")

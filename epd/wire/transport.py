@@ -22,6 +22,7 @@ from epd.wire.messages import Message
 
 log = logging.getLogger(__name__)
 QUEUED_MESSAGES = 256  # per connection, so a flood waits in its sender, not in this process
+QUEUED_BYTES = 1 << 30  # ...and fewer where messages may be large: at most ~this per connection
 # A connection that is not a live ZeroMQ peer holds a descriptor until dropped: one that does
 # not finish its handshake (libzmq's default waits 30 s), or one that finished it and then
 # answers no ping (without pings, kept for ever: a host that vanished without closing, or a
@@ -50,6 +51,15 @@ class Refusals:
             log.error("refused a message: %s", problem)
 
 
+def queued_messages(max_frame_bytes: int) -> int:
+    """Messages a connection may queue here: QUEUED_MESSAGES, or fewer of the largest frames
+    allowed, so that they stay within QUEUED_BYTES (encode's limit, 16 images of 20 MB, let
+    256 × 320 MB wait in this process: 2.6 GB seen from 20 of them). At least 2."""
+    if max_frame_bytes <= 0:
+        return QUEUED_MESSAGES
+    return max(2, min(QUEUED_MESSAGES, QUEUED_BYTES // max_frame_bytes))
+
+
 class Inbox:
     """A bound PULL socket (sync or asyncio, by the context given), a CURVE server if given keys.
 
@@ -72,7 +82,7 @@ class Inbox:
             curve.serve(self.socket)
         for option, value in (
             (zmq.LINGER, 0),
-            (zmq.RCVHWM, QUEUED_MESSAGES),
+            (zmq.RCVHWM, queued_messages(max_frame_bytes)),
             (zmq.HANDSHAKE_IVL, HANDSHAKE_MS),
             (zmq.HEARTBEAT_IVL, HEARTBEAT_MS),
             (zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS),

@@ -230,7 +230,7 @@ context.term()
 
 
 def test_hostile_and_dead_peers_hurt_no_honest_request(three, expected, tiny_checkpoint):
-    processes, client, base = three
+    _, client, base = three
     pids = {name: body["pid"] for name, (_, body) in health(base).items()}
     for case in CASES:  # warm up, so the baseline below includes what serving always holds
         client.chat.completions.create(model="tiny", messages=CASES[case], **PARAMS)
@@ -258,9 +258,14 @@ def test_hostile_and_dead_peers_hurt_no_honest_request(three, expected, tiny_che
     assert all(text == expected[case] for case, text in honest.texts)
     assert max(honest.gaps) < 1.0, f"a stream stalled for {max(honest.gaps):.2f}s"
     assert attacker.returncode == 0, attacker.stderr
-    expected_refusals = {"encode": len(CORPUS), "prefill": len(CORPUS), "decode": len(CORPUS) + 10}
+    # Each malformed message, plus encode's request from an address that is not a prefill.
+    expected_refusals = {
+        "encode": len(CORPUS) + 1,
+        "prefill": len(CORPUS),
+        "decode": len(CORPUS) + 10,
+    }
     assert eventually(lambda: delta(refusals(base), refused) == expected_refusals)
-    assert "'tcp://10.9.9.9:7102' is not a prefill of this encoder" in processes["encode"].output
+    # (Its log line may be among those a flood of refusals leaves out: a few a second.)
 
     deadline = time.monotonic() + 20  # encode works through its queue, dead peers time out
     while time.monotonic() < deadline:

@@ -57,13 +57,15 @@ def test_split_images_over_encoders():
         (torch.zeros(8, 16), None),
         (torch.zeros(8, 7), "embeddings 7 wide, not the model's 16"),
         (torch.zeros(9, 16), "9 embedding rows for 8 image slots"),
+        (torch.zeros(8, 16), "unusable grids"),  # with the grid (3, 5) below
     ],
 )
 def test_image_payloads_must_fit_the_slots_and_the_model(rows, problem):
     """A payload that does not fit would be cached by its image's hash and fail each later
     request with that image too."""
     request = PreparedRequest("r", [1] * 8, [b"png"], ((4, 8),), (8,), SamplingParams(4))
-    payload = ImageEmbeddings("r", 0, ((4, 8),), rows)
+    grid = (3, 5) if problem == "unusable grids" else (4, 8)
+    payload = ImageEmbeddings("r", 0, (grid,), rows)
     if problem is None:
         assert check_payloads(request, [0], [payload], 16)[0].shape == (8, 16)
     else:

@@ -234,3 +234,10 @@ def test_the_probe_sees_the_io_thread_move_messages(context):
     probe = WireProbe(context, trips.release, interval_s=0.05)
     assert all(trips.acquire(timeout=2) for _ in range(3))
     probe.close()
+
+
+def test_large_messages_queue_fewer_per_connection():
+    assert transport.queued_messages(-1) == transport.QUEUED_MESSAGES  # no frame limit given
+    assert transport.queued_messages(1 << 20) == transport.QUEUED_MESSAGES
+    assert transport.queued_messages(320 << 20) == 3  # encode's default: 16 images of 20 MB
+    assert transport.queued_messages(8 << 30) == 2
