@@ -135,6 +135,11 @@ class Scheduler:
                 f"{handoff.sampling.max_tokens} exceed decode's KV cache of "
                 f"{self.pool.max_tokens} tokens (--max-kv-tokens)"
             )
+        dtype = self.lm.lm_head.weight.dtype
+        if handoff.cache.dtype != dtype and handoff.cache.numel():  # a narrower dtype here
+            largest = float(handoff.cache.abs().amax())  # finite: the message checked
+            if largest > torch.finfo(dtype).max:
+                raise ValueError(f"KV cache values up to {largest:.3g} overflow decode's {dtype}")
         if handoff.request_id in self:
             raise ValueError(f"request {handoff.request_id} is already decoding")
         if handoff.sampling.n > self.max_waiting:  # never: it is no use coming back later

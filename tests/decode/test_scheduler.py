@@ -207,6 +207,20 @@ def test_token_ids_outside_the_vocabulary_are_refused(parts):
     assert len(scheduler) == 0
 
 
+def test_a_cache_that_overflows_decodes_dtype_is_refused(parts, tiny_checkpoint):
+    _, tokenizer, engine, eos = parts  # prefill in float32
+    narrow = load_model(tiny_checkpoint, role="language", dtype=torch.float16).language_model
+    scheduler = Scheduler(narrow, tokenizer, eos)
+    good = handoff(engine, 0)
+    cache = good.cache.clone()
+    cache[0, 0, 0] = 1e5  # finite in float32, infinite in float16 (largest 65504)
+    with pytest.raises(ValueError, match="overflow decode's torch.float16"):
+        scheduler.add(msgspec.structs.replace(good, cache=cache))
+    assert len(scheduler) == 0
+    scheduler.add(good)
+    assert len(scheduler) == 1
+
+
 def test_an_unusable_grammar_is_refused_and_a_good_one_is_followed(parts):
     lm, tokenizer, engine, eos = parts
     scheduler = Scheduler(lm, tokenizer, eos)
