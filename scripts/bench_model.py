@@ -2,7 +2,10 @@
 
 Builds a random `small` checkpoint (or uses --checkpoint), then reports achieved FLOP/s as a
 fraction of the machine's own measured float32 matmul FLOP/s, so numbers from different machines
-can be compared. Not a test: run it with `make bench` and write the results in docs/benchmarks.md.
+can be compared. A decode step of a few rows is bound by reading the weights, not by FLOPs: its
+table gives the bytes of weights each step needs (every weight but the embedding's, and only the
+routed experts some row chose) and the rate it read them at. Not a test: run it with `make
+bench` and write the results in docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -19,9 +22,11 @@ import yaml
 
 from epd.checkpoint.synthetic import make_checkpoint
 from epd.checkpoint.weights import load_model
+from epd.dtypes import MODEL_DTYPES, TENSOR_DTYPES
 from epd.model.config import KimiVLConfig, TextConfig
 from epd.model.deepseek import DeepseekV3ForCausalLM
 from epd.model.latent_cache import LatentCache
+from epd.model.moe import Experts, Router
 
 
 def best_seconds(fn: Callable[[], object], repeats: int) -> float:
@@ -37,6 +42,12 @@ def best_seconds(fn: Callable[[], object], repeats: int) -> float:
 def matmul_flops(n: int = 2048, repeats: int = 5) -> float:
     a, b = torch.randn(n, n), torch.randn(n, n)
     return 2 * n**3 / best_seconds(lambda: a @ b, repeats)
+
+
+def read_bytes_per_s(mib: int = 512, repeats: int = 3) -> float:
+    """The rate this process reads memory at: a sum over `mib` MiB, far past the caches."""
+    x = torch.ones(mib * 2**18)
+    return x.nbytes / best_seconds(lambda: x.sum(), repeats)
 
 
 def vision_flops(config: KimiVLConfig, grids: list[tuple[int, int]]) -> float:
@@ -75,10 +86,8 @@ def prefill_flops(t: TextConfig, tokens: int) -> float:
 def decode_step_seconds(lm: DeepseekV3ForCausalLM, batch: int, context: int, repeats: int) -> float:
     """Median time of one decode step for `batch` requests with `context`-token caches."""
     t = lm.config
-    caches = [
-        LatentCache.from_tensor(torch.randn(t.num_hidden_layers, context, t.latent_dim))
-        for _ in range(batch)
-    ]
+    shape, dtype = (t.num_hidden_layers, context, t.latent_dim), lm.lm_head.weight.dtype
+    caches = [LatentCache.from_tensor(torch.randn(shape, dtype=dtype)) for _ in range(batch)]
     for cache in caches:
         cache.reserve(repeats + 1)  # growth is amortised in serving; keep it out of the timing
     ids = torch.randint(0, t.vocab_size, (batch,))
@@ -90,16 +99,46 @@ def decode_step_seconds(lm: DeepseekV3ForCausalLM, batch: int, context: int, rep
     return sorted(times[1:])[repeats // 2]
 
 
+def weights_needed(lm: DeepseekV3ForCausalLM, batch: int, context: int) -> int:
+    """Bytes of weights one decode step of `batch` requests must read: every weight of the
+    language model but the embedding's (a row per request) and the routed experts', plus each
+    routed expert that some row chose (counted by the routers of one step)."""
+    routers = [m for m in lm.modules() if isinstance(m, Router)]
+    experts = [m for m in lm.modules() if isinstance(m, Experts)]
+    chosen: list[int] = []
+    hooks = [
+        r.register_forward_hook(lambda _m, _i, out: chosen.append(out[1].unique().numel()))
+        for r in routers
+    ]
+    try:
+        decode_step_seconds(lm, batch, context, 1)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    skipped = {id(p) for m in experts for p in m.parameters()}
+    skipped |= {id(p) for p in lm.model.embed_tokens.parameters()}
+    dense = sum(p.nbytes for p in lm.parameters() if id(p) not in skipped)
+    per_expert = [sum(p.nbytes for p in m.parameters()) // len(m) for m in experts]
+    last_step = chosen[len(chosen) - len(routers) :]  # after the warm-up step's
+    return dense + sum(n * b for n, b in zip(last_step, per_expert, strict=True))
+
+
 def run(
-    checkpoint: Path, images: int, side: int, tokens: int, repeats: int, profile: Path | None
+    checkpoint: Path,
+    images: int,
+    side: int,
+    tokens: int,
+    repeats: int,
+    profile: Path | None,
+    dtype: torch.dtype,
 ) -> None:
     torch.manual_seed(0)
-    peak = matmul_flops()
-    model = load_model(checkpoint)
+    peak, read_rate = matmul_flops(), read_bytes_per_s()
+    model = load_model(checkpoint, dtype=dtype)
     config = model.config
     grid = (side // 14, side // 14)
     grids = [grid] * images
-    pixels = torch.randn(images * grid[0] * grid[1], 3, 14, 14)
+    pixels = torch.randn(images * grid[0] * grid[1], 3, 14, 14, dtype=dtype)
     lm = model.language_model
     embeds = lm.embed(torch.randint(0, config.text.vocab_size, (tokens,)))
 
@@ -115,8 +154,12 @@ def run(
         prefill_flops(config.text, tokens) / prefill_s,
     )
     cpu = platform.processor() or platform.machine()
-    print(f"machine: {cpu}, {torch.get_num_threads()} threads, torch {torch.__version__}")
+    print(
+        f"machine: {cpu}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
+        f"{str(dtype).removeprefix('torch.')}"
+    )
     print(f"measured fp32 matmul peak: {peak / 1e9:.1f} GFLOP/s (2048×2048)")
+    print(f"measured memory read rate: {read_rate / 1e9:.1f} GB/s (a sum over 512 MiB)")
     print("| step | workload | throughput | achieved GFLOP/s | of matmul peak |")
     print("|---|---|---|---|---|")
     print(
@@ -128,13 +171,17 @@ def run(
         f"{p_rate / 1e9:.1f} | {p_rate / peak:.0%} |"
     )
     print()
-    print("| decode batch | step (300-token caches) | tokens/s |")
-    print("|---|---|---|")
+    print("| decode batch | step (300-token caches) | tokens/s | weights needed | read at |")
+    print("|---|---|---|---|---|")
     steps = {}
     with torch.inference_mode():
         for batch in (1, 4, 16, 32, 64):
             steps[batch] = step = decode_step_seconds(lm, batch, 300, 4 * repeats)
-            print(f"| {batch} | {step * 1e3:.1f} ms | {batch / step:.0f} |")
+            needed = weights_needed(lm, batch, 300)
+            print(
+                f"| {batch} | {step * 1e3:.1f} ms | {batch / step:.0f} | "
+                f"{needed / 2**20:.0f} MiB | {needed / step / 1e9:.1f} GB/s |"
+            )
     if profile is not None:  # what `epd plan --profile` reads: one replica of each role
         measured = f"{cpu}, {torch.get_num_threads()} threads, torch {torch.__version__}"
         rates = {
@@ -155,10 +202,12 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=1024, help="prompt length")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--profile", type=Path, help="write the rates for `epd plan` here (YAML)")
+    parser.add_argument("--dtype", default="float32", choices=MODEL_DTYPES)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = args.checkpoint or make_checkpoint(Path(tmp) / "small", "small")
-        run(checkpoint, args.images, args.side, args.tokens, args.repeats, args.profile)
+        dtype = TENSOR_DTYPES[args.dtype]
+        run(checkpoint, args.images, args.side, args.tokens, args.repeats, args.profile, dtype)
 
 
 if __name__ == "__main__":
