@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+from epd.dtypes import MODEL_DTYPES
 from epd.model.config import KimiVLConfig, TextConfig, VisionConfig
 
 T = TypeVar("T")
@@ -101,6 +102,14 @@ def load_model_config(checkpoint: str | Path) -> KimiVLConfig:
         text=from_dict(TextConfig, raw["text_config"], "config.json text_config"),
         media_placeholder_token_id=int(raw["media_placeholder_token_id"]),
     )
+
+
+def stored_dtype(checkpoint: str | Path) -> str | None:
+    """The dtype config.json says the weights were saved in (`torch_dtype`, or `dtype` as newer
+    transformers write it): Kimi-VL's own is bfloat16. None when it names none we run."""
+    raw = read_json(Path(checkpoint) / "config.json")
+    name = raw.get("torch_dtype", raw.get("dtype"))
+    return name if name in MODEL_DTYPES else None
 
 
 def load_processor_config(checkpoint: str | Path) -> ProcessorConfig:

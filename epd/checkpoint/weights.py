@@ -13,7 +13,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from epd.checkpoint.config import CheckpointError, load_model_config, read_json
+from epd.checkpoint.config import CheckpointError, load_model_config, read_json, stored_dtype
+from epd.dtypes import TENSOR_DTYPES
 from epd.model.kimi_vl import ROLE_PREFIXES, KimiVL, Role
 from epd.model.moe import FLOAT32_TENSOR_SUFFIXES
 from epd.model.packed import bucket_rows, pack_for_cpu
@@ -21,8 +22,29 @@ from epd.model.packed import bucket_rows, pack_for_cpu
 SKIPPED_SUFFIXES = ("rotary_emb.inv_freq",)  # recomputed, never loaded
 
 
-def default_dtype(device: torch.device) -> torch.dtype:
-    return torch.bfloat16 if device.type == "cuda" else torch.float32
+def default_dtype(device: torch.device, stored: str | None = None) -> torch.dtype:
+    """The dtype 'auto' runs a checkpoint saved in `stored` in: its own where the device runs it
+    natively (as vLLM's 'auto' does for 16-bit checkpoints). On CUDA a 16-bit one as saved and
+    float32 as bfloat16; on a CPU bfloat16 where the CPU multiplies it natively (a decode step
+    reads half the bytes, docs/benchmarks.md), anything else as float32 (float16 products are
+    slow there)."""
+    saved = TENSOR_DTYPES[stored] if stored else torch.float32
+    if device.type == "cuda":
+        return saved if saved in (torch.bfloat16, torch.float16) else torch.bfloat16
+    if device.type == "cpu" and saved == torch.bfloat16 and cpu_runs_bfloat16():
+        return torch.bfloat16
+    return torch.float32
+
+
+def cpu_runs_bfloat16() -> bool:
+    """Whether this CPU multiplies bfloat16 natively (AVX512-BF16 or AMX): elsewhere oneDNN
+    converts it on the fly, and bfloat16 can run slower than float32."""
+    native = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return (
+        torch.backends.mkldnn.is_available()
+        and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        and any(getattr(torch.cpu, check, lambda: False)() for check in native)
+    )
 
 
 def tensor_files(checkpoint: Path) -> dict[str, Path]:
@@ -96,7 +118,8 @@ def load_model(
         model = KimiVL(config, role)
     shapes = {name: t.shape for name, t in model.state_dict().items()}
     files = select(tensor_files(checkpoint), role, set(shapes))
-    state = read_tensors(files, shapes, device, dtype or default_dtype(device))
+    dtype = dtype or default_dtype(device, stored_dtype(checkpoint))
+    state = read_tensors(files, shapes, device, dtype)
     model.load_state_dict(state, strict=True, assign=True)
     if device.type == "cpu" and hasattr(model, "language_model"):
         pack_for_cpu(model.language_model)

@@ -73,7 +73,9 @@ class ModelOptions(Settings):
     model: str = required("checkpoint directory (Hugging Face layout)")
     device: str = option("cpu", "torch device, e.g. cpu or cuda:0")
     dtype: str = option(
-        "auto", "auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16"
+        "auto",
+        "auto (the checkpoint's torch_dtype where the device runs it, else float32 on CPU and "
+        "bfloat16 on CUDA), float32, bfloat16, float16",
     )
     trust_remote_code: bool = option(False, "allow the checkpoint's tokenizer code (real Kimi-VL)")
     threads: int = option(

@@ -170,6 +170,45 @@ def test_dtype_is_an_option_and_routing_stays_float32(tiny_checkpoint):
     assert cache.tensor().dtype == torch.bfloat16 and cache.length == 4
 
 
+@pytest.mark.parametrize(
+    ("device", "stored", "bf16_cpu", "expected"),
+    [
+        ("cpu", None, True, torch.float32),
+        ("cpu", "float32", True, torch.float32),
+        ("cpu", "bfloat16", True, torch.bfloat16),  # Kimi-VL's own, where oneDNN runs it
+        ("cpu", "bfloat16", False, torch.float32),
+        ("cpu", "float16", True, torch.float32),
+        ("cuda", "float32", True, torch.bfloat16),
+        ("cuda", "bfloat16", True, torch.bfloat16),
+        ("cuda", "float16", True, torch.float16),
+        ("meta", "bfloat16", True, torch.float32),
+    ],
+)
+def test_auto_dtype_is_the_checkpoints_own_where_the_device_runs_it(
+    monkeypatch, device, stored, bf16_cpu, expected
+):
+    monkeypatch.setattr(weights, "cpu_runs_bfloat16", lambda: bf16_cpu)
+    assert weights.default_dtype(torch.device(device), stored) == expected
+
+
+def test_auto_reads_the_dtype_config_json_names(tiny_checkpoint, tmp_path, monkeypatch):
+    monkeypatch.setattr(weights, "cpu_runs_bfloat16", lambda: True)
+    ckpt = shutil.copytree(tiny_checkpoint, tmp_path / "c")
+    config = json.loads((ckpt / "config.json").read_text())
+    config["torch_dtype"] = "bfloat16"  # as Kimi-VL's; the tensors stay float32 in the files
+    (ckpt / "config.json").write_text(json.dumps(config))
+    lm = load_model(ckpt, role="language").language_model
+    assert lm.lm_head.weight.dtype == torch.bfloat16
+    assert (
+        load_model(ckpt, role="language", dtype=torch.float32).language_model.lm_head.weight.dtype
+        == torch.float32
+    )
+    del config["torch_dtype"]
+    config["dtype"] = "bfloat16"  # the key newer transformers write
+    (ckpt / "config.json").write_text(json.dumps(config))
+    assert load_model(ckpt, role="language").language_model.lm_head.weight.dtype == torch.bfloat16
+
+
 def test_missing_index_file_is_named(tiny_checkpoint, tmp_path):
     ckpt = shutil.copytree(tiny_checkpoint, tmp_path / "c")
     (ckpt / "model-00002-of-00002.safetensors").unlink()
