@@ -153,10 +153,10 @@ def scaling_rounds(url: str, out: Path, rounds: int) -> list[float]:
 
 
 def ttft_pairs(url: str, checkpoint: Path, dtype: str, count: int) -> dict[str, dict[str, float]]:
-    """TTFT p50 at one request, served and through the one-process path, on the same prompts
-    taken in turn (served, then alone, then the next prompt), so that both meet the same
-    seconds of a machine whose speed drifts; the one-process path runs in this process while
-    the server idles. Each side starts SETTLE_S after the other ends: without the pause, the
+    """TTFT p50 at one request, served and through the one-process path, and the p50 of each
+    prompt's ratio of the two, on the same prompts taken in turn (served, then alone, then the
+    next prompt), so that both meet the same seconds of a machine whose speed drifts; the
+    one-process path runs in this process while the server idles. Each side starts SETTLE_S after the other ends: without the pause, the
     served forward began while this process's threads still spun, and the one-process one
     long after the server's had stopped (its stream ends with decode's steps)."""
     pipeline = LocalPipeline(checkpoint, dtype=model_dtype(dtype))
@@ -181,6 +181,9 @@ def ttft_pairs(url: str, checkpoint: Path, dtype: str, count: int) -> dict[str, 
         which: {
             "served_ms": statistics.median(s for s, _ in chosen) * 1000,
             "local_ms": ttft_p50_ms([c for _, c in chosen]),
+            # Each prompt's own ratio: the two groups' times lie apart, and the median of all
+            # on one side can fall in one group while the other side's falls in the other.
+            "ratio_p50": statistics.median(s / c.first_text_s for s, c in chosen),
             "prompts": len(chosen),
         }
         for which, chosen in groups.items()
@@ -345,7 +348,8 @@ def main() -> None:
         served, alone = group["served_ms"], group["local_ms"]
         print(
             f"TTFT p50 at 1 request, {group['prompts']} prompts in turn ({which}): "
-            f"served {served:.1f} ms, one-process {alone:.1f} ms, ratio {served / alone:.2f}"
+            f"served {served:.1f} ms, one-process {alone:.1f} ms, ratio {served / alone:.2f}; "
+            f"prompt by prompt, p50 {group['ratio_p50']:.2f}"
         )
 
 
