@@ -156,9 +156,10 @@ def ttft_pairs(url: str, checkpoint: Path, dtype: str, count: int) -> dict[str, 
     """TTFT p50 at one request, served and through the one-process path, and the p50 of each
     prompt's ratio of the two, on the same prompts taken in turn (served, then alone, then the
     next prompt), so that both meet the same seconds of a machine whose speed drifts; the
-    one-process path runs in this process while the server idles. Each side starts SETTLE_S after the other ends: without the pause, the
-    served forward began while this process's threads still spun, and the one-process one
-    long after the server's had stopped (its stream ends with decode's steps)."""
+    one-process path runs in this process while the server idles. Each side starts SETTLE_S
+    after the other ends: without the pause, the served forward began while this process's
+    threads still spun, and the one-process one long after the server's had stopped (its
+    stream ends with decode's steps)."""
     pipeline = LocalPipeline(checkpoint, dtype=model_dtype(dtype))
     local_completions(pipeline, checkpoint.name, 4, seed=1)  # warm, as the server was
     served, alone = [], []
