@@ -22,10 +22,12 @@ import yaml
 
 from epd.checkpoint.synthetic import make_checkpoint
 from epd.checkpoint.weights import load_model
+from epd.decode.scheduler import keeps_gathered
 from epd.dtypes import MODEL_DTYPES, TENSOR_DTYPES
 from epd.model.config import KimiVLConfig, TextConfig
 from epd.model.deepseek import DeepseekV3ForCausalLM
 from epd.model.latent_cache import LatentCache
+from epd.model.latent_pool import BLOCK_TOKENS, LatentPool
 from epd.model.moe import Experts, Router
 
 
@@ -83,18 +85,29 @@ def prefill_flops(t: TextConfig, tokens: int) -> float:
     return total + 2 * d * t.vocab_size  # logits of the last token
 
 
-def decode_step_seconds(lm: DeepseekV3ForCausalLM, batch: int, context: int, repeats: int) -> float:
-    """Median time of one decode step for `batch` requests with `context`-token caches."""
+def decode_step_seconds(
+    lm: DeepseekV3ForCausalLM, batch: int, context: int, repeats: int, kept: bool = True
+) -> float:
+    """Median time of one decode step for `batch` requests with `context`-token caches, in a
+    `LatentPool` as decode holds them (keeping the gathered caches between steps where decode
+    does, unless not `kept`)."""
     t = lm.config
-    shape, dtype = (t.num_hidden_layers, context, t.latent_dim), lm.lm_head.weight.dtype
-    caches = [LatentCache.from_tensor(torch.randn(shape, dtype=dtype)) for _ in range(batch)]
-    for cache in caches:
-        cache.reserve(repeats + 1)  # growth is amortised in serving; keep it out of the timing
-    ids = torch.randint(0, t.vocab_size, (batch,))
+    dtype, device = lm.lm_head.weight.dtype, lm.lm_head.weight.device
+    budget = batch * (context + repeats + 2 * BLOCK_TOKENS)
+    keep = kept and keeps_gathered(device)
+    pool = LatentPool(t.num_hidden_layers, t.latent_dim, device, dtype, budget, keeps_gathered=keep)
+    shape = (t.num_hidden_layers, context, t.latent_dim)
+    caches = [
+        pool.admit(LatentCache.from_tensor(torch.randn(shape, dtype=dtype, device=device)))
+        for _ in range(batch)
+    ]
+    ids = torch.randint(0, t.vocab_size, (batch,), device=device)
     times = []
     for _ in range(repeats + 1):
         start = time.perf_counter()
-        lm.decode(ids, caches)
+        for cache in caches:
+            pool.make_room(cache)
+        lm.decode(ids, pool.batch(caches))
         times.append(time.perf_counter() - start)
     return sorted(times[1:])[repeats // 2]
 
@@ -131,6 +144,8 @@ def run(
     repeats: int,
     profile: Path | None,
     dtype: torch.dtype,
+    context: int = 300,
+    kept: bool = True,
 ) -> None:
     torch.manual_seed(0)
     peak, read_rate = matmul_flops(), read_bytes_per_s()
@@ -171,13 +186,13 @@ def run(
         f"{p_rate / 1e9:.1f} | {p_rate / peak:.0%} |"
     )
     print()
-    print("| decode batch | step (300-token caches) | tokens/s | weights needed | read at |")
+    print(f"| decode batch | step ({context}-token caches) | tokens/s | weights needed | read at |")
     print("|---|---|---|---|---|")
     steps = {}
     with torch.inference_mode():
         for batch in (1, 4, 16, 32, 64):
-            steps[batch] = step = decode_step_seconds(lm, batch, 300, 4 * repeats)
-            needed = weights_needed(lm, batch, 300)
+            steps[batch] = step = decode_step_seconds(lm, batch, context, 4 * repeats, kept)
+            needed = weights_needed(lm, batch, context)
             print(
                 f"| {batch} | {step * 1e3:.1f} ms | {batch / step:.0f} | "
                 f"{needed / 2**20:.0f} MiB | {needed / step / 1e9:.1f} GB/s |"
@@ -203,11 +218,22 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--profile", type=Path, help="write the rates for `epd plan` here (YAML)")
     parser.add_argument("--dtype", default="float32", choices=MODEL_DTYPES)
+    parser.add_argument("--context", type=int, default=300, help="decode's cache length")
+    parser.add_argument(
+        "--gather-every-step",
+        action="store_true",
+        help="decode gathers the caches out of the pool's blocks every step, as on a GPU",
+    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = args.checkpoint or make_checkpoint(Path(tmp) / "small", "small")
         dtype = TENSOR_DTYPES[args.dtype]
-        run(checkpoint, args.images, args.side, args.tokens, args.repeats, args.profile, dtype)
+        run(
+            checkpoint,
+            *(args.images, args.side, args.tokens, args.repeats, args.profile, dtype),
+            args.context,
+            not args.gather_every_step,
+        )
 
 
 if __name__ == "__main__":

@@ -133,7 +133,8 @@ class DecodeConfig(ModelOptions):
     max_kv_tokens: int = option(
         0,
         "most tokens the KV cache holds over all running sequences, in blocks of 16; others "
-        "wait (0: every batch slot at the full context, or what half the free memory holds)",
+        "wait (0: every batch slot at the full context, or what half the free memory holds; "
+        "on a CPU a quarter, as decode keeps a copy of the running caches, up to as much again)",
     )
     drain_timeout_s: float = option(
         30.0,

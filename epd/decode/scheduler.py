@@ -85,7 +85,9 @@ class Scheduler:
         budget = max_kv_tokens or default_kv_tokens(config, max_batch_size, self.device, dtype)
         layers, width = config.num_hidden_layers, config.latent_dim
         try:
-            self.pool = LatentPool(layers, width, self.device, dtype, budget, preallocate)
+            self.pool = LatentPool(
+                layers, width, self.device, dtype, budget, preallocate, keeps_gathered(self.device)
+            )
         except torch.OutOfMemoryError as e:
             raise RuntimeError(
                 f"decode's KV cache of {budget} tokens does not fit in memory: set a smaller "
@@ -349,8 +351,21 @@ def default_kv_tokens(
     config: TextConfig, max_batch_size: int, device: torch.device, dtype: torch.dtype
 ) -> int:
     """Decode's KV cache budget when none is set: every batch slot at the full context, or what
-    half the device's free memory holds if that is less, but always one whole context."""
+    half the device's free memory holds if that is less, but always one whole context. On a
+    CPU the pool keeps a gathered copy of the running caches beside it, of at most its own
+    size (`LatentPool`'s `keeps_gathered`): there the pool takes a quarter."""
     per_token = config.num_hidden_layers * config.latent_dim * dtype.itemsize
     context = config.max_position_embeddings
-    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else available_memory()
-    return max(context, min(max_batch_size * context, free // 2 // per_token))
+    if device.type == "cuda":
+        share = torch.cuda.mem_get_info(device)[0] // 2
+    else:
+        share = available_memory() // (4 if keeps_gathered(device) else 2)
+    return max(context, min(max_batch_size * context, share // per_token))
+
+
+def keeps_gathered(device: torch.device) -> bool:
+    """Whether decode's pool keeps the running caches gathered between steps: on a CPU, where
+    no paged attention kernel reads the blocks in place and gathering them every step took
+    9-21% of a step of 16-64 requests over 1000-token caches (docs/benchmarks.md). Elsewhere
+    unmeasured, and memory is tighter."""
+    return device.type == "cpu"

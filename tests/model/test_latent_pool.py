@@ -6,7 +6,14 @@ import torch
 
 from epd.checkpoint.weights import load_model
 from epd.model.latent_cache import LatentCache
-from epd.model.latent_pool import BLOCK_TOKENS, LatentPool, PoolFull, by_length
+from epd.model.latent_pool import (
+    BLOCK_TOKENS,
+    HEADROOM_BLOCKS,
+    Gathered,
+    LatentPool,
+    PoolFull,
+    by_length,
+)
 
 PROMPTS = [[5, 17, 42, 99], [7, 300, 12, 64, 128, 3, 250], [31, 77], [9] * 20]
 
@@ -20,15 +27,23 @@ def prefilled(lm, ids):
     return lm.prefill(lm.embed(torch.tensor(ids)))[1]
 
 
-def pool_for(lm, max_tokens=4096):
+def pool_for(lm, max_tokens=4096, keeps_gathered=False):
     config = lm.config
     cpu = torch.device("cpu")
-    return LatentPool(config.num_hidden_layers, config.latent_dim, cpu, torch.float32, max_tokens)
+    return LatentPool(
+        config.num_hidden_layers,
+        config.latent_dim,
+        cpu,
+        torch.float32,
+        max_tokens,
+        keeps_gathered=keeps_gathered,
+    )
 
 
+@pytest.mark.parametrize("keeps_gathered", [False, True])
 @torch.inference_mode()
-def test_steps_over_blocks_equal_steps_over_separate_caches(lm):
-    pool = pool_for(lm)
+def test_steps_over_blocks_equal_steps_over_separate_caches(lm, keeps_gathered):
+    pool = pool_for(lm, keeps_gathered=keeps_gathered)
     separate = [prefilled(lm, p) for p in PROMPTS[:3]]
     pooled = [pool.admit(prefilled(lm, p)) for p in PROMPTS[:3]]
     for step in range(20):  # past the first block, so caches take blocks under way
@@ -169,3 +184,54 @@ def test_a_preallocated_pool_never_grows_and_keeps_its_memory(lm, monkeypatch):
     assert (storage == 0).all()
     again = pool.admit(prefilled(lm, PROMPTS[1]))
     torch.testing.assert_close(again.tensor(), prefilled(lm, PROMPTS[1]).tensor())
+
+
+@torch.inference_mode()
+def test_a_kept_copy_serves_until_the_batch_changes_or_outgrows_it(lm):
+    pool = pool_for(lm, keeps_gathered=True)
+    separate = [prefilled(lm, p) for p in PROMPTS[:3]]
+    pooled = [pool.admit(prefilled(lm, p)) for p in PROMPTS[:3]]
+    copies = []
+    steps = 60  # past a copy's room at least once
+    for step in range(steps):
+        if step == 5:  # one leaves
+            pool.release(pooled.pop(1))
+            separate.pop(1)
+        if step == 9:  # one joins
+            separate.append(prefilled(lm, PROMPTS[3]))
+            pooled.append(pool.admit(prefilled(lm, PROMPTS[3])))
+        for cache in pooled:
+            pool.make_room(cache)
+        tokens = torch.tensor([3 + step] * len(pooled))
+        batch = pool.batch(pooled)
+        copies.append(batch.kept)
+        ours = lm.logits(lm.decode(tokens, batch))
+        torch.testing.assert_close(ours, lm.logits(lm.decode(tokens, separate)))
+    made = [i for i, kept in enumerate(copies) if i == 0 or kept is not copies[i - 1]]
+    # made at the start, when one left, when one joined, and when the longest outgrew its room:
+    # it joined with 20 rows, into a copy of blocks_for(21) + HEADROOM_BLOCKS blocks
+    room = (2 + HEADROOM_BLOCKS) * BLOCK_TOKENS
+    assert made == [0, 5, 9, 9 + room - 20], made
+    assert all(kept is not None for kept in copies)
+    pool.release(pooled[0])
+    assert pool.kept is not None  # the others still run
+    for cache in pooled[1:]:
+        pool.release(cache)
+    assert pool.kept is None  # the memory goes with the last
+
+
+@torch.inference_mode()
+def test_no_copy_is_kept_that_would_take_more_than_the_budget(lm):
+    pool = pool_for(lm, max_tokens=8 * BLOCK_TOKENS, keeps_gathered=True)
+    pooled = [pool.admit(prefilled(lm, p)) for p in PROMPTS]
+    for cache in pooled:
+        pool.make_room(cache)
+    # 5 blocks in use of 8; a copy needs 2 + HEADROOM_BLOCKS for the longest, 1 + HEADROOM_BLOCKS
+    # for each of the others (one part)
+    assert Gathered.nbytes_for(pooled, pool.storage) > pool.max_bytes
+    batch = pool.batch(pooled)
+    assert batch.kept is None and pool.kept is None  # gathered step by step, as without
+    tokens = torch.tensor([4] * len(pooled))
+    ours = lm.logits(lm.decode(tokens, batch))
+    separate = [prefilled(lm, p) for p in PROMPTS]
+    torch.testing.assert_close(ours, lm.logits(lm.decode(tokens, separate)))
