@@ -1,9 +1,10 @@
-"""The FastAPI app: /v1/chat/completions, /v1/completions, /v1/models (and /v1/models/{id}) and
-/health."""
+"""The FastAPI app: /v1/chat/completions, /v1/completions, /v1/models (and /v1/models/{id}),
+/version and /health."""
 
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import json
 import logging
 import re
@@ -104,8 +105,9 @@ class Service:
             self.waiting -= 1
 
     def served(self, request: R) -> R:
-        """The request, if it asks for the model this server serves; else a 404."""
-        if request.model != self.model_name:
+        """The request, if it asks for the model this server serves (by its name, or by the
+        checkpoint path it was started with, as vLLM names it; none: this one); else a 404."""
+        if request.model not in (None, self.model_name, self.config.model):
             raise unknown_model(request.model, self.model_name)
         return request
 
@@ -196,9 +198,13 @@ def create_app(service: Service, on_started: Callable[[], Any] | None = None) ->
 
     @app.get("/v1/models/{model_id:path}")  # ids may hold slashes: moonshotai/Kimi-VL-...
     async def model(model_id: str) -> dict[str, Any]:
-        if model_id != service.model_name:
+        if model_id not in (service.model_name, config.model):
             raise unknown_model(model_id, service.model_name)
         return card
+
+    @app.get("/version")  # as vLLM's: what clients read to tell servers apart
+    async def version() -> dict[str, str]:
+        return {"version": importlib.metadata.version("epd")}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:

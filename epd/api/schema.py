@@ -7,6 +7,7 @@ value is checked (a NaN is a float).
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Annotated, Any, Literal, TypeVar
 
@@ -38,17 +39,22 @@ class ImageURL(Strict):
     detail: Literal["auto", "low", "high"] | None = None
 
 
-class TextPart(Strict):
+class TextPart(Lenient):  # clients add keys of their own, e.g. cache_control (vLLM ignores them)
     type: Literal["text"]
     text: str
 
 
-class ImagePart(Strict):
+class ImagePart(Lenient):
     type: Literal["image_url"]
     image_url: ImageURL
 
 
-Part = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+class RefusalPart(Lenient):  # an earlier assistant turn's refusal, sent back as history
+    type: Literal["refusal"]
+    refusal: str
+
+
+Part = Annotated[TextPart | ImagePart | RefusalPart, Field(discriminator="type")]
 
 
 FunctionName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
@@ -102,6 +108,8 @@ class ChatMessage(Lenient):
         parts = self.content if isinstance(self.content, list) else []
         if self.role != "user" and any(isinstance(p, ImagePart) for p in parts):
             raise ValueError(f"{self.role} messages cannot hold images")
+        if self.role != "assistant" and any(isinstance(p, RefusalPart) for p in parts):
+            raise ValueError(f"{self.role} messages cannot hold refusals")
         if self.content is None and self.role != "assistant":
             raise ValueError(f"{self.role} messages need content")
         if self.role == "tool" and not self.tool_call_id:
@@ -135,13 +143,67 @@ class ResponseFormat(Strict):
         return self
 
 
+# vLLM's request fields that would change the output, and the value of each that asks for what
+# this server does: any other is a 400, not a reply silently unlike vLLM's.
+# (None: no value is; nulls never get here, `null_is_absent` drops them.)
+VLLM_EXTRAS_NOT_DONE: dict[str, Any] = {
+    "add_generation_prompt": True,
+    "continue_final_message": False,
+    "echo": False,  # chat's; the legacy endpoint's own field refuses it too
+    "include_stop_str_in_output": False,
+    "chat_template": None,
+    "chat_template_kwargs": {},
+    "prompt_logprobs": None,
+    "structured_outputs": {},  # what is left of it once `structured_outputs_as_guided` ran
+}
+# vLLM's `structured_outputs` keys → the guided_* field each stands for; `json_object` asks
+# for any JSON object, as response_format's.
+STRUCTURED_OUTPUTS = {"json": "guided_json", "regex": "guided_regex", "choice": "guided_choice"}
+STRUCTURED_OUTPUTS |= {"grammar": "guided_grammar"}
+# Flags of it that ask for what every grammar here already does: compact JSON, no whitespace.
+STRUCTURED_OUTPUTS_MET = {"disable_any_whitespace", "disable_fallback"}
+
+
+def structured_outputs_as_guided(data: dict[str, Any]) -> dict[str, Any]:
+    """A body's `structured_outputs` (vLLM's current name) as the guided_* fields; what of it
+    has no such field is left there, for `unsupported` to name."""
+    asked = data.get("structured_outputs")
+    if not isinstance(asked, dict):
+        return data
+    data, left = dict(data), {}
+    for key, value in asked.items():
+        if value is None or (key in STRUCTURED_OUTPUTS_MET and isinstance(value, bool)):
+            continue
+        field = STRUCTURED_OUTPUTS.get(key)
+        if key == "json_object" and value is True:
+            field, value = "guided_json", {"type": "object"}
+        if field is None or field in data:  # unknown, or the same asked twice
+            left[key] = value
+        else:
+            data[field] = value
+    data["structured_outputs"] = left
+    return data
+
+
+def not_done(field: str, done: Any, asked: Any) -> str:
+    """Why a vLLM extra asking for `asked` is refused."""
+    if field == "structured_outputs":
+        takes = "one of json, regex, choice, grammar, json_object, and no guided_* field beside it"
+        if not isinstance(asked, dict):
+            return f"structured_outputs must be an object: it takes {takes}"
+        keys = ", ".join(str(k)[:40] for k in list(asked)[:5])
+        return f"structured_outputs: {keys} not supported; it takes {takes}"
+    only = "" if done is None else f" (only {json.dumps(done)})"
+    return f"{field} is not supported{only}"
+
+
 class GenerationRequest(BaseModel):
     """What chat and legacy completions share: OpenAI's sampling fields and vLLM's extras;
     unknown fields are ignored (and logged)."""
 
     model_config = ConfigDict(extra="allow")
 
-    model: str
+    model: str | None = None  # None: the served model (vLLM's default too)
     max_tokens: int | None = Field(None, ge=1)
     # None: the checkpoint's generation_config.json default, else the usual one.
     temperature: float | None = Field(None, ge=0, le=2)
@@ -167,6 +229,17 @@ class GenerationRequest(BaseModel):
     guided_choice: list[str] | None = Field(None, min_length=1, max_length=1024)
     guided_grammar: str | None = Field(None, max_length=MAX_GRAMMAR_CHARS)
     user: str | None = None  # accepted without effect
+
+    @model_validator(mode="before")
+    @classmethod
+    def null_is_absent(cls, data: Any) -> Any:
+        """A top-level null means the field's default, as OpenAI's API and vLLM take it
+        (clients and proxies send unset options as null), and vLLM's `structured_outputs`
+        stands for the guided_* field it names."""
+        if not isinstance(data, dict):
+            return data
+        data = {key: value for key, value in data.items() if value is not None}
+        return structured_outputs_as_guided(data)
 
     @field_validator("stop")
     @classmethod
@@ -199,7 +272,9 @@ class GenerationRequest(BaseModel):
 
     @model_validator(mode="after")
     def streaming_options(self) -> GenerationRequest:
-        if self.stream_options is not None and not self.stream:
+        # vLLM tests its truth: an empty object asks for nothing
+        asks = self.stream_options is not None and self.stream_options.include_usage
+        if asks and not self.stream:
             raise ValueError("stream_options requires stream=true")
         return self
 
@@ -230,8 +305,9 @@ class GenerationRequest(BaseModel):
     def unsupported(self) -> tuple[str, str] | None:
         """(field, why) for a field that asks for what this server does not do (yet)."""
         extra = self.model_extra or {}
-        if extra.get("structured_outputs") is not None:
-            return "structured_outputs", "structured_outputs is not supported: use guided_*"
+        for field, done in VLLM_EXTRAS_NOT_DONE.items():
+            if field in extra and extra[field] != done:
+                return field, not_done(field, done, extra[field])
         if len(self.output_constraints()) > 1:
             return self.output_constraints()[0], (
                 "give one of tool_choice (required or a function), response_format, guided_json, "
@@ -386,7 +462,7 @@ def parse(body: Any, kind: type[R]) -> R:
     return request
 
 
-IGNORED_QUIETLY = {"audio", "modalities", "structured_outputs"}  # checked above
+IGNORED_QUIETLY = {"audio", "modalities", *VLLM_EXTRAS_NOT_DONE}  # checked above
 
 
 def _as_api_error(error: ValidationError) -> APIError:

@@ -105,7 +105,27 @@ def test_models_and_health_that_names_the_missing_peers(client):
             "invalid tools.0.function.name",
         ),
         ({"messages": USER, "modalities": ["text", "audio"]}, 400, "audio output"),
-        ({"messages": USER, "structured_outputs": {"json": {}}}, 400, "use guided_"),
+        (
+            {"messages": USER, "structured_outputs": {"whitespace_pattern": " "}},
+            400,
+            "structured_outputs: whitespace_pattern not supported",
+        ),
+        (
+            {"messages": USER, "structured_outputs": {"regex": "a"}, "guided_regex": "b"},
+            400,
+            "structured_outputs: regex not supported",
+        ),
+        ({"messages": USER, "continue_final_message": True}, 400, "continue_final_message"),
+        ({"messages": USER, "add_generation_prompt": False}, 400, "add_generation_prompt"),
+        ({"messages": USER, "include_stop_str_in_output": True}, 400, "include_stop_str"),
+        ({"messages": USER, "chat_template": "{{ 1 }}"}, 400, "chat_template is not supported"),
+        ({"messages": USER, "chat_template_kwargs": {"a": 1}}, 400, "chat_template_kwargs"),
+        ({"messages": USER, "echo": True}, 400, "echo is not supported"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "refusal", "refusal": "x"}]}]},
+            400,
+            "cannot hold refusals",
+        ),
         ({"messages": USER, "guided_choice": []}, 400, "invalid guided_choice"),
         ({"messages": USER, "guided_regex": "x" * 40000}, 400, "invalid guided_regex"),
         (
@@ -260,6 +280,50 @@ def test_fields_clients_send_routinely_are_accepted(client, caplog):
     # No peers run here: a request that passed validation gets as far as looking for encode.
     assert response.status_code == 503, response.json()
     assert "ignored request fields: some_future_field" in caplog.text
+
+
+def test_null_fields_mean_their_defaults_and_vllms_names_are_taken(client, caplog):
+    """Clients and proxies send unset options as null; vLLM's current `structured_outputs`,
+    a request without `model`, a part with keys of the client's own, an echoed refusal."""
+    history = [
+        *USER,
+        {"role": "assistant", "content": [{"type": "refusal", "refusal": "no"}]},
+        {"role": "user", "content": [{"type": "text", "text": "hi", "cache_control": {}}]},
+    ]
+    nulls = dict.fromkeys(["stream", "n", "presence_penalty", "frequency_penalty", "logprobs"])
+    nulls |= dict.fromkeys(["max_tokens", "stop", "temperature", "tools", "stream_options"])
+    body = {"messages": history, "structured_outputs": {"choice": ["a", "b"]}, **nulls}
+    body |= {"stream_options": {}}  # vLLM tests its truth: asks for nothing without stream
+    with caplog.at_level("WARNING"):
+        response = client.post("/v1/chat/completions", json=body)  # no model
+    # One token ends a choice of "a" or "b": prefill answers it alone, without peers.
+    assert response.status_code == 200, response.json()
+    assert response.json()["choices"][0]["message"]["content"] in ("a", "b")
+    assert "ignored request fields" not in caplog.text
+
+
+def test_structured_outputs_are_the_guided_fields_they_name():
+    from epd.api.schema import parse_completion, parse_request
+
+    asked = {"json": {"type": "object"}, "disable_any_whitespace": True, "regex": None}
+    chat = parse_request({"messages": USER, "structured_outputs": asked})
+    assert chat.guided_json == {"type": "object"} and chat.guided_regex is None
+    legacy = parse_completion({"prompt": "a", "structured_outputs": {"json_object": True}})
+    assert legacy.guided_json == {"type": "object"} and legacy.model is None
+    grammar = parse_completion({"prompt": "a", "structured_outputs": {"grammar": "start: 'a'"}})
+    assert grammar.guided_grammar == "start: 'a'"
+
+
+def test_the_checkpoint_path_names_the_model_too(client, tiny_checkpoint):
+    response = client.post(
+        "/v1/chat/completions", json={"model": str(tiny_checkpoint), "messages": USER}
+    )
+    assert response.status_code == 503  # found: it looked for the peers
+    assert client.get(f"/v1/models/{tiny_checkpoint}").json()["id"] == "tiny"
+
+
+def test_version(client):
+    assert client.get("/version").json()["version"]
 
 
 def test_unknown_model_is_404(client):

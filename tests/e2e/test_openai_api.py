@@ -214,6 +214,8 @@ def test_vllm_guided_extras(client, model_name, local):
             {"guided_grammar": 'start: "x" ("y" | "z")~2..4'},
             lambda t: re.fullmatch("x[yz]{2,4}", t),
         ),
+        # vLLM's current name for them
+        ({"structured_outputs": {"choice": choices}}, lambda t: t in choices),
     ]:
         reply = ask(client, model_name, IMAGE, max_tokens=120, temperature=0, extra_body=extra)
         text = reply.choices[0].message.content
