@@ -9,12 +9,13 @@ import json
 import logging
 import re
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
+import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
@@ -89,20 +90,21 @@ class Service:
         return requests | refused | coordinator.images.status() | coordinator.batcher.status()
 
     @contextmanager
-    def queue_slot(self) -> Iterator[None]:
-        """Hold one of `max_queued_requests` places from arrival to the hand-off to decode;
-        with none free, a 503 at once rather than a timeout a minute later."""
-        if self.waiting >= self.config.max_queued_requests:
+    def queue_slot(self, places: int = 1) -> Iterator[None]:
+        """Hold `places` of `max_queued_requests` (a place per prompt) from arrival to the
+        hand-off to decode; with too few free, a 503 at once rather than a timeout a minute
+        later."""
+        if self.waiting + places > self.config.max_queued_requests:
             self.metrics.refused.labels("overloaded").inc()
             raise overloaded(
                 f"{self.waiting} requests are already waiting for prefill "
                 f"(max_queued_requests); retry shortly"
             )
-        self.waiting += 1
+        self.waiting += places
         try:
             yield
         finally:
-            self.waiting -= 1
+            self.waiting -= places
 
     def served(self, request: R) -> R:
         """The request, if it asks for the model this server serves (by its name, or by the
@@ -216,19 +218,22 @@ def create_app(service: Service, on_started: Callable[[], Any] | None = None) ->
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         legacy = service.served(await read_body(request, parse_completion))
-        with service.queue_slot():
-            prepared = await service.off_loop(
-                service.builder.prepare_completion, legacy, request_id(request)
-            )
-            deltas = await generate(service, prepared)
+        count, rid = len(legacy.prompts), request_id(request)
+        with service.queue_slot(count):
+            prepared = [
+                await service.off_loop(service.builder.prepare_completion, legacy, rid, which)
+                for which in range(count)
+            ]
+            streams = await generate_all(service, prepared)
         reply = TextReply(
-            prepared.request_id,
+            prepared[0].request_id,
             service.model_name,
-            len(prepared.prompt_ids),
+            sum(len(p.prompt_ids) for p in prepared),
             legacy.wants_logprobs,
             legacy.include_usage,
         )
-        return await respond(service, request, reply, deltas, legacy)
+        deltas = merged(streams, legacy.n)
+        return await respond(service, request, reply, deltas, legacy, choices=count * legacy.n)
 
     return app
 
@@ -309,6 +314,51 @@ async def generate(service: Service, prepared: PreparedRequest) -> AsyncIterator
     return coordinator.deltas(await coordinator.prefill(prepared, embeddings))
 
 
+async def generate_all(
+    service: Service, prepared: list[PreparedRequest]
+) -> list[AsyncIterator[TokenDelta]]:
+    """`generate` for several prompts at once (prefill packs them); if one fails, the others
+    are aborted and its error raised."""
+    started = await asyncio.gather(
+        *(generate(service, p) for p in prepared), return_exceptions=True
+    )
+    failed = [r for r in started if isinstance(r, BaseException)]
+    if failed:
+        for deltas in started:
+            if not isinstance(deltas, BaseException):
+                await cast(AsyncGenerator[TokenDelta, None], deltas).aclose()  # aborts it
+        raise failed[0]
+    return cast(list[AsyncIterator[TokenDelta]], started)
+
+
+async def merged(streams: list[AsyncIterator[TokenDelta]], n: int) -> AsyncIterator[TokenDelta]:
+    """Several prompts' deltas as one reply's, as they come: prompt i's choice j is choice
+    i·n + j. A failure of one fails the reply; ending early (or failing) aborts the rest."""
+    if len(streams) == 1:
+        async for delta in streams[0]:
+            yield delta
+        return
+    generators = cast(list[AsyncGenerator[TokenDelta, None]], streams)
+    pending = {asyncio.ensure_future(anext(g)): i for i, g in enumerate(generators)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                which = pending.pop(task)
+                try:
+                    delta = task.result()
+                except StopAsyncIteration:
+                    continue
+                yield msgspec.structs.replace(delta, index=which * n + delta.index)
+                pending[asyncio.ensure_future(anext(generators[which]))] = which
+    finally:
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        for generator in generators:
+            await generator.aclose()
+
+
 async def respond(
     service: Service,
     request: Request,
@@ -316,12 +366,14 @@ async def respond(
     deltas: AsyncIterator[TokenDelta],
     asked: GenerationRequest,
     images: int = 0,
+    choices: int = 0,
 ) -> Response:
-    """A stream of chunks, or the whole reply once every choice has ended."""
+    """A stream of chunks, or the whole reply once every choice (`asked.n` unless given)
+    has ended."""
     metrics = service.metrics
     deltas = logged(deltas, reply, arrived(request), images, metrics)
     if asked.stream:
-        events = stream(reply, deltas, asked.include_usage, asked.n, metrics)
+        events = stream(reply, deltas, asked.include_usage, choices or asked.n, metrics)
         return StreamingResponse(events, media_type="text/event-stream")
     collected = await until_disconnected(request, collect(deltas))
     if collected is None:

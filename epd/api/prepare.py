@@ -185,11 +185,12 @@ class PromptBuilder:
         )
 
     def prepare_completion(
-        self, request: CompletionRequest, request_id: str = ""
+        self, request: CompletionRequest, request_id: str = "", which: int = 0
     ) -> PreparedRequest:
-        """A legacy completion's prompt, text (tokenised as it is, no chat template) or token
-        ids; neither may hold the image placeholder, which would claim image rows."""
-        prompt = request.single_prompt
+        """A legacy completion's prompt `which` of its prompts, text (tokenised as it is, no chat
+        template) or token ids; neither may hold the image placeholder, which would claim image
+        rows."""
+        prompt = request.prompts[which]
         if isinstance(prompt, str):
             self.check_text_fits([prompt])
             ids = list(self.tokenizer.encode(prompt))

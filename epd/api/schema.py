@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from epd.api.errors import APIError, bad_request
 from epd.generation.params import (
     LOGIT_BIAS_LIMIT,
+    MAX_CHOICES,
     MAX_GRAMMAR_CHARS,
     MAX_LOGIT_BIAS,
     MAX_STOP_TOKEN_IDS,
@@ -419,13 +420,12 @@ class CompletionRequest(GenerationRequest):
             return list(prompt)  # type: ignore[arg-type]
         return [prompt]  # type: ignore[list-item]
 
-    @property
-    def single_prompt(self) -> str | list[int]:
-        return self.prompts[0]  # one: unsupported() refuses more
-
     def unsupported(self) -> tuple[str, str] | None:
-        if len(self.prompts) != 1:
-            return "prompt", "one prompt per request (send the others as their own requests)"
+        if len(self.prompts) * self.n > MAX_CHOICES:  # each prompt's n choices are the reply's
+            return "prompt", (
+                f"{len(self.prompts)} prompts of n={self.n} choices each are more than "
+                f"{MAX_CHOICES} choices in one reply"
+            )
         if self.echo:
             return "echo", "echo is not supported"
         if self.suffix:

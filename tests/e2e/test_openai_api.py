@@ -342,12 +342,41 @@ def test_legacy_completions_stream_and_default_to_16_tokens(client, model_name):
     assert chunks[-1].usage.completion_tokens == 32
 
 
+def test_legacy_completions_take_several_prompts(client, model_name, local):
+    """LangChain's OpenAI.batch and lm-eval send a list: each prompt's n choices in turn, each
+    as that prompt alone gets it, whole and streamed; usage over all of them."""
+    prompts = ["The red circle", "Once upon a time", "A blue square is"]
+    params = {"max_tokens": 6, "temperature": 0, "n": 2}
+    reply = client.completions.create(model=model_name, prompt=prompts, **params)
+    alone = [local.complete({"model": model_name, "prompt": p, **params}) for p in prompts]
+    assert [c.index for c in reply.choices] == list(range(6))
+    assert [c.text for c in reply.choices] == [a.text for a in alone for _ in range(2)]
+    assert reply.usage.prompt_tokens == sum(a.prompt_tokens for a in alone)
+    assert reply.usage.completion_tokens == sum(2 * len(a.token_ids) for a in alone)
+    chunks = list(
+        client.completions.create(
+            model=model_name,
+            prompt=prompts,
+            stream=True,
+            stream_options={"include_usage": True},
+            **params,
+        )
+    )
+    texts = [""] * 6
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+    assert texts == [c.text for c in reply.choices]
+    assert chunks[-1].usage.total_tokens == reply.usage.total_tokens
+
+
 @pytest.mark.parametrize(
     "params,fragment",
     [
         ({"prompt": "x", "echo": True}, "echo is not supported"),
         ({"prompt": "x", "suffix": "y"}, "suffix is not supported"),
-        ({"prompt": ["a", "b"]}, "one prompt per request"),
+        ({"prompt": ["a"] * 65, "n": 2}, "65 prompts of n=2 choices each are more than 128"),
+        ({"prompt": ["a", "", "b"]}, "the prompt is empty"),
         ({"prompt": [10**7]}, "outside the vocabulary"),
         ({"prompt": ""}, "the prompt is empty"),
         ({"prompt": "<|media_pad|>"}, "image placeholder"),
