@@ -154,6 +154,8 @@ class Gathered:
     def __init__(self, storage: torch.Tensor, caches: list[PagedCache]) -> None:
         self.caches = list(caches)
         self.lengths = [c.length for c in caches]  # rows each holds before the step
+        # per part, this step's: its caches' indices, where each writes, what each sees (`begin`)
+        self.step: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         device = storage.device
         self.parts: list[GatheredPart] = []
         for part in by_length([n + 1 for n in self.lengths]):
@@ -190,7 +192,7 @@ class Gathered:
     def begin(self, positions: torch.Tensor) -> None:
         """Ready a step whose rows go at positions (B,): for each part, its caches' indices
         (n,), their positions (n,) and the rows each then sees (n, width · BLOCK_TOKENS)."""
-        self.step: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self.step = []
         for rows, members, caches in self.parts:
             where = positions if rows is None else positions[rows]
             seen = torch.arange(caches.shape[2], device=caches.device)[None, :] <= where[:, None]
