@@ -155,7 +155,6 @@ VLLM_EXTRAS_NOT_DONE: dict[str, Any] = {
     "chat_template": None,
     "chat_template_kwargs": {},
     "prompt_logprobs": None,
-    "structured_outputs": {},  # what is left of it once `structured_outputs_as_guided` ran
 }
 # vLLM's `structured_outputs` keys → the guided_* field each stands for; `json_object` asks
 # for any JSON object, as response_format's.
@@ -186,16 +185,16 @@ def structured_outputs_as_guided(data: dict[str, Any]) -> dict[str, Any]:
     return data
 
 
-def not_done(field: str, done: Any, asked: Any) -> str:
-    """Why a vLLM extra asking for `asked` is refused."""
-    if field == "structured_outputs":
-        takes = "one of json, regex, choice, grammar, json_object, and no guided_* field beside it"
-        if not isinstance(asked, dict):
-            return f"structured_outputs must be an object: it takes {takes}"
-        keys = ", ".join(str(k)[:40] for k in list(asked)[:5])
-        return f"structured_outputs: {keys} not supported; it takes {takes}"
-    only = "" if done is None else f" (only {json.dumps(done)})"
-    return f"{field} is not supported{only}"
+def structured_outputs_left(left: Any) -> str | None:
+    """Why what is left of `structured_outputs` once `structured_outputs_as_guided` ran is
+    refused (None: nothing is)."""
+    takes = "one of json, regex, choice, grammar, json_object, and no guided_* field beside it"
+    if not isinstance(left, dict):
+        return f"structured_outputs must be an object: it takes {takes}"
+    if not left:
+        return None
+    keys = ", ".join(str(k)[:40] for k in list(left)[:5])
+    return f"structured_outputs: {keys} not supported; it takes {takes}"
 
 
 class GenerationRequest(BaseModel):
@@ -308,7 +307,10 @@ class GenerationRequest(BaseModel):
         extra = self.model_extra or {}
         for field, done in VLLM_EXTRAS_NOT_DONE.items():
             if field in extra and extra[field] != done:
-                return field, not_done(field, done, extra[field])
+                only = "" if done is None else f" (only {json.dumps(done)})"
+                return field, f"{field} is not supported{only}"
+        if why := structured_outputs_left(extra.get("structured_outputs", {})):
+            return "structured_outputs", why
         if len(self.output_constraints()) > 1:
             return self.output_constraints()[0], (
                 "give one of tool_choice (required or a function), response_format, guided_json, "
@@ -462,7 +464,8 @@ def parse(body: Any, kind: type[R]) -> R:
     return request
 
 
-IGNORED_QUIETLY = {"audio", "modalities", *VLLM_EXTRAS_NOT_DONE}  # checked above
+# checked in `unsupported`
+IGNORED_QUIETLY = {"audio", "modalities", "structured_outputs", *VLLM_EXTRAS_NOT_DONE}
 
 
 def _as_api_error(error: ValidationError) -> APIError:

@@ -97,7 +97,7 @@ class PagedBatch(DecodeBatch):
         if kept is None:
             self.tables = [self.table(part) for part in by_length([c.length + 1 for c in caches])]
         else:
-            kept.begin(self.positions)
+            self.step = kept.begin(self.positions)
 
     def table(self, part: list[int]) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
         """Of some of the caches (by position in the batch): the rows (None: all, in order),
@@ -117,7 +117,7 @@ class PagedBatch(DecodeBatch):
         blocks = self.storage[layer]  # (blocks, BLOCK_TOKENS, latent_dim)
         blocks[self.block, self.offset] = latent
         if self.kept is not None:
-            return self.kept.append(layer, latent)
+            return self.kept.append(self.step, layer, latent)
         parts = []
         for rows, table, visible in self.tables:
             # index_select copies whole blocks; indexing with a 2-D table was ~4x slower here
@@ -139,10 +139,22 @@ def table_of(caches: list[PagedCache], width: int, device: torch.device) -> torc
     return torch.tensor(blocks, device=device)
 
 
+def padded_parts(lengths: list[int], room: int = 0) -> list[tuple[list[int], int]]:
+    """`by_length`'s parts of caches of these lengths, each with its width in blocks: its
+    longest cache's, and `room` more."""
+    return [(part, blocks_for(max(lengths[i] for i in part)) + room) for part in by_length(lengths)]
+
+
 class GatheredPart(NamedTuple):
     rows: torch.Tensor | None  # (n,) which rows of the batch; None: all of them, in order
     members: list[int]  # the same, as positions in the batch
+    own: torch.Tensor  # (n,) 0 … n - 1: the part's own rows
     caches: torch.Tensor  # (layers, n, width · BLOCK_TOKENS, latent_dim)
+
+
+# A step's own, per part of a `Gathered` copy: where each cache writes its row (n,), and the
+# rows each then sees (n, width · BLOCK_TOKENS).
+GatheredStep = list[tuple[torch.Tensor, torch.Tensor]]
 
 
 class Gathered:
@@ -154,29 +166,22 @@ class Gathered:
     def __init__(self, storage: torch.Tensor, caches: list[PagedCache]) -> None:
         self.caches = list(caches)
         self.lengths = [c.length for c in caches]  # rows each holds before the step
-        # per part, this step's: its caches' indices, where each writes, what each sees (`begin`)
-        self.step: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         device = storage.device
         self.parts: list[GatheredPart] = []
-        for part in by_length([n + 1 for n in self.lengths]):
-            members = [caches[i] for i in part]
-            width = blocks_for(max(c.length for c in members) + 1) + HEADROOM_BLOCKS
-            gathered = storage.index_select(1, table_of(members, width, device))
+        for part, width in padded_parts([n + 1 for n in self.lengths], HEADROOM_BLOCKS):
+            gathered = storage.index_select(1, table_of([caches[i] for i in part], width, device))
             rows = None if len(part) == len(caches) else torch.tensor(part, device=device)
+            own = torch.arange(len(part), device=device)
             # (layers, n · width, BLOCK_TOKENS, latent) → (layers, n, width · BLOCK_TOKENS, latent)
             copied = gathered.view(gathered.shape[0], len(part), -1, gathered.shape[-1])
-            self.parts.append(GatheredPart(rows, part, copied))
+            self.parts.append(GatheredPart(rows, part, own, copied))
 
     @staticmethod
     def nbytes_for(caches: list[PagedCache], storage: torch.Tensor) -> int:
         """What a copy of these caches would take (each part padded as `by_length` pads it)."""
         per_row = storage.shape[0] * storage.shape[-1] * storage.element_size()
-        lengths = [c.length + 1 for c in caches]
-        rows = 0
-        for part in by_length(lengths):
-            width = blocks_for(max(lengths[i] for i in part)) + HEADROOM_BLOCKS
-            rows += len(part) * width * BLOCK_TOKENS
-        return rows * per_row
+        parts = padded_parts([c.length + 1 for c in caches], HEADROOM_BLOCKS)
+        return sum(len(part) * width for part, width in parts) * BLOCK_TOKENS * per_row
 
     def serves(self, caches: list[PagedCache]) -> bool:
         """Whether the copy holds these caches as they are, with room for one more row each."""
@@ -189,22 +194,23 @@ class Gathered:
             )
         )
 
-    def begin(self, positions: torch.Tensor) -> None:
-        """Ready a step whose rows go at positions (B,): for each part, its caches' indices
-        (n,), their positions (n,) and the rows each then sees (n, width · BLOCK_TOKENS)."""
-        self.step = []
-        for rows, members, caches in self.parts:
-            where = positions if rows is None else positions[rows]
-            seen = torch.arange(caches.shape[2], device=caches.device)[None, :] <= where[:, None]
-            self.step.append((torch.arange(len(members), device=caches.device), where, seen))
+    def begin(self, positions: torch.Tensor) -> GatheredStep:
+        """A step whose rows go at positions (B,): per part, where its caches write, and what
+        they then see."""
+        step = []
+        for part in self.parts:
+            where = positions if part.rows is None else positions[part.rows]
+            rows_seen = torch.arange(part.caches.shape[2], device=where.device)
+            step.append((where, rows_seen[None, :] <= where[:, None]))
+        return step
 
-    def append(self, layer: int, latent: torch.Tensor) -> list[Part]:
+    def append(self, step: GatheredStep, layer: int, latent: torch.Tensor) -> list[Part]:
         """latent (B, latent_dim) of layer `layer`, written in → that layer's parts."""
         parts = []
-        for (rows, _, caches), (index, where, seen) in zip(self.parts, self.step, strict=True):
-            cache = caches[layer]  # (n, width · BLOCK_TOKENS, latent_dim)
-            cache[index, where] = latent if rows is None else latent[rows]
-            parts.append(Part(rows, cache, seen))
+        for part, (where, seen) in zip(self.parts, step, strict=True):
+            cache = part.caches[layer]  # (n, width · BLOCK_TOKENS, latent_dim)
+            cache[part.own, where] = latent if part.rows is None else latent[part.rows]
+            parts.append(Part(part.rows, cache, seen))
         return parts
 
     def advance(self) -> None:
