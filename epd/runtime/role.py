@@ -9,6 +9,7 @@ loop goes on.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from typing import Protocol
@@ -82,8 +83,11 @@ def run_role(
     watchdog.start()
     probe = probe_wire(watchdog)
 
+    refusing = threading.Event()  # set once the server refuses new work, not at the signal:
+    # the step under way when it came may still take some, and health must not say otherwise
+
     def draining() -> list[str]:
-        return [DRAINING] if stop.is_set() else []
+        return [DRAINING] if refusing.is_set() else []
 
     router = health_router(name, watchdog, server.status, draining)
     router.include_router(metrics_router(server.registry))
@@ -93,6 +97,7 @@ def run_role(
         while not stop.is_set():
             run_step(name, server, watchdog)
         server.stop_taking()
+        refusing.set()
         deadline = time.monotonic() + drain_s
         if server.holding():
             log.info("draining: finishing the work under way for up to %ss", drain_s)
