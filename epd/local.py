@@ -22,6 +22,7 @@ from epd.checkpoint.weights import load_model
 from epd.config.roles import PrefillConfig
 from epd.decode.scheduler import Scheduler
 from epd.encode.encoder import Encoder
+from epd.generation.params import TokenLogprob
 from epd.generation.transcript import Output
 from epd.prefill.engine import PrefillEngine
 from epd.prefill.request import PreparedRequest
@@ -54,6 +55,7 @@ class Completion:
     # OpenAI-style benchmarks time the first chunk with content).
     first_text_s: float | None
     total_s: float
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()  # a legacy `echo` with `logprobs`: scored
 
     # The first choice's, which is the only one unless the request asked for n > 1.
     @property
@@ -116,7 +118,11 @@ class LocalPipeline:
         images = prepared.images
         embeddings = self.encoder.encode(images)[1] if images else None
         prefilled = self.engine.run(
-            prepared.request_id, prepared.prompt_ids, embeddings, prepared.sampling
+            prepared.request_id,
+            prepared.prompt_ids,
+            embeddings,
+            prepared.sampling,
+            prompt_logprobs=prepared.prompt_logprobs,
         )
         deltas = {index: [first] for index, first in enumerate(prefilled.first)}
         first_token_s = time.perf_counter() - start
@@ -137,6 +143,7 @@ class LocalPipeline:
         return Completion(
             choices=[Choice.of(deltas[i]) for i in sorted(deltas)],
             prompt_tokens=len(prepared.prompt_ids),
+            prompt_logprobs=prefilled.prompt_logprobs,
             first_token_s=first_token_s,
             first_text_s=first_text_s,
             total_s=total_s,

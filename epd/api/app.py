@@ -29,8 +29,8 @@ from epd.api.middleware import (
     arrived,
     request_id,
 )
-from epd.api.prepare import PromptBuilder, check_grammar
-from epd.api.responses import Reply, TextReply
+from epd.api.prepare import PromptBuilder, check_grammar, check_scored
+from epd.api.responses import Echo, Reply, TextReply
 from epd.api.schema import (
     ChatCompletionRequest,
     GenerationRequest,
@@ -38,7 +38,9 @@ from epd.api.schema import (
     parse_request,
 )
 from epd.api.tools import ForcedTools, ToolReply
+from epd.checkpoint.tokenizer import decode_text
 from epd.config.roles import PrefillConfig
+from epd.generation.params import TokenLogprob
 from epd.prefill.coordinator import Coordinator
 from epd.prefill.engine import PrefillEngine
 from epd.prefill.errors import PrefillError
@@ -224,15 +226,23 @@ def create_app(service: Service, on_started: Callable[[], Any] | None = None) ->
                 await service.off_loop(service.builder.prepare_completion, legacy, rid, which)
                 for which in range(count)
             ]
-            streams = await generate_all(service, prepared)
+            check_scored(legacy, prepared)
+            started = await generate_all(service, prepared)
         reply = TextReply(
             prepared[0].request_id,
             service.model_name,
             sum(len(p.prompt_ids) for p in prepared),
             legacy.wants_logprobs,
             legacy.include_usage,
+            echoes=[
+                echo(service, legacy.prompts[which], p, s.prompt_logprobs)
+                for which, (p, s) in enumerate(zip(prepared, started, strict=True))
+            ]
+            if legacy.echo
+            else [],
+            n=legacy.n,
         )
-        deltas = merged(streams, legacy.n)
+        deltas = merged([s.deltas for s in started], legacy.n)
         return await respond(service, request, reply, deltas, legacy, choices=count * legacy.n)
 
     return app
@@ -293,7 +303,7 @@ async def start_chat(
         )
     except ValueError as e:  # e.g. more images than the prompt has placeholders
         raise bad_request(str(e)) from None
-    deltas = await generate(service, prepared)
+    deltas = (await generate(service, prepared)).deltas
     names = (prepared.request_id, service.model_name, len(prepared.prompt_ids))
     forced = ForcedTools.of(chat)
     reply = (
@@ -304,19 +314,27 @@ async def start_chat(
     return reply, deltas, len(prepared.images)
 
 
-async def generate(service: Service, prepared: PreparedRequest) -> AsyncIterator[TokenDelta]:
-    """Encode and prefill a prepared request, and hand it to decode; its deltas to come."""
+@dataclass(frozen=True)
+class Started:
+    """A request prefilled and handed on: its deltas to come, and its prompt's tokens scored
+    if it asked (`PreparedRequest.prompt_logprobs`)."""
+
+    deltas: AsyncIterator[TokenDelta]
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
+
+
+async def generate(service: Service, prepared: PreparedRequest) -> Started:
+    """Encode and prefill a prepared request, and hand it to decode."""
     coordinator = service.coordinator
     assert coordinator is not None
     if prepared.sampling.grammar:  # off the loop: the first one builds llguidance's tokenizer
         await service.off_loop(check_grammar, service.engine, prepared.sampling)
     embeddings = await coordinator.encode(prepared)
-    return coordinator.deltas(await coordinator.prefill(prepared, embeddings))
+    stream = await coordinator.prefill(prepared, embeddings)
+    return Started(coordinator.deltas(stream), stream.prompt_logprobs)
 
 
-async def generate_all(
-    service: Service, prepared: list[PreparedRequest]
-) -> list[AsyncIterator[TokenDelta]]:
+async def generate_all(service: Service, prepared: list[PreparedRequest]) -> list[Started]:
     """`generate` for several prompts at once (prefill packs them); if one fails, the others
     are aborted and its error raised."""
     started = await asyncio.gather(
@@ -324,11 +342,24 @@ async def generate_all(
     )
     failed = [r for r in started if isinstance(r, BaseException)]
     if failed:
-        for deltas in started:
-            if not isinstance(deltas, BaseException):
-                await cast(AsyncGenerator[TokenDelta, None], deltas).aclose()  # aborts it
+        for one in started:
+            if not isinstance(one, BaseException):
+                await cast(AsyncGenerator[TokenDelta, None], one.deltas).aclose()  # aborts it
         raise failed[0]
-    return cast(list[AsyncIterator[TokenDelta]], started)
+    return cast(list[Started], started)
+
+
+def echo(
+    service: Service,
+    asked: str | list[int],
+    prepared: PreparedRequest,
+    scored: tuple[TokenLogprob, ...],
+) -> Echo:
+    """What a legacy completion's `echo` gives back of one prompt: its text as sent (token
+    ids decoded), and its first token's spelling for the logprobs."""
+    tokenizer = service.builder.tokenizer
+    text = asked if isinstance(asked, str) else decode_text(tokenizer, asked)
+    return Echo(text, decode_text(tokenizer, prepared.prompt_ids[:1]), scored)
 
 
 async def merged(streams: list[AsyncIterator[TokenDelta]], n: int) -> AsyncIterator[TokenDelta]:

@@ -37,6 +37,10 @@ from epd.multimodal.prompt import expand_placeholders, image_parts, render_promp
 from epd.prefill.request import PreparedRequest
 
 MAX_FIRST_LOGPROBS = 128  # logprob entries of the first tokens of all choices
+# Prompt tokens × (1 + alternatives) a legacy `echo` with `logprobs` may have scored, over all
+# its prompts: each entry is a Python object in prefill until the reply is sent (~26 MiB at
+# this bound). lm-eval's requests score a few thousand.
+MAX_SCORED_ENTRIES = 1 << 17
 
 
 @dataclass(frozen=True)
@@ -212,6 +216,7 @@ class PromptBuilder:
             grids=(),
             image_tokens=(),
             sampling=self.sampling(request, len(ids)),
+            prompt_logprobs=request.logprobs if request.echo else None,
         )
 
     def sampling(self, request: GenerationRequest, prompt_tokens: int) -> SamplingParams:
@@ -297,6 +302,20 @@ def texts_of(message: dict[str, Any]) -> list[str]:
         runs = itertools.groupby(content, key=lambda part: "text" in part)
         texts = ["".join(p["text"] for p in parts) for is_text, parts in runs if is_text]
     return texts + [call["function"]["arguments"] for call in message.get("tool_calls", ())]
+
+
+def check_scored(request: CompletionRequest, prepared: list[PreparedRequest]) -> None:
+    """A 400 if the prompts' tokens a legacy `echo` with `logprobs` would score, with their
+    alternatives, are more than MAX_SCORED_ENTRIES."""
+    if not request.echo or request.logprobs is None:
+        return
+    entries = sum(len(p.prompt_ids) for p in prepared) * (1 + request.logprobs)
+    if entries > MAX_SCORED_ENTRIES:
+        raise bad_request(
+            f"echo with logprobs={request.logprobs} would score {entries} prompt tokens × "
+            f"(logprobs + 1), over {MAX_SCORED_ENTRIES}",
+            param="echo",
+        )
 
 
 def unique_id(kind: str, request_id: str) -> str:

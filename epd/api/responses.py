@@ -103,6 +103,39 @@ class Reply:
         return self.chunk([], self.usage(completion_tokens))
 
 
+@dataclass(frozen=True)
+class Echo:
+    """A legacy completion's prompt, given back before each of its choices (`echo`): its
+    text and, for `logprobs`, its tokens: the first has no logprob (nothing comes before
+    it), each other one its logprob after those before (`scored`)."""
+
+    text: str
+    first_token: str
+    scored: tuple[TokenLogprob, ...] = ()
+
+    def logprobs(self) -> dict[str, list[Any]]:
+        """The prompt's part of a choice's `logprobs`, its offsets from the text's start."""
+        tokens = [self.first_token, *(e.token for e in self.scored)]
+        return {
+            "tokens": tokens,
+            "token_logprobs": [None, *(e.logprob for e in self.scored)],
+            "top_logprobs": [
+                None,
+                *({t.token: t.logprob for t in e.top_logprobs} for e in self.scored),
+            ],
+            "text_offset": offsets(tokens, 0),
+        }
+
+
+def offsets(tokens: list[str], start: int) -> list[int]:
+    """Where each token begins in a text that has `start` characters before the first."""
+    found = []
+    for token in tokens:
+        found.append(start)
+        start += len(token)
+    return found
+
+
 def by_choice(deltas: list[TokenDelta]) -> list[tuple[int, list[TokenDelta]]]:
     grouped: dict[int, list[TokenDelta]] = {}
     for delta in deltas:
@@ -116,34 +149,44 @@ class TextReply(Reply):
 
     chunk_object = "text_completion"
     offsets: dict[int, int] = field(default_factory=dict)  # streamed: each choice's text so far
+    # With `echo`: each prompt's, before each of its `n` choices (choice i is prompt i // n's)
+    echoes: list[Echo] = field(default_factory=list)
+    n: int = 1
 
     def opening(self, choices: int) -> list[str]:
         return []  # no role chunk in this API
 
-    def text_logprobs(self, deltas: list[TokenDelta], offset: int = 0) -> dict[str, Any] | None:
+    def echo(self, index: int) -> Echo | None:
+        return self.echoes[index // self.n] if self.echoes else None
+
+    def text_logprobs(
+        self, deltas: list[TokenDelta], offset: int = 0, echo: Echo | None = None
+    ) -> dict[str, Any] | None:
         """tokens, token_logprobs, top_logprobs (token → logprob) and each token's offset in
-        the choice's text."""
+        the choice's text; an echoed prompt's first, the generated tokens' after its text."""
         if not self.want_logprobs:
             return None
         entries = [e for d in deltas for e in d.logprobs]
-        offsets = []
-        for entry in entries:
-            offsets.append(offset)
-            offset += len(entry.token)
-        return {
-            "tokens": [e.token for e in entries],
+        tokens = [e.token for e in entries]
+        generated: dict[str, list[Any]] = {
+            "tokens": tokens,
             "token_logprobs": [e.logprob for e in entries],
             "top_logprobs": [{t.token: t.logprob for t in e.top_logprobs} for e in entries],
-            "text_offset": offsets,
+            "text_offset": offsets(tokens, offset + (len(echo.text) if echo else 0)),
         }
+        if echo is None:
+            return generated
+        prompt = echo.logprobs()
+        return {key: prompt[key] + generated[key] for key in generated}
 
     def completion(self, deltas: list[TokenDelta]) -> dict[str, Any]:
         groups = by_choice(deltas)
         choices = [
             {
                 "index": index,
-                "text": "".join(d.text for d in mine),
-                "logprobs": self.text_logprobs(mine),
+                "text": (echo.text if (echo := self.echo(index)) else "")
+                + "".join(d.text for d in mine),
+                "logprobs": self.text_logprobs(mine, echo=echo),
                 "finish_reason": mine[-1].finish_reason,
             }
             for index, mine in groups
@@ -158,12 +201,16 @@ class TextReply(Reply):
         }
 
     def delta_chunk(self, delta: TokenDelta) -> str:
+        """A choice's chunk; its first also carries the echoed prompt, if asked."""
+        echo = self.echo(delta.index) if delta.index not in self.offsets else None
         offset = self.offsets.get(delta.index, 0)
+        logprobs = self.text_logprobs([delta], offset, echo)
+        offset += len(echo.text) if echo else 0
         self.offsets[delta.index] = offset + sum(len(e.token) for e in delta.logprobs)
         choice = {
             "index": delta.index,
-            "text": delta.text,
-            "logprobs": self.text_logprobs([delta], offset),
+            "text": (echo.text if echo else "") + delta.text,
+            "logprobs": logprobs,
             "finish_reason": delta.finish_reason,
         }
         return self.chunk([choice])

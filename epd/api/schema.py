@@ -428,8 +428,6 @@ class CompletionRequest(GenerationRequest):
                 f"{len(self.prompts)} prompts of n={self.n} choices each are more than "
                 f"{MAX_CHOICES} choices in one reply"
             )
-        if self.echo:
-            return "echo", "echo is not supported"
         if self.suffix:
             return "suffix", "suffix is not supported"
         if self.best_of is not None and self.best_of != self.n:

@@ -104,12 +104,23 @@ def token_logprob(
 
     Values are kept within [MIN_LOGPROB, 0], so they stay finite JSON numbers.
     """
-    logprobs = logits.float().log_softmax(-1).cpu().clamp(MIN_LOGPROB, 0.0)
-    alternatives = []
-    if top:
-        best = logprobs.topk(top)
-        for value, index in zip(best.values.tolist(), best.indices.tolist(), strict=True):
-            piece = decode_text(tokenizer, [index])
-            alternatives.append(TopLogprob(piece, value, tuple(piece.encode())))
-    piece = decode_text(tokenizer, [token])
-    return TokenLogprob(piece, float(logprobs[token]), tuple(piece.encode()), tuple(alternatives))
+    return token_logprobs(logits[None], [token], top, tokenizer)[0]
+
+
+def token_logprobs(
+    logits: torch.Tensor, tokens: Sequence[int], top: int, tokenizer: PreTrainedTokenizerBase
+) -> list[TokenLogprob]:
+    """`token_logprob` for many rows at once: logits (N, vocab), one token per row."""
+    logprobs = logits.float().log_softmax(-1).cpu().clamp(MIN_LOGPROB, 0.0)  # (N, vocab)
+    chosen = logprobs.gather(1, torch.tensor(tokens, dtype=torch.int64)[:, None])[:, 0].tolist()
+    best = logprobs.topk(top) if top else None
+    entries = []
+    for row, (token, value) in enumerate(zip(tokens, chosen, strict=True)):
+        alternatives = []
+        if best is not None:
+            for v, index in zip(best.values[row].tolist(), best.indices[row].tolist(), strict=True):
+                piece = decode_text(tokenizer, [index])
+                alternatives.append(TopLogprob(piece, v, tuple(piece.encode())))
+        piece = decode_text(tokenizer, [token])
+        entries.append(TokenLogprob(piece, value, tuple(piece.encode()), tuple(alternatives)))
+    return entries

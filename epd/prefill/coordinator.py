@@ -21,6 +21,7 @@ from typing import TypeVar
 import torch
 
 from epd.config.roles import PrefillConfig
+from epd.generation.params import TokenLogprob
 from epd.multimodal.grids import kimi_vl_grids
 from epd.prefill.batcher import PrefillBatcher, token_budget
 from epd.prefill.engine import Prefilled, PrefillEngine, Prompt
@@ -70,6 +71,7 @@ class Stream:
     queue: asyncio.Queue[TokenDelta | PrefillError] = field(default_factory=asyncio.Queue)
     sent_at: float = 0.0  # when the hand-off went to the decoder (perf_counter)
     max_tokens: int = sys.maxsize  # the request's: no choice may have more
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()  # scored prompt tokens, if asked (`Prompt`)
 
 
 async def within(awaitable: Awaitable[T], seconds: float, error: Exception) -> T:
@@ -300,14 +302,20 @@ class Coordinator:
         """Prefill the request, packed with whatever else waits for prefill, and hand it to a
         decoder unless its first tokens ended it; raises (before any reply is sent) if no
         decoder can take it."""
-        prompt = Prompt(request.request_id, request.prompt_ids, embeddings, request.sampling)
+        prompt = Prompt(
+            request.request_id,
+            request.prompt_ids,
+            embeddings,
+            request.sampling,
+            request.prompt_logprobs,
+        )
         return await self.hand_off(request.request_id, await self.batcher.prefill(prompt))
 
     async def hand_off(self, request_id: str, prefilled: Prefilled) -> Stream:
         first = tuple(TokenDelta.of(request_id, i, out) for i, out in enumerate(prefilled.first))
-        handoff = prefilled.handoff
+        handoff, scored = prefilled.handoff, prefilled.prompt_logprobs
         if handoff is None:
-            return Stream(request_id, "", len(first), first)
+            return Stream(request_id, "", len(first), first, prompt_logprobs=scored)
         decoder = (await self.pick(self.decoders, "decode"))[0]
         stream = Stream(
             request_id,
@@ -316,6 +324,7 @@ class Coordinator:
             first,
             sent_at=now(),
             max_tokens=handoff.sampling.max_tokens,
+            prompt_logprobs=scored,
         )
         self.streams[request_id] = stream
         try:

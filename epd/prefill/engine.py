@@ -2,7 +2,10 @@
 
 Each choice's first token also comes out as the client gets it (its `Output`), so the API can
 send it at once instead of waiting for decode to echo it; a request that its first tokens end
-(`max_tokens` 1, an eos, a stop) has nothing left for decode.
+(`max_tokens` 1, an eos, a stop) has nothing left for decode. A prompt may also ask for the
+log-probability of each of its own tokens after the ones before (a legacy completion's `echo`
+with `logprobs`, as evaluation harnesses score text): the forward has every position's hidden
+state, so they come from the same run.
 
 Several prompts run packed into one forward (each attends only to itself); a prompt that cannot
 be prefilled fails alone: its slot holds the exception, the others their hand-offs. A long prompt
@@ -15,7 +18,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 import torch
@@ -24,8 +27,8 @@ from transformers import PreTrainedTokenizerBase
 from epd.generation.finite import all_finite
 from epd.generation.grammar import GrammarError, Grammars
 from epd.generation.logits import NoTokenAllowed, adjust, require_a_token
-from epd.generation.params import SamplingParams
-from epd.generation.sampling import make_generator, sample_batch, token_logprob
+from epd.generation.params import SamplingParams, TokenLogprob
+from epd.generation.sampling import make_generator, sample_batch, token_logprob, token_logprobs
 from epd.generation.transcript import Output, Transcript
 from epd.model.deepseek import DeepseekV3ForCausalLM
 from epd.model.latent_cache import LatentCache
@@ -35,6 +38,10 @@ from epd.wire.messages import KVHandoff
 
 log = logging.getLogger(__name__)
 
+# Prompt positions scored per product with the output head: (rows, vocab) float32 logits at a
+# time, 42 MiB at Kimi-VL's 163 840 tokens.
+SCORED_ROWS = 64
+
 
 @dataclass(frozen=True)
 class Prompt:
@@ -42,6 +49,9 @@ class Prompt:
     prompt_ids: list[int]
     image_embeddings: torch.Tensor | None  # (N, hidden) for the N placeholder slots
     sampling: SamplingParams
+    prompt_logprobs: int | None = None  # top alternatives per prompt token; None: not scored
+    # Each prompt token's logprob after the ones before (from its second), filled chunk by chunk
+    scored: list[TokenLogprob] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -68,6 +78,7 @@ class Prefilled:
 
     first: tuple[Output, ...]  # by choice
     handoff: KVHandoff | None  # None: every choice ended at its first token
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()  # from the prompt's second token, if asked
 
 
 class PrefillEngine:
@@ -93,9 +104,10 @@ class PrefillEngine:
         image_embeddings: torch.Tensor | None,
         sampling: SamplingParams,
         reply_to: str = "",
+        prompt_logprobs: int | None = None,
     ) -> Prefilled:
         """Prefill one prompt; raises what kept it from its first tokens."""
-        prompt = Prompt(request_id, prompt_ids, image_embeddings, sampling)
+        prompt = Prompt(request_id, prompt_ids, image_embeddings, sampling, prompt_logprobs)
         (result,) = self.run_batch([prompt], reply_to)
         if isinstance(result, Exception):
             raise result
@@ -126,7 +138,13 @@ class PrefillEngine:
             if isinstance(outcome, Exception):
                 results[i] = outcome
                 continue
-            chunk, (logits, rows) = chunks[i], outcome
+            chunk, (logits, hidden, rows) = chunks[i], outcome
+            if chunk.prompt.prompt_logprobs is not None:
+                try:
+                    chunk.prompt.scored.extend(self.score(chunk, hidden))
+                except Exception as e:  # e.g. logits that are not finite: this prompt fails
+                    results[i] = e
+                    continue
             cache = grown(chunk.past, rows)
             if chunk.last:
                 results[i] = self.hand_off(chunk.prompt, logits, cache, reply_to)
@@ -148,11 +166,26 @@ class PrefillEngine:
         mine = rows[first : first + int(slots[start:stop].sum())].to(self.device)
         return scatter_image_embeddings(embeds, chunk, mine, self.placeholder_id)
 
+    def score(self, chunk: Chunk, hidden: torch.Tensor) -> list[TokenLogprob]:
+        """The logprobs of the prompt tokens that the chunk's positions predict, hidden
+        (stop - start, D): each position's next token, up to the prompt's last (the last
+        position predicts the first generated token, which is sampled, not scored)."""
+        prompt = chunk.prompt
+        ids, top = prompt.prompt_ids, prompt.prompt_logprobs or 0
+        predicting = min(chunk.stop, len(ids) - 1) - chunk.start
+        entries: list[TokenLogprob] = []
+        for at in range(0, predicting, SCORED_ROWS):
+            rows = range(at, min(at + SCORED_ROWS, predicting))
+            logits = self.lm.logits(hidden[rows.start : rows.stop])  # (rows, vocab)
+            targets = [ids[chunk.start + j + 1] for j in rows]
+            entries += token_logprobs(logits, targets, top, self.tokenizer)
+        return entries
+
     def forward(
         self, embeds: list[torch.Tensor], pasts: list[LatentCache | None]
-    ) -> list[tuple[torch.Tensor, LatentCache] | Exception]:
-        """Each chunk's last-token logits (vocab,) and its new cache rows; alone if the packed
-        run fails."""
+    ) -> list[tuple[torch.Tensor, torch.Tensor, LatentCache] | Exception]:
+        """Each chunk's last-token logits (vocab,), its hidden states (rows, D) and its new
+        cache rows; alone if the packed run fails."""
         if not embeds:
             return []
         lengths = [e.shape[0] for e in embeds]
@@ -160,7 +193,7 @@ class PrefillEngine:
             hidden, cache = self.lm.prefill(torch.cat(embeds), lengths, pasts)
             last = [end - 1 for end in itertools.accumulate(lengths)]
             logits = self.lm.logits(hidden[last])  # (chunks, vocab)
-            return list(zip(logits, cache.split(lengths), strict=True))
+            return list(zip(logits, hidden.split(lengths), cache.split(lengths), strict=True))
         except Exception as e:
             if len(embeds) == 1:
                 return [e]
@@ -205,8 +238,9 @@ class PrefillEngine:
             outputs = tuple(
                 reply.accept(t, lp) for reply, t, lp in zip(replies, tokens, logprobs, strict=True)
             )
+            scored = tuple(prompt.scored)
             if all(output.finish_reason for output in outputs):
-                return Prefilled(outputs, None)
+                return Prefilled(outputs, None, scored)
             handoff = KVHandoff(
                 request_id=prompt.request_id,
                 reply_to=reply_to,
@@ -218,7 +252,7 @@ class PrefillEngine:
                 cache=cache.tensor().contiguous().cpu(),  # its own memory, copied off the loop
                 prompt_ids=ids,
             )
-            return Prefilled(outputs, handoff)
+            return Prefilled(outputs, handoff, scored)
         except (NoTokenAllowed, GrammarError) as e:  # what the request asked for: a 400
             if isinstance(e, GrammarError) and prompt.sampling.grammar:
                 self.grammars.forget(prompt.sampling.grammar)

@@ -16,3 +16,4 @@ class PreparedRequest:
     grids: tuple[Grid, ...]  # expected from each image's size; encode must agree
     image_tokens: tuple[int, ...]  # placeholder slots per image
     sampling: SamplingParams
+    prompt_logprobs: int | None = None  # score the prompt's tokens, with this many alternatives

@@ -370,10 +370,50 @@ def test_legacy_completions_take_several_prompts(client, model_name, local):
     assert chunks[-1].usage.total_tokens == reply.usage.total_tokens
 
 
+def test_legacy_echo_scores_the_prompt_as_lm_eval_asks(client, model_name, local):
+    """lm-eval's loglikelihood request: token-id prompts, echo, one logprob, one new token.
+    Each prompt token after the first has its logprob after those before, as the one-process
+    path scores it; the first has none; the new token follows, its offset after the text."""
+    tokenizer = local.builder.tokenizer
+    prompts = [tokenizer.encode("The red circle is"), tokenizer.encode("Once upon a time")]
+    params = {"max_tokens": 1, "temperature": 0, "logprobs": 1, "seed": 1234, "echo": True}
+    reply = client.completions.create(model=model_name, prompt=prompts, **params)
+    for ids, choice in zip(prompts, sorted(reply.choices, key=lambda c: c.index), strict=True):
+        alone = local.complete({"model": model_name, "prompt": ids, **params})
+        text = tokenizer.decode(ids)
+        assert choice.text == text + alone.text
+        logprobs = choice.logprobs
+        assert len(logprobs.tokens) == len(ids) + 1
+        assert logprobs.tokens[: len(ids)] == [tokenizer.decode([t]) for t in ids]
+        assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+        scored = logprobs.token_logprobs[1 : len(ids)]
+        assert scored == pytest.approx([e.logprob for e in alone.prompt_logprobs], abs=1e-5)
+        assert all(len(top) == 1 for top in logprobs.top_logprobs[1:])
+        for token, value, top in zip(
+            logprobs.tokens[1:-1], scored, logprobs.top_logprobs[1:-1], strict=True
+        ):  # lm-eval's is_greedy: the token is the likeliest where its logprob is the best's
+            assert (value == max(top.values())) == (token in top)
+        assert logprobs.text_offset[-1] == len(text)  # the new token starts after the prompt
+        assert reply.usage.prompt_tokens == sum(map(len, prompts))
+
+
+def test_legacy_echo_streams_the_prompt_first(client, model_name):
+    prompt = "Once upon a time"
+    params = {"max_tokens": 4, "temperature": 0, "echo": True, "n": 2}
+    whole = client.completions.create(model=model_name, prompt=prompt, **params)
+    assert all(c.text.startswith(prompt) and c.logprobs is None for c in whole.choices)
+    texts = ["", ""]
+    for chunk in client.completions.create(model=model_name, prompt=prompt, stream=True, **params):
+        for choice in chunk.choices:
+            if not texts[choice.index]:  # each choice's first chunk carries the prompt
+                assert choice.text.startswith(prompt)
+            texts[choice.index] += choice.text
+    assert texts == [c.text for c in sorted(whole.choices, key=lambda c: c.index)]
+
+
 @pytest.mark.parametrize(
     "params,fragment",
     [
-        ({"prompt": "x", "echo": True}, "echo is not supported"),
         ({"prompt": "x", "suffix": "y"}, "suffix is not supported"),
         ({"prompt": ["a"] * 65, "n": 2}, "65 prompts of n=2 choices each are more than 128"),
         ({"prompt": ["a", "", "b"]}, "the prompt is empty"),
@@ -381,6 +421,10 @@ def test_legacy_completions_take_several_prompts(client, model_name, local):
         ({"prompt": ""}, "the prompt is empty"),
         ({"prompt": "<|media_pad|>"}, "image placeholder"),
         ({"prompt": "x", "logprobs": 21}, "invalid logprobs"),
+        (  # a bound on what echo has prefill hold: 40 × 200 tokens × 21 entries
+            {"prompt": [[5] * 200] * 40, "echo": True, "logprobs": 20},
+            "would score 168000 prompt tokens",
+        ),
     ],
 )
 def test_legacy_completions_refuse_what_they_cannot_do(client, model_name, params, fragment):

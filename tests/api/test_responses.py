@@ -1,0 +1,49 @@
+"""Legacy completion bodies and chunks, with the prompt echoed."""
+
+import json
+
+from epd.api.responses import Echo, TextReply
+from epd.generation.params import TokenLogprob, TopLogprob
+from epd.wire.messages import TokenDelta
+
+
+def entry(token: str, logprob: float) -> TokenLogprob:
+    return TokenLogprob(token, logprob, tuple(token.encode()), (TopLogprob(token, logprob, ()),))
+
+
+ECHO = Echo("Hi there", "Hi", (entry(" there", -1.5),))
+DELTAS = [
+    TokenDelta("r", (7,), " you", 1, None, (entry(" you", -0.5),)),
+    TokenDelta("r", (8,), "!", 2, "length", (entry("!", -0.25),)),
+]
+
+
+def test_each_choice_begins_with_the_prompt_and_its_scores():
+    reply = TextReply("r", "m", 2, want_logprobs=True, echoes=[ECHO])
+    (choice,) = reply.completion(DELTAS)["choices"]
+    assert choice["text"] == "Hi there you!"
+    assert choice["logprobs"] == {
+        "tokens": ["Hi", " there", " you", "!"],
+        "token_logprobs": [None, -1.5, -0.5, -0.25],
+        "top_logprobs": [None, {" there": -1.5}, {" you": -0.5}, {"!": -0.25}],
+        "text_offset": [0, 2, 8, 12],
+    }
+
+
+def test_a_stream_echoes_the_prompt_of_each_choice_once_in_its_first_chunk():
+    prompts = [ECHO, Echo("Yo", "Yo")]
+    reply = TextReply("r", "m", 3, want_logprobs=True, echoes=prompts, n=2)
+    sent = [
+        json.loads(reply.delta_chunk(d)[len("data: ") :])["choices"][0]
+        for index in (3, 0)  # choice 3 is prompt 1's second, choice 0 prompt 0's first
+        for d in (
+            TokenDelta("r", (7,), " you", 1, None, (entry(" you", -0.5),), index),
+            TokenDelta("r", (8,), "!", 2, "length", (entry("!", -0.25),), index),
+        )
+    ]
+    assert [c["text"] for c in sent] == ["Yo you", "!", "Hi there you", "!"]
+    assert sent[0]["logprobs"]["token_logprobs"] == [None, -0.5]
+    assert sent[0]["logprobs"]["text_offset"] == [0, 2]
+    assert sent[1]["logprobs"]["text_offset"] == [6]  # after "Yo you"
+    assert sent[2]["logprobs"]["tokens"] == ["Hi", " there", " you"]
+    assert sent[3]["logprobs"]["text_offset"] == [12]
