@@ -1,5 +1,5 @@
 """The FastAPI app: /v1/chat/completions, /v1/completions, /v1/models (and /v1/models/{id}),
-/version and /health."""
+/version, vLLM's tokenizer routes (`tokens.py`) and /health."""
 
 from __future__ import annotations
 
@@ -13,12 +13,14 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, TypeVar, cast
 
 import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from epd.api import tokens
 from epd.api.errors import APIError, as_api_error, bad_request, overloaded
 from epd.api.images import ImageLoader, MediaPolicy
 from epd.api.middleware import (
@@ -33,8 +35,11 @@ from epd.api.prepare import PromptBuilder, check_grammar, check_scored
 from epd.api.responses import Echo, Reply, TextReply
 from epd.api.schema import (
     ChatCompletionRequest,
+    DetokenizeRequest,
     GenerationRequest,
+    TokenizeRequest,
     parse_completion,
+    parse_plain,
     parse_request,
 )
 from epd.api.tools import ForcedTools, ToolReply
@@ -55,7 +60,7 @@ from epd.wire.messages import TokenDelta
 log = logging.getLogger(__name__)
 DISCONNECT_POLL_S = 0.25
 T = TypeVar("T")
-R = TypeVar("R", bound=GenerationRequest)
+R = TypeVar("R", bound=GenerationRequest | TokenizeRequest | DetokenizeRequest)
 
 
 @dataclass
@@ -209,6 +214,21 @@ def create_app(service: Service, on_started: Callable[[], Any] | None = None) ->
     @app.get("/version")  # as vLLM's: what clients read to tell servers apart
     async def version() -> dict[str, str]:
         return {"version": importlib.metadata.version("epd")}
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict[str, Any]:
+        asked = service.served(await read_body(request, partial(parse_plain, kind=TokenizeRequest)))
+        return await service.off_loop(tokens.tokenize, service.builder, asked)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict[str, str]:
+        parse = partial(parse_plain, kind=DetokenizeRequest)
+        asked = service.served(await read_body(request, parse))
+        return await service.off_loop(tokens.detokenize, service.builder, asked)
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> dict[str, Any]:
+        return tokens.tokenizer_info(service.builder)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:

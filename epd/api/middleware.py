@@ -89,15 +89,21 @@ def arrived(request: Request) -> float:
     return float(getattr(request.state, "arrived", 0.0)) or time.perf_counter()
 
 
+# Routes outside /v1 that the key guards too: vLLM's tokenizer routes put the CPU to work.
+GUARDED_ROUTES = ("/tokenize", "/detokenize", "/tokenizer_info")
+
+
 class BearerKey:
-    """Every /v1 request must send `Authorization: Bearer <key>` (compared in constant time);
-    /health stays open for probes. A missing or wrong key is a 401 before anything is read."""
+    """Every /v1 request, and those of GUARDED_ROUTES, must send `Authorization: Bearer <key>`
+    (compared in constant time); /health stays open for probes. A missing or wrong key is a
+    401 before anything is read."""
 
     def __init__(self, app: ASGIApp, key: str) -> None:
         self.app, self.expected = app, f"Bearer {key}".encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+        path = scope["path"] if scope["type"] == "http" else ""
+        if path.startswith("/v1") or path in GUARDED_ROUTES:
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(given, self.expected):
                 body = APIError(

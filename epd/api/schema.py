@@ -435,6 +435,35 @@ class CompletionRequest(GenerationRequest):
         return super().unsupported()
 
 
+class TokenizeRequest(Lenient):
+    """POST /tokenize (vLLM's): a text prompt's token ids, as /v1/completions reads it."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(Lenient):
+    """POST /detokenize (vLLM's): token ids → their text."""
+
+    model: str | None = None
+    tokens: list[Annotated[int, Field(ge=0)]]
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def parse_plain(body: Any, kind: type[M]) -> M:
+    """A request of a route beside generation; the first problem is an OpenAI-style 400."""
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
+    try:
+        return kind.model_validate(body)
+    except ValidationError as e:
+        raise _as_api_error(e) from None
+
+
 def parse_request(body: Any) -> ChatCompletionRequest:
     """A chat request from a JSON body; the first problem is an OpenAI-style 400 naming it."""
     return parse(body, ChatCompletionRequest)

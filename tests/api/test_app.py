@@ -521,6 +521,9 @@ def test_without_the_api_key_v1_is_401(locked, header):
         locked.get("/v1/models", headers=headers),
         locked.post("/v1/chat/completions", json={"messages": []}, headers=headers),
         locked.get("/v1/nowhere", headers=headers),
+        locked.post("/tokenize", json={"prompt": "hi"}, headers=headers),  # vLLM's, outside /v1
+        locked.post("/detokenize", json={"tokens": [5]}, headers=headers),
+        locked.get("/tokenizer_info", headers=headers),
     ):
         assert response.status_code == 401
         assert response.json()["error"]["code"] == "invalid_api_key"
