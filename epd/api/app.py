@@ -255,7 +255,7 @@ def create_app(service: Service, on_started: Callable[[], Any] | None = None) ->
             legacy.wants_logprobs,
             legacy.include_usage,
             echoes=[
-                echo(service, legacy.prompts[which], p, s.prompt_logprobs)
+                echo_of(service, legacy.prompts[which], p, s.prompt_logprobs)
                 for which, (p, s) in enumerate(zip(prepared, started, strict=True))
             ]
             if legacy.echo
@@ -369,7 +369,7 @@ async def generate_all(service: Service, prepared: list[PreparedRequest]) -> lis
     return cast(list[Started], started)
 
 
-def echo(
+def echo_of(
     service: Service,
     asked: str | list[int],
     prepared: PreparedRequest,

@@ -37,10 +37,10 @@ from epd.multimodal.prompt import expand_placeholders, image_parts, render_promp
 from epd.prefill.request import PreparedRequest
 
 MAX_FIRST_LOGPROBS = 128  # logprob entries of the first tokens of all choices
-# Prompt tokens × (1 + alternatives) a legacy `echo` with `logprobs` may have scored, over all
-# its prompts: each entry is a Python object in prefill until the reply is sent (~26 MiB at
-# this bound). lm-eval's requests score a few thousand.
-MAX_SCORED_ENTRIES = 1 << 17
+# Prompt tokens × (1 + alternatives) × n a legacy `echo` with `logprobs` may put in its reply,
+# over all its prompts: each is an object held until the reply is sent, and JSON made on the
+# event loop (~6 MB at this bound). lm-eval's requests have a few thousand.
+MAX_SCORED_ENTRIES = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -305,15 +305,16 @@ def texts_of(message: dict[str, Any]) -> list[str]:
 
 
 def check_scored(request: CompletionRequest, prepared: list[PreparedRequest]) -> None:
-    """A 400 if the prompts' tokens a legacy `echo` with `logprobs` would score, with their
-    alternatives, are more than MAX_SCORED_ENTRIES."""
+    """A 400 if the prompts' tokens a legacy `echo` with `logprobs` would put in the reply,
+    with their alternatives, in each of its n choices, are more than MAX_SCORED_ENTRIES."""
     if not request.echo or request.logprobs is None:
         return
-    entries = sum(len(p.prompt_ids) for p in prepared) * (1 + request.logprobs)
+    tokens = sum(len(p.prompt_ids) for p in prepared)
+    entries = tokens * (1 + request.logprobs) * request.n
     if entries > MAX_SCORED_ENTRIES:
         raise bad_request(
-            f"echo with logprobs={request.logprobs} would score {entries} prompt tokens × "
-            f"(logprobs + 1), over {MAX_SCORED_ENTRIES}",
+            f"echo with logprobs={request.logprobs} and n={request.n} would reply with {entries} "
+            f"logprobs ({tokens} prompt tokens × (logprobs + 1) × n), over {MAX_SCORED_ENTRIES}",
             param="echo",
         )
 

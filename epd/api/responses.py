@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 from epd.generation.params import TokenLogprob
@@ -113,17 +114,28 @@ class Echo:
     first_token: str
     scored: tuple[TokenLogprob, ...] = ()
 
+    @cached_property
+    def tokens(self) -> list[str]:
+        return [self.first_token, *(e.token for e in self.scored)]
+
+    @cached_property
+    def end(self) -> int:
+        """The offset of the first generated token: after the prompt's tokens, spelt one by
+        one as `tokens` has them (one that is part of a character spells "\ufffd" and so can
+        differ from the text in length: offsets then keep rising all the same)."""
+        return sum(map(len, self.tokens))
+
+    @cached_property
     def logprobs(self) -> dict[str, list[Any]]:
-        """The prompt's part of a choice's `logprobs`, its offsets from the text's start."""
-        tokens = [self.first_token, *(e.token for e in self.scored)]
+        """The prompt's part of a choice's `logprobs`, made once for all its choices."""
         return {
-            "tokens": tokens,
+            "tokens": self.tokens,
             "token_logprobs": [None, *(e.logprob for e in self.scored)],
             "top_logprobs": [
                 None,
                 *({t.token: t.logprob for t in e.top_logprobs} for e in self.scored),
             ],
-            "text_offset": offsets(tokens, 0),
+            "text_offset": offsets(self.tokens, 0),
         }
 
 
@@ -156,7 +168,8 @@ class TextReply(Reply):
     def opening(self, choices: int) -> list[str]:
         return []  # no role chunk in this API
 
-    def echo(self, index: int) -> Echo | None:
+    def echo_for(self, index: int) -> Echo | None:
+        """The echo of choice `index`'s prompt, if asked."""
         return self.echoes[index // self.n] if self.echoes else None
 
     def text_logprobs(
@@ -172,25 +185,15 @@ class TextReply(Reply):
             "tokens": tokens,
             "token_logprobs": [e.logprob for e in entries],
             "top_logprobs": [{t.token: t.logprob for t in e.top_logprobs} for e in entries],
-            "text_offset": offsets(tokens, offset + (len(echo.text) if echo else 0)),
+            "text_offset": offsets(tokens, offset + (echo.end if echo else 0)),
         }
         if echo is None:
             return generated
-        prompt = echo.logprobs()
-        return {key: prompt[key] + generated[key] for key in generated}
+        return {key: echo.logprobs[key] + generated[key] for key in generated}
 
     def completion(self, deltas: list[TokenDelta]) -> dict[str, Any]:
         groups = by_choice(deltas)
-        choices = [
-            {
-                "index": index,
-                "text": (echo.text if (echo := self.echo(index)) else "")
-                + "".join(d.text for d in mine),
-                "logprobs": self.text_logprobs(mine, echo=echo),
-                "finish_reason": mine[-1].finish_reason,
-            }
-            for index, mine in groups
-        ]
+        choices = [self.choice(index, mine) for index, mine in groups]
         return {
             "id": self.request_id,
             "object": "text_completion",
@@ -200,12 +203,22 @@ class TextReply(Reply):
             "usage": self.usage(sum(mine[-1].completion_tokens for _, mine in groups)),
         }
 
+    def choice(self, index: int, deltas: list[TokenDelta]) -> dict[str, Any]:
+        """Choice `index` whole, after its echoed prompt if asked."""
+        echo = self.echo_for(index)
+        return {
+            "index": index,
+            "text": (echo.text if echo else "") + "".join(d.text for d in deltas),
+            "logprobs": self.text_logprobs(deltas, echo=echo),
+            "finish_reason": deltas[-1].finish_reason,
+        }
+
     def delta_chunk(self, delta: TokenDelta) -> str:
         """A choice's chunk; its first also carries the echoed prompt, if asked."""
-        echo = self.echo(delta.index) if delta.index not in self.offsets else None
+        echo = self.echo_for(delta.index) if delta.index not in self.offsets else None
         offset = self.offsets.get(delta.index, 0)
         logprobs = self.text_logprobs([delta], offset, echo)
-        offset += len(echo.text) if echo else 0
+        offset += echo.end if echo else 0
         self.offsets[delta.index] = offset + sum(len(e.token) for e in delta.logprobs)
         choice = {
             "index": delta.index,

@@ -110,17 +110,27 @@ def token_logprob(
 def token_logprobs(
     logits: torch.Tensor, tokens: Sequence[int], top: int, tokenizer: PreTrainedTokenizerBase
 ) -> list[TokenLogprob]:
-    """`token_logprob` for many rows at once: logits (N, vocab), one token per row."""
-    logprobs = logits.float().log_softmax(-1).cpu().clamp(MIN_LOGPROB, 0.0)  # (N, vocab)
-    chosen = logprobs.gather(1, torch.tensor(tokens, dtype=torch.int64)[:, None])[:, 0].tolist()
-    best = logprobs.topk(top) if top else None
+    """`token_logprob` for many rows at once: logits (N, vocab), one token per row.
+
+    Only the few values asked for are taken from the rows, where they are, and only those leave
+    the device: a logprob is the logit less the row's logsumexp (log-softmax without writing
+    the (N, vocab) result, one pass fewer over a large vocabulary)."""
+    logits = logits.float()
+    norm = logits.logsumexp(-1, keepdim=True)  # (N, 1)
+    ids = torch.tensor(tokens, dtype=torch.int64, device=logits.device)[:, None]
+    chosen = (logits.gather(1, ids) - norm)[:, 0].clamp(MIN_LOGPROB, 0.0).tolist()  # (N,)
+    best_values: list[list[float]] = [[] for _ in tokens]
+    best_ids: list[list[int]] = [[] for _ in tokens]
+    if top:
+        best = logits.topk(top)  # (N, top)
+        best_values = (best.values - norm).clamp(MIN_LOGPROB, 0.0).tolist()
+        best_ids = best.indices.tolist()
     entries = []
-    for row, (token, value) in enumerate(zip(tokens, chosen, strict=True)):
+    for token, value, values, indices in zip(tokens, chosen, best_values, best_ids, strict=True):
         alternatives = []
-        if best is not None:
-            for v, index in zip(best.values[row].tolist(), best.indices[row].tolist(), strict=True):
-                piece = decode_text(tokenizer, [index])
-                alternatives.append(TopLogprob(piece, v, tuple(piece.encode())))
+        for v, index in zip(values, indices, strict=True):
+            piece = decode_text(tokenizer, [index])
+            alternatives.append(TopLogprob(piece, v, tuple(piece.encode())))
         piece = decode_text(tokenizer, [token])
         entries.append(TokenLogprob(piece, value, tuple(piece.encode()), tuple(alternatives)))
     return entries

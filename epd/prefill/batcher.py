@@ -28,8 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from epd.model.latent_cache import LatentCache
-from epd.prefill.engine import Chunk, Prefilled, PrefillEngine, Prompt
+from epd.prefill.engine import Chunk, Partial, Prefilled, PrefillEngine, Prompt
 from epd.prefill.errors import Unavailable
 from epd.prefill.metrics import PrefillMetrics
 from epd.runtime.process import set_torch_threads
@@ -52,7 +51,7 @@ class Job:
     queued_at: float = field(default_factory=time.perf_counter)
     started: float = 0.0  # when its first chunk's forward began
     done: int = 0  # prompt tokens prefilled so far, by earlier chunks
-    cache: LatentCache | None = None  # theirs
+    past: Partial | None = None  # theirs
 
     @property
     def left(self) -> int:
@@ -133,7 +132,7 @@ class PrefillBatcher:
 
     def run_chunks(
         self, threads: int, chunks: list[Chunk]
-    ) -> list[Prefilled | LatentCache | Exception]:
+    ) -> list[Prefilled | Partial | Exception]:
         """On the engine's thread: the forward, on `threads` torch threads (OpenMP counts them
         per thread, so they are set here)."""
         if threads and torch.get_num_threads() != threads:
@@ -159,8 +158,8 @@ class PrefillBatcher:
             self.progressed()
         self.forward = []  # kept when cancelled, so that run() fails them
         for (job, chunk), result in zip(batch, results, strict=True):
-            if isinstance(result, LatentCache):  # more chunks to come: it stays first in line
-                job.done, job.cache = chunk.stop, result
+            if isinstance(result, Partial):  # more chunks to come: it stays first in line
+                job.done, job.past = chunk.stop, result
                 continue
             if self.waiting and self.waiting[0] is job:  # a chunked prompt whose chunk failed
                 self.waiting.popleft()
@@ -189,7 +188,7 @@ class PrefillBatcher:
             if job.future.done():
                 continue
             if job.left <= room - owed:
-                batch.append((job, Chunk(job.prompt, job.done, job.done + job.left, job.cache)))
+                batch.append((job, Chunk(job.prompt, job.done, job.done + job.left, job.past)))
                 room -= job.left
             elif chunked is None:
                 chunked, owed = job, min(room, self.min_chunk or room)
@@ -199,7 +198,7 @@ class PrefillBatcher:
         self.waiting = deque(j for j in self.waiting if j not in taken and not j.future.done())
         if chunked is not None:
             batch.append(
-                (chunked, Chunk(chunked.prompt, chunked.done, chunked.done + room, chunked.cache))
+                (chunked, Chunk(chunked.prompt, chunked.done, chunked.done + room, chunked.past))
             )
         return batch
 

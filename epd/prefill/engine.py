@@ -18,7 +18,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Collection
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cached_property
 
 import torch
@@ -50,18 +50,25 @@ class Prompt:
     image_embeddings: torch.Tensor | None  # (N, hidden) for the N placeholder slots
     sampling: SamplingParams
     prompt_logprobs: int | None = None  # top alternatives per prompt token; None: not scored
-    # Each prompt token's logprob after the ones before (from its second), filled chunk by chunk
-    scored: list[TokenLogprob] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Partial:
+    """A prompt part-way through: the cache of its tokens so far, and if it asked, the scores
+    of those its positions predict (each token's logprob after the ones before it)."""
+
+    cache: LatentCache
+    scored: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True)
 class Chunk:
-    """A prompt's tokens [start, stop), prefilled after `past`: the cache of its tokens before."""
+    """A prompt's tokens [start, stop), prefilled after `past`: its tokens before."""
 
     prompt: Prompt
     start: int
     stop: int
-    past: LatentCache | None = None
+    past: Partial | None = None
 
     @classmethod
     def whole(cls, prompt: Prompt) -> Chunk:
@@ -117,39 +124,40 @@ class PrefillEngine:
         """Prefill whole prompts packed into one forward; each gets its first tokens or its
         error."""
         results = self.run_chunks([Chunk.whole(p) for p in prompts], reply_to)
-        assert not any(isinstance(r, LatentCache) for r in results)  # whole prompts end
-        return [r for r in results if not isinstance(r, LatentCache)]
+        assert not any(isinstance(r, Partial) for r in results)  # whole prompts end
+        return [r for r in results if not isinstance(r, Partial)]
 
     @torch.inference_mode()
     def run_chunks(
         self, chunks: list[Chunk], reply_to: str = ""
-    ) -> list[Prefilled | LatentCache | Exception]:
+    ) -> list[Prefilled | Partial | Exception]:
         """Prefill chunks packed into one forward. A last chunk gets its prompt's first tokens; an
-        earlier one the prompt's cache so far (its past, grown); a chunk that fails its error."""
-        results: dict[int, Prefilled | LatentCache | Exception] = {}
+        earlier one the prompt so far (its past, grown); a chunk that fails its error."""
+        results: dict[int, Prefilled | Partial | Exception] = {}
         embeds: dict[int, torch.Tensor] = {}
         for i, chunk in enumerate(chunks):
             try:
                 embeds[i] = self.embed(chunk.prompt, chunk.start, chunk.stop)
             except Exception as e:  # e.g. image rows that do not fit the placeholders
                 results[i] = e
-        pasts = [chunks[i].past for i in embeds]
+        pasts = [past.cache if (past := chunks[i].past) else None for i in embeds]
         for i, outcome in zip(embeds, self.forward(list(embeds.values()), pasts), strict=True):
             if isinstance(outcome, Exception):
                 results[i] = outcome
                 continue
             chunk, (logits, hidden, rows) = chunks[i], outcome
+            scored = chunk.past.scored if chunk.past else ()
             if chunk.prompt.prompt_logprobs is not None:
                 try:
-                    chunk.prompt.scored.extend(self.score(chunk, hidden))
-                except Exception as e:  # e.g. logits that are not finite: this prompt fails
+                    scored += tuple(self.score(chunk, hidden))
+                except Exception as e:  # its own failure (a NaN logprob fails validation)
                     results[i] = e
                     continue
-            cache = grown(chunk.past, rows)
+            past = Partial(grown(chunk.past, rows), scored)
             if chunk.last:
-                results[i] = self.hand_off(chunk.prompt, logits, cache, reply_to)
+                results[i] = self.hand_off(chunk.prompt, logits, past, reply_to)
             else:
-                results[i] = cache
+                results[i] = past
         return [results[i] for i in range(len(chunks))]
 
     def embed(self, prompt: Prompt, start: int = 0, stop: int | None = None) -> torch.Tensor:
@@ -205,7 +213,7 @@ class PrefillEngine:
             ]
 
     def hand_off(
-        self, prompt: Prompt, logits: torch.Tensor, cache: LatentCache, reply_to: str
+        self, prompt: Prompt, logits: torch.Tensor, past: Partial, reply_to: str
     ) -> Prefilled | Exception:
         """Sample each choice's first token, say what the client gets for it, and pack what
         decode needs to go on (unless those tokens ended every choice)."""
@@ -238,9 +246,8 @@ class PrefillEngine:
             outputs = tuple(
                 reply.accept(t, lp) for reply, t, lp in zip(replies, tokens, logprobs, strict=True)
             )
-            scored = tuple(prompt.scored)
             if all(output.finish_reason for output in outputs):
-                return Prefilled(outputs, None, scored)
+                return Prefilled(outputs, None, past.scored)
             handoff = KVHandoff(
                 request_id=prompt.request_id,
                 reply_to=reply_to,
@@ -249,10 +256,10 @@ class PrefillEngine:
                 first_logprobs=logprobs,
                 sampling=sampling,
                 rng_states=torch.stack([g.get_state() for g in generators]),
-                cache=cache.tensor().contiguous().cpu(),  # its own memory, copied off the loop
+                cache=past.cache.tensor().contiguous().cpu(),  # its own memory, off the loop
                 prompt_ids=ids,
             )
-            return Prefilled(outputs, handoff, scored)
+            return Prefilled(outputs, handoff, past.scored)
         except (NoTokenAllowed, GrammarError) as e:  # what the request asked for: a 400
             if isinstance(e, GrammarError) and prompt.sampling.grammar:
                 self.grammars.forget(prompt.sampling.grammar)
@@ -261,11 +268,11 @@ class PrefillEngine:
             return e
 
 
-def grown(past: LatentCache | None, rows: LatentCache) -> LatentCache:
-    """A prompt's cache after a chunk: its past with the chunk's rows appended, or, for a first
-    chunk, the rows themselves (a view of the packed forward's cache: the hand-off copies it,
-    and a next chunk's append moves it to memory of its own)."""
+def grown(past: Partial | None, rows: LatentCache) -> LatentCache:
+    """A prompt's cache after a chunk: its past's with the chunk's rows appended, or, for a
+    first chunk, the rows themselves (a view of the packed forward's cache: the hand-off copies
+    it, and a next chunk's append moves it to memory of its own)."""
     if past is None:
         return rows
-    past.extend(rows.tensor())
-    return past
+    past.cache.extend(rows.tensor())
+    return past.cache

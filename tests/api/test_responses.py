@@ -47,3 +47,12 @@ def test_a_stream_echoes_the_prompt_of_each_choice_once_in_its_first_chunk():
     assert sent[1]["logprobs"]["text_offset"] == [6]  # after "Yo you"
     assert sent[2]["logprobs"]["tokens"] == ["Hi", " there", " you"]
     assert sent[3]["logprobs"]["text_offset"] == [12]
+
+
+def test_offsets_keep_rising_where_a_token_is_part_of_a_character():
+    """Two byte tokens of one character each spell "\ufffd": the generated token's offset
+    follows the prompt's tokens as spelt, never falling back into them."""
+    echo = Echo("日", "\ufffd", (entry("\ufffd", -1.0),))
+    reply = TextReply("r", "m", 2, want_logprobs=True, echoes=[echo])
+    (choice,) = reply.completion(DELTAS[:1])["choices"]
+    assert choice["logprobs"]["text_offset"] == [0, 1, 2]

@@ -421,9 +421,9 @@ def test_legacy_echo_streams_the_prompt_first(client, model_name):
         ({"prompt": ""}, "the prompt is empty"),
         ({"prompt": "<|media_pad|>"}, "image placeholder"),
         ({"prompt": "x", "logprobs": 21}, "invalid logprobs"),
-        (  # a bound on what echo has prefill hold: 40 × 200 tokens × 21 entries
-            {"prompt": [[5] * 200] * 40, "echo": True, "logprobs": 20},
-            "would score 168000 prompt tokens",
+        (  # a bound on what echo's reply holds: 8 × 200 tokens × 21 entries × 2 choices
+            {"prompt": [[5] * 200] * 8, "echo": True, "logprobs": 20, "n": 2},
+            "would reply with 67200 logprobs",
         ),
     ],
 )

@@ -8,6 +8,7 @@ from epd.generation.sampling import (
     sample,
     sample_batch,
     token_logprob,
+    token_logprobs,
 )
 
 LOGITS = torch.tensor([1.0, 3.0, 2.5, -1.0, 0.0])
@@ -132,6 +133,21 @@ def test_logprobs_are_the_models(tiny_checkpoint):
     entry = token_logprob(logits, 42, 3, tokenizer)
     assert entry.logprob == pytest.approx(float(logits.log_softmax(-1)[42]))
     assert entry.token == tokenizer.decode([42]) and bytes(entry.bytes) == entry.token.encode()
-    assert [t.logprob for t in entry.top_logprobs] == sorted(
-        logits.log_softmax(-1).topk(3).values.tolist(), reverse=True
+    assert [t.logprob for t in entry.top_logprobs] == pytest.approx(
+        sorted(logits.log_softmax(-1).topk(3).values.tolist(), reverse=True), abs=1e-6
     )
+
+
+def test_logprobs_of_many_rows_are_each_rows_and_the_best_equals_itself(tiny_checkpoint):
+    """lm-eval calls a prompt token greedy when its logprob equals the best alternative's:
+    exactly, so the two must come out of one computation."""
+    from epd.checkpoint.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(tiny_checkpoint)
+    logits = torch.randn(5, len(tokenizer)) * 4
+    best = logits.argmax(-1).tolist()
+    tokens = [best[0], 7, best[2], 300, 11]
+    rows = token_logprobs(logits, tokens, 2, tokenizer)
+    assert rows == [token_logprob(logits[i], t, 2, tokenizer) for i, t in enumerate(tokens)]
+    for row, token, likeliest in zip(rows, tokens, best, strict=True):
+        assert (row.logprob == row.top_logprobs[0].logprob) == (token == likeliest)
