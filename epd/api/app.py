@@ -199,7 +199,15 @@ def create_app(service: Service, on_started: Callable[[], Any] | None = None) ->
     )
     app.include_router(health_router("prefill", service.watchdog, service.status, service.problems))
     app.include_router(metrics_router(service.metrics.registry))
-    card = {"id": service.model_name, "object": "model", "created": 0, "owned_by": "epd"}
+    card = {
+        "id": service.model_name,
+        "object": "model",
+        "created": 0,
+        "owned_by": "epd",
+        "root": config.model,  # vLLM's fields: what it was loaded from, the context it takes
+        "parent": None,
+        "max_model_len": service.builder.context_length,
+    }
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -261,6 +269,7 @@ def create_app(service: Service, on_started: Callable[[], Any] | None = None) ->
             if legacy.echo
             else [],
             n=legacy.n,
+            prompt_only=legacy.prompt_only,
         )
         deltas = merged([s.deltas for s in started], legacy.n)
         return await respond(service, request, reply, deltas, legacy, choices=count * legacy.n)

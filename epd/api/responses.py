@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
+from msgspec.structs import replace
+
 from epd.generation.params import TokenLogprob
 from epd.wire.messages import TokenDelta
 
@@ -164,9 +166,17 @@ class TextReply(Reply):
     # With `echo`: each prompt's, before each of its `n` choices (choice i is prompt i // n's)
     echoes: list[Echo] = field(default_factory=list)
     n: int = 1
+    prompt_only: bool = False  # `max_tokens: 0`: the token generated is not told
 
     def opening(self, choices: int) -> list[str]:
         return []  # no role chunk in this API
+
+    def usage(self, completion_tokens: int) -> dict[str, int]:
+        return super().usage(0 if self.prompt_only else completion_tokens)
+
+    def shown(self, delta: TokenDelta) -> TokenDelta:
+        """The delta as the client sees it: with `prompt_only`, without its text and logprobs."""
+        return replace(delta, text="", logprobs=()) if self.prompt_only else delta
 
     def echo_for(self, index: int) -> Echo | None:
         """The echo of choice `index`'s prompt, if asked."""
@@ -193,7 +203,7 @@ class TextReply(Reply):
 
     def completion(self, deltas: list[TokenDelta]) -> dict[str, Any]:
         groups = by_choice(deltas)
-        choices = [self.choice(index, mine) for index, mine in groups]
+        choices = [self.choice(index, [self.shown(d) for d in mine]) for index, mine in groups]
         return {
             "id": self.request_id,
             "object": "text_completion",
@@ -215,6 +225,7 @@ class TextReply(Reply):
 
     def delta_chunk(self, delta: TokenDelta) -> str:
         """A choice's chunk; its first also carries the echoed prompt, if asked."""
+        delta = self.shown(delta)
         echo = self.echo_for(delta.index) if delta.index not in self.offsets else None
         offset = self.offsets.get(delta.index, 0)
         logprobs = self.text_logprobs([delta], offset, echo)

@@ -400,11 +400,22 @@ class CompletionRequest(GenerationRequest):
     """POST /v1/completions: a raw prompt (text or token ids) continued, no chat template."""
 
     prompt: str | TokenIds | list[str] | list[TokenIds]
-    max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for this endpoint
+    max_tokens: int | None = Field(16, ge=0)  # OpenAI's default; 0 only with echo
     logprobs: int | None = Field(None, ge=0, le=20)  # the top alternatives to report
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = Field(None, ge=1, le=128)
+
+    @property
+    def prompt_only(self) -> bool:
+        """`max_tokens: 0` with `echo`: the prompt (and its scores) back, nothing new, as vLLM
+        and older lm-eval do. One token is still generated, as prefill always samples the
+        first: the reply leaves it out."""
+        return self.max_tokens == 0
+
+    @property
+    def asked_tokens(self) -> int | None:
+        return 1 if self.prompt_only else self.max_tokens
 
     @property
     def wants_logprobs(self) -> bool:
@@ -428,6 +439,8 @@ class CompletionRequest(GenerationRequest):
                 f"{len(self.prompts)} prompts of n={self.n} choices each are more than "
                 f"{MAX_CHOICES} choices in one reply"
             )
+        if self.prompt_only and not self.echo:
+            return "max_tokens", "max_tokens 0 asks for nothing: it is allowed only with echo"
         if self.suffix:
             return "suffix", "suffix is not supported"
         if self.best_of is not None and self.best_of != self.n:

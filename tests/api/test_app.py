@@ -11,6 +11,7 @@ from epd.api.app import create_app, parse_json
 from epd.api.errors import APIError, as_api_error
 from epd.api.prepare import PromptBuilder
 from epd.api.server import build_service
+from epd.checkpoint.config import load_model_config
 from epd.config.roles import PrefillConfig
 
 
@@ -55,8 +56,10 @@ def test_non_finite_numbers_are_refused(client, field, value):
     assert response.status_code == 400 and field in response.json()["error"]["message"]
 
 
-def test_models_and_health_that_names_the_missing_peers(client):
-    assert client.get("/v1/models").json()["data"][0]["id"] == "tiny"
+def test_models_and_health_that_names_the_missing_peers(client, tiny_checkpoint):
+    (card,) = client.get("/v1/models").json()["data"]
+    assert card["id"] == "tiny" and card["root"] == str(tiny_checkpoint)
+    assert card["max_model_len"] == load_model_config(tiny_checkpoint).text.max_position_embeddings
     health = client.get("/health")  # no encoder or decoder answers this prefill
     assert health.status_code == 503 and health.json()["status"] == "unavailable"
     assert client.head("/health").status_code == 503 and client.head("/health/live").is_success
@@ -316,9 +319,11 @@ def test_structured_outputs_are_the_guided_fields_they_name():
 
 def test_the_checkpoint_path_names_the_model_too(client, tiny_checkpoint):
     response = client.post(
-        "/v1/chat/completions", json={"model": str(tiny_checkpoint), "messages": USER}
+        "/v1/chat/completions",
+        json={"model": str(tiny_checkpoint), "messages": USER, "ignore_eos": True},
     )
-    assert response.status_code == 503  # found: it looked for the peers
+    assert response.status_code == 503  # found: it looked for a decoder (the first token
+    # sampled cannot end it)
     assert client.get(f"/v1/models/{tiny_checkpoint}").json()["id"] == "tiny"
 
 
@@ -380,7 +385,8 @@ def test_too_many_images(client):
 
 
 def test_unreachable_peers_are_503_not_a_hang(client):
-    response = chat(client, messages=USER, max_tokens=2)
+    # ignore_eos: a first token that ended the reply would need no decoder (CI met one)
+    response = chat(client, messages=USER, max_tokens=2, ignore_eos=True)
     assert response.status_code == 503
     assert "no decode server is reachable" in response.json()["error"]["message"]
 

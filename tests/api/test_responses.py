@@ -56,3 +56,17 @@ def test_offsets_keep_rising_where_a_token_is_part_of_a_character():
     reply = TextReply("r", "m", 2, want_logprobs=True, echoes=[echo])
     (choice,) = reply.completion(DELTAS[:1])["choices"]
     assert choice["logprobs"]["text_offset"] == [0, 1, 2]
+
+
+def test_max_tokens_0_gives_the_prompt_alone():
+    """The token prefill had to generate is not told, whole or streamed."""
+    reply = TextReply("r", "m", 2, want_logprobs=True, echoes=[ECHO], prompt_only=True)
+    last = TokenDelta("r", (7,), " you", 1, "length", (entry(" you", -0.5),))
+    body = reply.completion([last])
+    (choice,) = body["choices"]
+    assert choice["text"] == "Hi there" and choice["finish_reason"] == "length"
+    assert choice["logprobs"]["token_logprobs"] == [None, -1.5]
+    assert body["usage"]["completion_tokens"] == 0
+    streamed = json.loads(reply.delta_chunk(last)[len("data: ") :])["choices"][0]
+    assert streamed["text"] == "Hi there" and streamed["logprobs"]["tokens"] == ["Hi", " there"]
+    assert json.loads(reply.usage_chunk(1)[len("data: ") :])["usage"]["completion_tokens"] == 0

@@ -397,6 +397,20 @@ def test_legacy_echo_scores_the_prompt_as_lm_eval_asks(client, model_name, local
         assert reply.usage.prompt_tokens == sum(map(len, prompts))
 
 
+def test_legacy_echo_with_max_tokens_0_gives_the_prompt_alone(client, model_name, local):
+    """vLLM's and older lm-eval's way to score a prompt: nothing new, the prompt scored."""
+    ids = local.builder.tokenizer.encode("The red circle is")
+    params = {"max_tokens": 0, "temperature": 0, "logprobs": 1, "echo": True}
+    reply = client.completions.create(model=model_name, prompt=ids, **params)
+    (choice,) = reply.choices
+    alone = local.complete({"model": model_name, "prompt": ids, **params})
+    assert choice.text == local.builder.tokenizer.decode(ids) and choice.finish_reason == "length"
+    assert choice.logprobs.token_logprobs[1:] == pytest.approx(
+        [e.logprob for e in alone.prompt_logprobs], abs=1e-5
+    )
+    assert len(choice.logprobs.tokens) == len(ids) and reply.usage.completion_tokens == 0
+
+
 def test_legacy_echo_streams_the_prompt_first(client, model_name):
     prompt = "Once upon a time"
     params = {"max_tokens": 4, "temperature": 0, "echo": True, "n": 2}
@@ -415,6 +429,7 @@ def test_legacy_echo_streams_the_prompt_first(client, model_name):
     "params,fragment",
     [
         ({"prompt": "x", "suffix": "y"}, "suffix is not supported"),
+        ({"prompt": "x", "max_tokens": 0}, "allowed only with echo"),
         ({"prompt": ["a"] * 65, "n": 2}, "65 prompts of n=2 choices each are more than 128"),
         ({"prompt": ["a", "", "b"]}, "the prompt is empty"),
         ({"prompt": [10**7]}, "outside the vocabulary"),
