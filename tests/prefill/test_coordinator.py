@@ -124,8 +124,9 @@ def test_silent_encoder_times_out(silent_peers):
 
 def test_silent_decoder_times_out(silent_peers):
     client, (_, decode_sink) = silent_peers
+    # ignore_eos: a first token that ended the reply would need no decoder
     body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
-    response = client.post("/v1/chat/completions", json=body)
+    response = client.post("/v1/chat/completions", json=body | {"ignore_eos": True})
     assert response.status_code == 504
     assert "decode sent nothing for 0.5s" in response.json()["error"]["message"]
     assert decode_sink.poll(1000)
