@@ -272,7 +272,9 @@ def test_decode_refuses_what_it_has_no_room_to_park(parts):
     with pytest.raises(Busy, match="decode is full"):
         scheduler.add(handoff(engine, 1))
     # More choices than it has places for at all: no use trying again later.
-    many = engine.run("n5", PROMPTS[0], None, SamplingParams(8, temperature=1.0, n=5, seed=0)).handoff
+    many = engine.run(
+        "n5", PROMPTS[0], None, SamplingParams(8, temperature=1.0, n=5, seed=0)
+    ).handoff
     with pytest.raises(TooLarge, match="n=5 choices are more than decode's 4 waiting places"):
         Scheduler(lm, tokenizer, eos, max_batch_size=1).add(many)
 
