@@ -1,5 +1,5 @@
-"""The FastAPI app: /v1/chat/completions, /v1/completions, /v1/models (and /v1/models/{id}),
-/version, vLLM's tokenizer routes (`tokens.py`) and /health."""
+"""The FastAPI app: /v1/chat/completions, /v1/completions, /v1/responses (`responses_api.py`),
+/v1/models (and /v1/models/{id}), /version, vLLM's tokenizer routes (`tokens.py`), /health."""
 
 from __future__ import annotations
 
@@ -33,6 +33,7 @@ from epd.api.middleware import (
 )
 from epd.api.prepare import PromptBuilder, check_grammar, check_scored
 from epd.api.responses import Echo, Reply, TextReply
+from epd.api.responses_api import ResponseReply, ResponsesRequest, parse_responses
 from epd.api.schema import (
     ChatCompletionRequest,
     DetokenizeRequest,
@@ -60,7 +61,7 @@ from epd.wire.messages import TokenDelta
 log = logging.getLogger(__name__)
 DISCONNECT_POLL_S = 0.25
 T = TypeVar("T")
-R = TypeVar("R", bound=GenerationRequest | TokenizeRequest | DetokenizeRequest)
+R = TypeVar("R", bound=GenerationRequest | TokenizeRequest | DetokenizeRequest | ResponsesRequest)
 
 
 @dataclass
@@ -244,6 +245,22 @@ def create_app(service: Service, on_started: Callable[[], Any] | None = None) ->
         with service.queue_slot():
             reply, deltas, images = await start_chat(service, chat, request)
         return await respond(service, request, reply, deltas, chat, images)
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        asked = service.served(await read_body(request, parse_responses))
+        chat = parse_request(asked.chat_body())
+        with service.queue_slot():
+            reply, deltas, images = await start_chat(service, chat, request)
+        response = ResponseReply(
+            reply.request_id,
+            reply.model,
+            reply.prompt_tokens,
+            want_logprobs=False,
+            echoed=asked.echoed(),
+            response_id="resp_" + reply.request_id.removeprefix("chatcmpl-"),
+        )
+        return await respond(service, request, response, deltas, chat, images)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

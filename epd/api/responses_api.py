@@ -1,0 +1,233 @@
+"""OpenAI's Responses API (POST /v1/responses), as a chat completion underneath: the request's
+`instructions` and `input` become chat messages, and the chat's deltas become one output
+message, whole or as the API's stream of typed events.
+
+What it needs beyond one stateless turn of text and images is refused by name: tools, stored
+conversations (`previous_response_id`, `conversation`), background runs, reasoning, formats
+other than text. `store` is accepted and ignored: nothing is kept to be fetched later.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from epd.api.errors import bad_request
+from epd.api.responses import Reply
+from epd.api.schema import Lenient, parse_plain
+from epd.wire.messages import TokenDelta
+
+
+class InputPart(Lenient):
+    type: Literal["input_text", "output_text", "input_image", "refusal"]
+    text: str | None = None
+    refusal: str | None = None
+    image_url: str | None = None
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class InputMessage(Lenient):
+    type: Literal["message"] = "message"
+    role: Literal["user", "system", "developer", "assistant"]
+    content: str | list[InputPart]
+
+
+# Fields that ask for what a stateless text-and-image turn cannot give: (field, why), refused
+# unless absent, null, false or empty.
+NOT_DONE = {
+    "tools": "tools are not supported on /v1/responses; use /v1/chat/completions",
+    "tool_choice": "tool_choice is not supported on /v1/responses",
+    "previous_response_id": "responses are not stored: send the whole conversation as input",
+    "conversation": "conversations are not stored: send the whole conversation as input",
+    "background": "background responses are not supported",
+    "reasoning": "reasoning is not supported by this model",
+    "include": "include is not supported",
+    "prompt": "prompt templates are not supported",
+    "top_logprobs": "top_logprobs is not supported on /v1/responses",
+}
+
+
+class ResponsesRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    input: str | list[InputMessage] = Field(min_length=1)
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2, allow_inf_nan=False)
+    top_p: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
+    stream: bool | None = False
+    metadata: dict[str, str] | None = None
+    text: dict[str, Any] | None = None
+
+    def echoed(self) -> dict[str, Any]:
+        """What a response object repeats of its request."""
+        fields = ("instructions", "max_output_tokens", "temperature", "top_p", "metadata")
+        return {name: value for name in fields if (value := getattr(self, name)) is not None}
+
+    def refused(self) -> tuple[str, str] | None:
+        extra = self.model_extra or {}
+        for name, why in NOT_DONE.items():
+            if extra.get(name) not in (None, False, [], {}, "auto", "none"):
+                return name, why
+        formatted = (self.text or {}).get("format") or {"type": "text"}
+        if formatted.get("type") != "text":
+            return "text.format", "only text output is supported on /v1/responses"
+        return None
+
+    def chat_body(self) -> dict[str, Any]:
+        """The chat completion request this response is made by."""
+        messages = [{"role": "system", "content": self.instructions}] if self.instructions else []
+        items = (
+            [InputMessage(role="user", content=self.input)]
+            if isinstance(self.input, str)
+            else self.input
+        )
+        messages += [chat_message(item) for item in items]
+        body: dict[str, Any] = {
+            "model": self.model,
+            "messages": messages,
+            "stream": bool(self.stream),
+        }
+        for ours, theirs in (
+            ("max_tokens", self.max_output_tokens),
+            ("temperature", self.temperature),
+            ("top_p", self.top_p),
+        ):
+            if theirs is not None:
+                body[ours] = theirs
+        return body
+
+
+def chat_message(item: InputMessage) -> dict[str, Any]:
+    """An input message as a chat one: `developer` is `system`, parts become text and image
+    parts."""
+    role = "system" if item.role == "developer" else item.role
+    if isinstance(item.content, str):
+        return {"role": role, "content": item.content}
+    parts: list[dict[str, Any]] = []
+    for part in item.content:
+        if part.type == "input_image":
+            if not part.image_url:
+                raise bad_request("an input_image needs an image_url", param="input")
+            parts.append({"type": "image_url", "image_url": {"url": part.image_url}})
+        else:
+            text = part.refusal if part.type == "refusal" else part.text
+            parts.append({"type": "text", "text": text or ""})
+    return {"role": role, "content": parts}
+
+
+def parse_responses(body: Any) -> ResponsesRequest:
+    request = parse_plain(body, ResponsesRequest)
+    if (refused := request.refused()) is not None:
+        param, why = refused
+        raise bad_request(why, param=param, code="unsupported_parameter")
+    return request
+
+
+@dataclass
+class ResponseReply(Reply):
+    """One response object (`response`), or its events streamed: created, the message and its
+    text part opened, the text's deltas, then each closed and the response completed."""
+
+    echoed: dict[str, Any] = field(default_factory=dict)  # request fields the response repeats
+    response_id: str = field(default_factory=lambda: f"resp_{uuid.uuid4().hex}")
+    message_id: str = field(default_factory=lambda: f"msg_{uuid.uuid4().hex}")
+    text: str = ""  # streamed so far
+    events: int = 0  # sequence numbers given
+
+    def response(
+        self, status: str, text: str | None, output_tokens: int, finish: str | None
+    ) -> dict[str, Any]:
+        """The response object; `text` None while nothing is written yet."""
+        output = [] if text is None else [self.message(text, status)]
+        cut = finish == "length"
+        return {
+            "id": self.response_id,
+            "object": "response",
+            "created_at": self.created,
+            "status": "incomplete" if cut and status == "completed" else status,
+            "incomplete_details": {"reason": "max_output_tokens"} if cut else None,
+            "error": None,
+            "model": self.model,
+            "output": output,
+            "instructions": None,
+            "max_output_tokens": None,
+            "temperature": None,
+            "top_p": None,
+            "metadata": {},
+            **self.echoed,
+            "parallel_tool_calls": False,
+            "tool_choice": "none",
+            "tools": [],
+            "text": {"format": {"type": "text"}},
+            "store": False,
+            "usage": self.response_usage(output_tokens) if status != "in_progress" else None,
+        }
+
+    def message(self, text: str, status: str) -> dict[str, Any]:
+        return {
+            "type": "message",
+            "id": self.message_id,
+            "status": "completed" if status != "in_progress" else "in_progress",
+            "role": "assistant",
+            "content": [self.part(text)],
+        }
+
+    @staticmethod
+    def part(text: str) -> dict[str, Any]:
+        return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+    def response_usage(self, output_tokens: int) -> dict[str, Any]:
+        return {
+            "input_tokens": self.prompt_tokens,
+            "input_tokens_details": {"cached_tokens": 0},
+            "output_tokens": output_tokens,
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": self.prompt_tokens + output_tokens,
+        }
+
+    def completion(self, deltas: list[TokenDelta]) -> dict[str, Any]:
+        text = "".join(d.text for d in deltas)
+        last = deltas[-1]
+        return self.response("completed", text, last.completion_tokens, last.finish_reason)
+
+    def event(self, kind: str, **fields: Any) -> str:
+        body = {"type": kind, "sequence_number": self.events, **fields}
+        self.events += 1
+        return f"event: {kind}\ndata: {json.dumps(body)}\n\n"
+
+    def opening(self, choices: int) -> list[str]:
+        started = self.response("in_progress", None, 0, None)
+        where = {"item_id": self.message_id, "output_index": 0, "content_index": 0}
+        return [
+            self.event("response.created", response=started),
+            self.event("response.in_progress", response=started),
+            self.event(
+                "response.output_item.added", output_index=0, item=self.message("", "in_progress")
+            ),
+            self.event("response.content_part.added", **where, part=self.part("")),
+        ]
+
+    def delta_chunk(self, delta: TokenDelta) -> str:
+        where = {"item_id": self.message_id, "output_index": 0, "content_index": 0}
+        self.text += delta.text
+        events = self.event("response.output_text.delta", **where, delta=delta.text, logprobs=[])
+        if delta.finish_reason is None:
+            return events
+        done = self.response("completed", self.text, delta.completion_tokens, delta.finish_reason)
+        message = done["output"][0]
+        return (
+            events
+            + self.event("response.output_text.done", **where, text=self.text, logprobs=[])
+            + self.event("response.content_part.done", **where, part=self.part(self.text))
+            + self.event("response.output_item.done", output_index=0, item=message)
+            + self.event(f"response.{done['status']}", response=done)
+        )
+
+    def usage_chunk(self, completion_tokens: int) -> str:
+        return ""  # the usage goes out with the completed response
