@@ -165,7 +165,8 @@ def test_children_end_when_serve_is_killed(tiny_checkpoint):
     deadline = time.monotonic() + 20
     while any(alive(pid) for pid in children) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not any(alive(pid) for pid in children)
+    left = [pid for pid in children if alive(pid)]
+    assert not left, f"children {left} still run 20 s after serve was killed"
     again = serve(tiny_checkpoint, base)
     assert again.stop() == 0, again.output
 
