@@ -248,8 +248,8 @@ def create_app(service: Service, on_started: Callable[[], Any] | None = None) ->
 
     @app.post("/v1/responses")
     async def responses(request: Request) -> Response:
-        asked = service.served(await read_body(request, parse_responses))
-        chat = parse_request(asked.chat_body())
+        asked, chat = await read_body(request, parse_responses)  # both off the loop if large
+        service.served(asked)
         with service.queue_slot():
             reply, deltas, images = await start_chat(service, chat, request)
         response = ResponseReply(
@@ -549,5 +549,6 @@ async def stream(
         metrics.failure.labels(str(as_api_error(error).status)).inc()
         if not isinstance(error, (APIError, PrefillError)):
             log.exception("streaming %s failed", reply.request_id)
-        yield f"data: {json.dumps(as_api_error(error).body())}\n\n"
-    yield "data: [DONE]\n\n"
+        yield reply.error_chunk(as_api_error(error))
+    if closing := reply.closing():
+        yield closing

@@ -10,6 +10,7 @@ from typing import Any
 
 from msgspec.structs import replace
 
+from epd.api.errors import APIError
 from epd.generation.params import TokenLogprob
 from epd.wire.messages import TokenDelta
 
@@ -104,6 +105,13 @@ class Reply:
 
     def usage_chunk(self, completion_tokens: int) -> str:
         return self.chunk([], self.usage(completion_tokens))
+
+    def error_chunk(self, error: APIError) -> str:
+        """An error after the stream began: in-band, as OpenAI sends it."""
+        return f"data: {json.dumps(error.body())}\n\n"
+
+    def closing(self) -> str:
+        return "data: [DONE]\n\n"
 
 
 @dataclass(frozen=True)

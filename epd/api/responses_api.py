@@ -3,8 +3,9 @@
 message, whole or as the API's stream of typed events.
 
 What it needs beyond one stateless turn of text and images is refused by name: tools, stored
-conversations (`previous_response_id`, `conversation`), background runs, reasoning, formats
-other than text. `store` is accepted and ignored: nothing is kept to be fetched later.
+conversations (`previous_response_id`, `conversation`), background runs, formats other than
+text, input items other than messages. `store` is accepted and ignored (nothing is kept to be
+fetched later), and so is `reasoning`, which this model does not do (as vLLM ignores it).
 """
 
 from __future__ import annotations
@@ -12,28 +13,56 @@ from __future__ import annotations
 import json
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from epd.api.errors import bad_request
+from epd.api.errors import APIError, bad_request
 from epd.api.responses import Reply
-from epd.api.schema import Lenient, parse_plain
+from epd.api.schema import ChatCompletionRequest, Lenient, parse_plain, parse_request
 from epd.wire.messages import TokenDelta
+
+PART_TYPES = ("input_text", "output_text", "input_image", "refusal")
 
 
 class InputPart(Lenient):
-    type: Literal["input_text", "output_text", "input_image", "refusal"]
+    type: str
     text: str | None = None
     refusal: str | None = None
     image_url: str | None = None
-    detail: Literal["auto", "low", "high"] | None = None
+    file_id: str | None = None
+    detail: str | None = None  # the SDK always sends one; "original" too
+
+    @field_validator("type")
+    @classmethod
+    def known(cls, kind: str) -> str:
+        if kind not in PART_TYPES:
+            raise ValueError(f"content parts of type {kind!r} are not supported")
+        return kind
 
 
 class InputMessage(Lenient):
-    type: Literal["message"] = "message"
+    type: str = "message"
     role: Literal["user", "system", "developer", "assistant"]
     content: str | list[InputPart]
+
+    @field_validator("type")
+    @classmethod
+    def message(cls, kind: str) -> str:
+        if kind != "message":  # function_call_output, reasoning, item_reference...
+            raise ValueError(f"input items of type {kind!r} are not supported, only messages")
+        return kind
+
+
+class TextFormat(Lenient):
+    type: str
+
+
+class TextOptions(Lenient):  # `verbosity` and the like: ignored
+    format: TextFormat | None = None
+
+
+Metadata = dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]]
 
 
 # Fields that ask for what a stateless text-and-image turn cannot give: (field, why), refused
@@ -44,11 +73,12 @@ NOT_DONE = {
     "previous_response_id": "responses are not stored: send the whole conversation as input",
     "conversation": "conversations are not stored: send the whole conversation as input",
     "background": "background responses are not supported",
-    "reasoning": "reasoning is not supported by this model",
-    "include": "include is not supported",
     "prompt": "prompt templates are not supported",
     "top_logprobs": "top_logprobs is not supported on /v1/responses",
 }
+# What `include` may ask for and get nothing: this model has no reasoning to encrypt (Codex
+# asks for it whenever it does not store)
+INCLUDES_WITHOUT_CONTENT = ("reasoning.encrypted_content",)
 
 
 class ResponsesRequest(BaseModel):
@@ -61,8 +91,8 @@ class ResponsesRequest(BaseModel):
     temperature: float | None = Field(None, ge=0, le=2, allow_inf_nan=False)
     top_p: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
     stream: bool | None = False
-    metadata: dict[str, str] | None = None
-    text: dict[str, Any] | None = None
+    metadata: Metadata | None = Field(None, max_length=16)  # OpenAI's bounds
+    text: TextOptions | None = None
 
     def echoed(self) -> dict[str, Any]:
         """What a response object repeats of its request."""
@@ -74,8 +104,11 @@ class ResponsesRequest(BaseModel):
         for name, why in NOT_DONE.items():
             if extra.get(name) not in (None, False, [], {}, "auto", "none"):
                 return name, why
-        formatted = (self.text or {}).get("format") or {"type": "text"}
-        if formatted.get("type") != "text":
+        include = extra.get("include") or []
+        if not isinstance(include, list) or set(include) - set(INCLUDES_WITHOUT_CONTENT):
+            return "include", f"include may name only {', '.join(INCLUDES_WITHOUT_CONTENT)}"
+        formatted = self.text.format if self.text else None
+        if formatted is not None and formatted.type != "text":
             return "text.format", "only text output is supported on /v1/responses"
         return None
 
@@ -109,24 +142,30 @@ def chat_message(item: InputMessage) -> dict[str, Any]:
     role = "system" if item.role == "developer" else item.role
     if isinstance(item.content, str):
         return {"role": role, "content": item.content}
-    parts: list[dict[str, Any]] = []
-    for part in item.content:
-        if part.type == "input_image":
-            if not part.image_url:
-                raise bad_request("an input_image needs an image_url", param="input")
-            parts.append({"type": "image_url", "image_url": {"url": part.image_url}})
-        else:
-            text = part.refusal if part.type == "refusal" else part.text
-            parts.append({"type": "text", "text": text or ""})
-    return {"role": role, "content": parts}
+    return {"role": role, "content": [chat_part(part) for part in item.content]}
 
 
-def parse_responses(body: Any) -> ResponsesRequest:
+def chat_part(part: InputPart) -> dict[str, Any]:
+    if part.type == "input_image":
+        if part.file_id or not part.image_url:
+            raise bad_request("an input_image needs an image_url (files are not stored)", "input")
+        image: dict[str, Any] = {"url": part.image_url}
+        if part.detail in ("auto", "low", "high"):
+            image["detail"] = part.detail
+        return {"type": "image_url", "image_url": image}
+    text = part.refusal if part.type == "refusal" else part.text
+    if text is None:
+        raise bad_request(f"an {part.type} part needs its text", param="input")
+    return {"type": "text", "text": text}
+
+
+def parse_responses(body: Any) -> tuple[ResponsesRequest, ChatCompletionRequest]:
+    """The request, and the chat request it stands for (validated as any chat request)."""
     request = parse_plain(body, ResponsesRequest)
     if (refused := request.refused()) is not None:
         param, why = refused
         raise bad_request(why, param=param, code="unsupported_parameter")
-    return request
+    return request, parse_request(request.chat_body())
 
 
 @dataclass
@@ -144,13 +183,14 @@ class ResponseReply(Reply):
         self, status: str, text: str | None, output_tokens: int, finish: str | None
     ) -> dict[str, Any]:
         """The response object; `text` None while nothing is written yet."""
-        output = [] if text is None else [self.message(text, status)]
         cut = finish == "length"
+        status = "incomplete" if cut and status == "completed" else status
+        output = [] if text is None else [self.message(text, status)]
         return {
             "id": self.response_id,
             "object": "response",
             "created_at": self.created,
-            "status": "incomplete" if cut and status == "completed" else status,
+            "status": status,
             "incomplete_details": {"reason": "max_output_tokens"} if cut else None,
             "error": None,
             "model": self.model,
@@ -173,7 +213,7 @@ class ResponseReply(Reply):
         return {
             "type": "message",
             "id": self.message_id,
-            "status": "completed" if status != "in_progress" else "in_progress",
+            "status": status,
             "role": "assistant",
             "content": [self.part(text)],
         }
@@ -185,7 +225,7 @@ class ResponseReply(Reply):
     def response_usage(self, output_tokens: int) -> dict[str, Any]:
         return {
             "input_tokens": self.prompt_tokens,
-            "input_tokens_details": {"cached_tokens": 0},
+            "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
             "output_tokens": output_tokens,
             "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": self.prompt_tokens + output_tokens,
@@ -216,7 +256,11 @@ class ResponseReply(Reply):
     def delta_chunk(self, delta: TokenDelta) -> str:
         where = {"item_id": self.message_id, "output_index": 0, "content_index": 0}
         self.text += delta.text
-        events = self.event("response.output_text.delta", **where, delta=delta.text, logprobs=[])
+        events = ""
+        if delta.text:  # a finish alone has no text to add
+            events = self.event(
+                "response.output_text.delta", **where, delta=delta.text, logprobs=[]
+            )
         if delta.finish_reason is None:
             return events
         done = self.response("completed", self.text, delta.completion_tokens, delta.finish_reason)
@@ -231,3 +275,18 @@ class ResponseReply(Reply):
 
     def usage_chunk(self, completion_tokens: int) -> str:
         return ""  # the usage goes out with the completed response
+
+    def error_chunk(self, error: APIError) -> str:
+        """The API's error event: typed for clients that read events, and with `error` as the
+        openai SDK looks for to raise it."""
+        failure = error.body()["error"]
+        return self.event(
+            "error",
+            code=failure["code"],
+            message=failure["message"],
+            param=failure["param"],
+            error=failure,
+        )
+
+    def closing(self) -> str:
+        return ""  # this API's streams end with their last event, not [DONE]

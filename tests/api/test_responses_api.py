@@ -1,13 +1,20 @@
 """A Responses API request as the chat request it stands for."""
 
+import json
+
 import pytest
+from openai.types.responses import Response, ResponseStreamEvent
+from pydantic import TypeAdapter
 
 from epd.api.errors import APIError
-from epd.api.responses_api import parse_responses
+from epd.api.responses_api import ResponseReply, parse_responses
+from epd.wire.messages import TokenDelta
+
+EVENT: TypeAdapter = TypeAdapter(ResponseStreamEvent)
 
 
 def test_input_messages_become_chat_messages():
-    asked = parse_responses(
+    asked, chat = parse_responses(
         {
             "model": "m",
             "instructions": "Be brief.",
@@ -18,7 +25,11 @@ def test_input_messages_become_chat_messages():
                     "role": "user",
                     "content": [
                         {"type": "input_text", "text": "What is it?"},
-                        {"type": "input_image", "image_url": "data:image/png;base64,AA=="},
+                        {
+                            "type": "input_image",
+                            "image_url": "data:image/png;base64,AA==",
+                            "detail": "low",
+                        },
                     ],
                 },
                 {"role": "assistant", "content": [{"type": "output_text", "text": "A circle."}]},
@@ -28,6 +39,9 @@ def test_input_messages_become_chat_messages():
             "store": True,  # nothing is stored; accepted as OpenAI's default
             "tool_choice": "auto",  # and the empty defaults clients send
             "tools": [],
+            "reasoning": {"effort": "low"},  # no reasoning to do: ignored, as vLLM does
+            "include": ["reasoning.encrypted_content"],  # Codex's, when it does not store
+            "text": {"format": {"type": "text"}, "verbosity": "low"},
         }
     )
     assert asked.chat_body() == {
@@ -39,7 +53,10 @@ def test_input_messages_become_chat_messages():
                 "role": "user",
                 "content": [
                     {"type": "text", "text": "What is it?"},
-                    {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}},
+                    {
+                        "type": "image_url",
+                        "image_url": {"url": "data:image/png;base64,AA==", "detail": "low"},
+                    },
                 ],
             },
             {"role": "assistant", "content": [{"type": "text", "text": "A circle."}]},
@@ -48,6 +65,7 @@ def test_input_messages_become_chat_messages():
         "max_tokens": 9,
         "top_p": 0.5,
     }
+    assert chat.max_tokens == 9 and len(chat.messages) == 4  # validated as a chat request
 
 
 @pytest.mark.parametrize(
@@ -59,9 +77,57 @@ def test_input_messages_become_chat_messages():
         ({"input": "hi", "temperature": float("nan")}, "temperature"),
         ({"input": [{"role": "tool", "content": "x"}]}, "input"),
         ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, "image_url"),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_image", "file_id": "f"}]}]},
+            "files are not stored",
+        ),
+        ({"input": [{"type": "function_call_output", "role": "user", "content": "x"}]}, "items"),
+        ({"input": [{"role": "user", "content": [{"type": "input_file"}]}]}, "'input_file'"),
+        ({"input": [{"role": "user", "content": [{"type": "input_text"}]}]}, "needs its text"),
+        ({"input": "hi", "text": {"format": "text"}}, "text.format"),
+        ({"input": "hi", "text": {"format": {"type": "json_schema"}}}, "only text output"),
+        ({"input": "hi", "include": ["message.output_text.logprobs"]}, "include may name"),
+        ({"input": "hi", "metadata": {str(i): "v" for i in range(17)}}, "metadata"),
+        ({"input": "hi", "metadata": {"k": "v" * 513}}, "metadata"),
     ],
 )
 def test_what_cannot_be_served_is_a_400(body, fragment):
     with pytest.raises(APIError) as refused:
-        parse_responses(body).chat_body()
+        parse_responses(body)
     assert refused.value.status == 400 and fragment in str(refused.value.body())
+
+
+def events(chunks: str) -> list[dict]:
+    return [json.loads(line[6:]) for line in chunks.splitlines() if line.startswith("data: ")]
+
+
+def test_the_bodies_and_events_are_the_sdks_types():
+    reply = ResponseReply("r", "m", 5, want_logprobs=False, echoed={"metadata": {"k": "v"}})
+    deltas = [TokenDelta("r", (7,), "Hi", 1), TokenDelta("r", (8,), "", 2, "length")]
+    whole = Response.model_validate(reply.completion(deltas))
+    assert whole.status == "incomplete" and whole.output[0].status == "incomplete"
+    assert whole.incomplete_details.reason == "max_output_tokens" and whole.output_text == "Hi"
+    assert whole.usage.output_tokens == 2 and whole.metadata == {"k": "v"}
+    stream = "".join(reply.opening(1)) + "".join(reply.delta_chunk(d) for d in deltas)
+    sent = [EVENT.validate_python(e) for e in events(stream)]
+    assert [e.type for e in sent] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+        "response.output_text.delta",  # the finish alone adds no empty delta
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.incomplete",
+    ]
+    assert [e.sequence_number for e in sent] == list(range(9)) and reply.closing() == ""
+
+
+def test_an_error_midway_is_the_apis_event_and_raises_in_the_sdk():
+    reply = ResponseReply("r", "m", 5, want_logprobs=False)
+    chunk = reply.error_chunk(APIError(500, "decode died", code="internal"))
+    assert chunk.startswith("event: error\n")
+    (body,) = events(chunk)
+    assert EVENT.validate_python(body).message == "decode died"
+    assert body["error"]["message"] == "decode died"  # what the openai SDK raises on

@@ -67,7 +67,7 @@ def test_a_streamed_response_sends_the_events_in_order(client, model_name):
     [
         ({"tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools are not"),
         ({"previous_response_id": "resp_1"}, "responses are not stored"),
-        ({"reasoning": {"effort": "low"}}, "reasoning is not supported"),
+        ({"include": ["message.output_text.logprobs"]}, "include may name only"),
         ({"text": {"format": {"type": "json_object"}}}, "only text output"),
         ({"max_output_tokens": 0}, "max_output_tokens"),
     ],
