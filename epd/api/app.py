@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, TypeVar, cast
+from typing import Any, Protocol, TypeVar, cast
 
 import msgspec
 from fastapi import FastAPI, Request
@@ -33,7 +33,7 @@ from epd.api.middleware import (
 )
 from epd.api.prepare import PromptBuilder, check_grammar, check_scored
 from epd.api.responses import Echo, Reply, TextReply
-from epd.api.responses_api import ResponseReply, ResponsesRequest, parse_responses
+from epd.api.responses_api import ResponseReply, parse_responses
 from epd.api.schema import (
     ChatCompletionRequest,
     DetokenizeRequest,
@@ -61,7 +61,16 @@ from epd.wire.messages import TokenDelta
 log = logging.getLogger(__name__)
 DISCONNECT_POLL_S = 0.25
 T = TypeVar("T")
-R = TypeVar("R", bound=GenerationRequest | TokenizeRequest | DetokenizeRequest | ResponsesRequest)
+
+
+class ForModel(Protocol):
+    """A request that may name the model it is for (None: the one served)."""
+
+    @property
+    def model(self) -> str | None: ...
+
+
+R = TypeVar("R", bound=ForModel)
 
 
 @dataclass
@@ -226,7 +235,8 @@ def create_app(service: Service, on_started: Callable[[], Any] | None = None) ->
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict[str, Any]:
-        asked = service.served(await read_body(request, partial(parse_plain, kind=TokenizeRequest)))
+        parse = partial(parse_plain, kind=TokenizeRequest)
+        asked = service.served(await read_body(request, parse))
         return await service.off_loop(tokens.tokenize, service.builder, asked)
 
     @app.post("/detokenize")

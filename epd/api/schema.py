@@ -150,7 +150,7 @@ class ResponseFormat(Strict):
 VLLM_EXTRAS_NOT_DONE: dict[str, Any] = {
     "add_generation_prompt": True,
     "continue_final_message": False,
-    "echo": False,  # chat's; the legacy endpoint's own field refuses it too
+    "echo": False,  # chat's (the legacy endpoint declares its own field and takes it)
     "include_stop_str_in_output": False,
     "chat_template": None,
     "chat_template_kwargs": {},
