@@ -25,13 +25,21 @@ from epd.generation.params import TokenLogprob
 from epd.multimodal.grids import kimi_vl_grids
 from epd.prefill.batcher import PrefillBatcher, token_budget
 from epd.prefill.engine import Prefilled, PrefillEngine, Prompt
-from epd.prefill.errors import Internal, PrefillError, TimedOut, Unavailable, from_failure
+from epd.prefill.errors import (
+    BadRequest,
+    Internal,
+    PrefillError,
+    TimedOut,
+    Unavailable,
+    from_failure,
+)
 from epd.prefill.image_cache import ImageCache, digests
 from epd.prefill.metrics import PrefillMetrics
 from epd.prefill.peers import RESOLVE_S, PeerSet
 from epd.prefill.request import PreparedRequest
 from epd.runtime.process import torch_threads
 from epd.runtime.watchdog import Watchdog
+from epd.wire.codec import WireError
 from epd.wire.curve import process_keys
 from epd.wire.messages import (
     Abort,
@@ -329,6 +337,9 @@ class Coordinator:
         self.streams[request_id] = stream
         try:
             sent = self.outbox.send(decoder, handoff)
+        except WireError as e:  # its settings (grammar, stop strings, logprobs...) add up past it
+            del self.streams[request_id]
+            raise BadRequest(f"the request is too large to hand to decode: {e}") from None
         except BaseException:  # e.g. a value the wire cannot carry: no stream to wait for
             del self.streams[request_id]
             raise

@@ -22,7 +22,7 @@ from msgspec import Meta
 
 from epd.dtypes import NAMES, TENSOR_DTYPES
 from epd.generation.params import Record
-from epd.wire.messages import MESSAGE_TYPES, Message
+from epd.wire.messages import MESSAGE_TYPES, EncodeRequest, Message
 
 Frame = bytes | memoryview
 MAX_RANK = 8
@@ -55,6 +55,9 @@ def encode(message: Message) -> list[Frame]:
     if not isinstance(message, MESSAGE_TYPES):
         raise TypeError(f"{type(message).__name__} is not a message type")
     header = msgspec.msgpack.Encoder(enc_hook=tensor_ref).encode(message)
+    if len(header) > HEADER_BYTES and not isinstance(message, EncodeRequest):
+        # Every field is bounded, but not their sum: say so here, not by a silent refusal there.
+        raise WireError(f"its {len(header)}-byte header is over the {HEADER_BYTES} a peer takes")
     return [header, *frames]
 
 

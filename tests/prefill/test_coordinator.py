@@ -28,8 +28,9 @@ from epd.prefill.coordinator import (
     within,
 )
 from epd.prefill.engine import Prefilled
-from epd.prefill.errors import PrefillError
+from epd.prefill.errors import BadRequest, PrefillError
 from epd.prefill.request import PreparedRequest
+from epd.wire.codec import WireError
 from epd.wire.messages import Abort, Failure, ImageEmbeddings, TokenDelta
 
 
@@ -219,6 +220,29 @@ def test_a_hand_off_the_wire_cannot_carry_leaves_no_stream_behind(tiny_checkpoin
         return running, dict(coordinator.streams)
 
     assert asyncio.run(main()) == (False, {})
+
+
+def test_a_hand_off_too_large_for_decode_is_the_requests_bad_request(tiny_checkpoint, tmp_path):
+    """Settings each within bounds can add up to a header decode would refuse unread: the
+    request fails alone, as a 400, and leaves no stream behind."""
+    config = ipc_config(tiny_checkpoint, tmp_path)
+    service = build_service(config)
+
+    def refuse(peer, message):
+        raise WireError("its 70000-byte header is over the 65536 a peer takes")
+
+    async def main():
+        coordinator = Coordinator(config, service.engine, 64, service.watchdog)
+        coordinator.outbox.send = refuse
+        coordinator.outbox.is_up = lambda address: True
+        first = (Output(token_ids=(7,), text="", completion_tokens=1),)
+        with pytest.raises(BadRequest, match="too large to hand to decode: its 70000-byte"):
+            handoff = SimpleNamespace(sampling=SamplingParams(4))
+            await coordinator.hand_off("r1", Prefilled(first, handoff))  # type: ignore[arg-type]
+        await coordinator.stop()
+        return dict(coordinator.streams)
+
+    assert asyncio.run(main()) == {}
 
 
 def reply_of(config, service, first, from_decode):

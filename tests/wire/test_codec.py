@@ -101,6 +101,22 @@ def test_numpy_grids_never_reach_a_header():
         encode(ImageEmbeddings("r", 0, grids, torch.zeros(600, 4)))  # type: ignore[arg-type]
 
 
+def test_a_header_no_peer_would_take_is_refused_when_sent_not_silently_there():
+    """Each field is bounded, not their sum: 16 choices' logprobs of 4096-character tokens."""
+    long = TokenLogprob("x" * 4096, -0.5, (120,))
+    handoff = msgspec.structs.replace(
+        MESSAGES[3],
+        first_tokens=(7,) * 16,
+        first_logprobs=(long,) * 16,
+        sampling=SamplingParams(32, n=16, logprobs=True),
+        rng_states=RNG.expand(16, -1).contiguous(),
+    )
+    with pytest.raises(WireError, match=r"header is over the 65536 a peer takes"):
+        encode(handoff)
+    images = EncodeRequest("r1", 0, (b"\x89PNG" + bytes(1 << 17),), (0,), "tcp://127.0.0.1:1")
+    assert len(encode(images)[0]) > 1 << 17  # files travel in the header, bounded by encode
+
+
 def header(*items) -> bytes:
     return msgspec.msgpack.encode(list(items))
 
