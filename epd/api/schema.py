@@ -19,6 +19,7 @@ from epd.generation.params import (
     MAX_CHOICES,
     MAX_GRAMMAR_CHARS,
     MAX_LOGIT_BIAS,
+    MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
 )
 
@@ -245,8 +246,8 @@ class GenerationRequest(BaseModel):
     @classmethod
     def stop_strings(cls, stop: str | list[str] | None) -> str | list[str] | None:
         values = [stop] if isinstance(stop, str) else stop or []
-        if len(values) > 4 or any(not s for s in values):
-            raise ValueError("stop takes up to 4 non-empty strings")
+        if len(values) > MAX_STOP_STRINGS or any(not s for s in values):
+            raise ValueError(f"stop takes up to {MAX_STOP_STRINGS} non-empty strings")
         return stop
 
     @field_validator("logit_bias")

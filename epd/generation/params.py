@@ -17,7 +17,7 @@ from msgspec import Meta
 
 MAX_TEXT_CHARS = 1 << 14  # a token's spelling, and any text sent with a reply
 MAX_TOKEN_BYTES = 1024
-MAX_STOP_STRINGS = 4
+MAX_STOP_STRINGS = 16  # OpenAI takes 4; lm-eval sends a task's own (6 for HumanEval)
 MAX_STOP_CHARS = 256  # longer stop strings would make every step's stop check slow
 MAX_TOP_LOGPROBS = 20
 MIN_LOGPROB = -9999.0  # what OpenAI reports for a token the model all but ruled out

@@ -3,8 +3,9 @@ With its prompt, it is also the history that the sampling controls read (`logits
 
 A reply ends on an eos id (the token is counted but adds no text; with `ignore_eos` it goes on,
 as benchmarks ask) or one of its `stop_token_ids`, on a stop string (the reply is cut before it,
-and text that might be the start of a stop string is held back until it cannot be; none is
-looked for before `min_tokens`), when its grammar allows nothing more, or at `max_tokens`. Each
+and text that might be the start of a stop string is held back until it cannot be; one that
+ends before `min_tokens` does not count: `stops.py`), when its grammar allows nothing more, or at
+`max_tokens`. Each
 accepted token gives an `Output`: what the client gets for it.
 
 The rules depend on nothing but the tokens, so two transcripts fed the same tokens give the same
@@ -25,6 +26,7 @@ from epd.generation.detokenizer import Detokenizer
 from epd.generation.grammar import advance
 from epd.generation.logits import presence
 from epd.generation.params import FinishReason, SamplingParams, TokenLogprob
+from epd.generation.stops import StopScanner
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,7 @@ class Transcript:
         self.stop_ids = frozenset(sampling.stop_token_ids)
         self.matcher = matcher  # the request's grammar, fed every accepted token
         self.detokenizer = Detokenizer(tokenizer, sampling.skip_special_tokens)
+        self.stops = StopScanner(sampling.stop)
         self.tokens: list[int] = []
         self.text, self.sent = "", 0  # reply text so far; characters already released
         self.finish_reason: FinishReason | None = None
@@ -71,14 +74,12 @@ class Transcript:
         if (token in self.eos_ids and not self.sampling.ignore_eos) or token in self.stop_ids:
             self.finish_reason = "stop"
         else:
-            self.text += self.detokenizer.add(token)
-            if len(self.tokens) >= self.sampling.min_tokens:
-                self._apply_stop_strings()
+            self._add_text(self.detokenizer.add(token))
         if self.finish_reason is None and grammar_done:
             self.finish_reason = "stop"  # the grammar allows nothing more
         if self.finish_reason is None and len(self.tokens) >= self.sampling.max_tokens:
             self.finish_reason = "length"
-        end = len(self.text) if self.finish_reason else len(self.text) - self._held_back()
+        end = len(self.text) if self.finish_reason else len(self.text) - self.stops.held
         released, self.sent = self.text[self.sent : end], max(self.sent, end)
         return Output(
             token_ids=(token,),
@@ -88,20 +89,11 @@ class Transcript:
             logprobs=(logprob,) if logprob else (),
         )
 
-    def _apply_stop_strings(self) -> None:
-        longest = max((len(s) for s in self.sampling.stop), default=0)
-        start = max(0, self.sent - longest)
-        hits = [i for s in self.sampling.stop if (i := self.text.find(s, start)) >= 0]
-        if hits:
-            self.text = self.text[: min(hits)]
+    def _add_text(self, new: str) -> None:
+        """Append the token's text, cut before a stop string it completes (none before
+        min_tokens)."""
+        start = self.stops.scan(new, honoured=len(self.tokens) >= self.sampling.min_tokens)
+        self.text += new
+        if start is not None:
+            self.text = self.text[: len(self.text) - len(new) + start]
             self.finish_reason = "stop"
-
-    def _held_back(self) -> int:
-        """Length of the longest tail of the text that could still grow into a stop string."""
-        for size in range(
-            min(len(self.text), max((len(s) for s in self.sampling.stop), default=0)), 0, -1
-        ):
-            tail = self.text[-size:]
-            if any(s.startswith(tail) for s in self.sampling.stop):
-                return size
-        return 0

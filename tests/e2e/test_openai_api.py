@@ -342,6 +342,23 @@ def test_legacy_completions_stream_and_default_to_16_tokens(client, model_name):
     assert chunks[-1].usage.completion_tokens == 32
 
 
+def test_legacy_completions_take_a_benchmarks_many_stop_strings(client, model_name, local):
+    """lm-eval's local-completions sends a task's stop strings as they are: HumanEval's five,
+    and the eos text, over OpenAI's 4; the reply is cut as the one-process path cuts it."""
+    prompt, params = "def add(a, b):", {"max_tokens": 24, "temperature": 0}
+    free = local.complete({"model": model_name, "prompt": prompt, "ignore_eos": True, **params})
+    assert len(free.text) >= 9
+    stop = ["\nclass", "\ndef", "\n#", "\nif", "\nprint", "<|im_end|>", free.text[6:9]]
+    reply = client.completions.create(
+        model=model_name, prompt=prompt, stop=stop, extra_body={"ignore_eos": True}, **params
+    )
+    body = {"model": model_name, "prompt": prompt, "stop": stop, "ignore_eos": True, **params}
+    expected = local.complete(body)
+    choice = reply.choices[0]
+    assert choice.text == expected.text and len(choice.text) <= 6
+    assert choice.finish_reason == "stop"
+
+
 def test_legacy_completions_take_several_prompts(client, model_name, local):
     """LangChain's OpenAI.batch and lm-eval send a list: each prompt's n choices in turn, each
     as that prompt alone gets it, whole and streamed; usage over all of them."""

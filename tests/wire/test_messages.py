@@ -49,7 +49,7 @@ SAMPLING = [
     ({"max_tokens": 0}, "max_tokens"),
     ({"stop": ("",)}, "stop"),
     ({"stop": ("x" * 10_000,)}, "stop"),
-    ({"stop": ("a",) * 5}, "stop"),
+    ({"stop": ("a",) * 17}, "stop"),
     ({"presence_penalty": NAN}, "presence_penalty"),
     ({"frequency_penalty": INF}, "frequency_penalty"),
     ({"frequency_penalty": -2.5}, "frequency_penalty"),
