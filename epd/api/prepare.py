@@ -33,7 +33,12 @@ from epd.generation.params import SamplingParams
 from epd.multimodal.grids import Grid
 from epd.multimodal.image_processor import ImageProcessor
 from epd.multimodal.images import ImageError, open_image
-from epd.multimodal.prompt import expand_placeholders, image_parts, render_prompt
+from epd.multimodal.prompt import (
+    PlainTextError,
+    expand_placeholders,
+    image_parts,
+    render_prompt,
+)
 from epd.prefill.request import PreparedRequest
 
 MAX_FIRST_LOGPROBS = 128  # logprob entries of the first tokens of all choices
@@ -121,10 +126,14 @@ class PromptBuilder:
         tools = [t.model_dump(exclude_none=True) for t in request.tools or ()] or None
         # Names, descriptions and schemas of tools reach the prompt too. The size comes
         # first: scanning 10 MB for every reserved token would itself take a while.
-        texts = [json.dumps(tools, ensure_ascii=False) if tools else ""]
-        texts += [text for m in messages for text in texts_of(m)]
-        self.check_text_fits(texts)
-        self.refuse_special_tokens(texts)
+        shown = json.dumps(tools, ensure_ascii=False) if tools else ""
+        calls = [
+            call["function"]["arguments"] for m in messages for call in m.get("tool_calls", ())
+        ]
+        self.check_text_fits([shown, *calls, *(text for m in messages for text in texts_of(m))])
+        # Message text stays plain text however it is spelled (`render_prompt`); the template
+        # renders tools and tool calls from data, where no marker can stand in for the text.
+        self.refuse_special_tokens([shown, *calls] if self.template_shows_tools else calls)
         if tools and not self.template_shows_tools:
             note = {"role": "system", "content": describe_tools(request.tools or [])}
             return Conversation(request, [note, *messages], urls)
@@ -151,12 +160,12 @@ class PromptBuilder:
         return messages
 
     def refuse_special_tokens(self, texts: list[str]) -> None:
-        """Text that spells a control token (<|im_end|>, <|media_pad|>, ...) would forge turns or
-        image slots once the rendered prompt is tokenised, so it is refused."""
+        """Tool text that spells a control token (<|im_end|>, <|media_pad|>, ...) would forge
+        turns or image slots once the rendered prompt is tokenised, so it is refused."""
         for text in texts:
             for token in self.special_tokens:
                 if token in text:
-                    raise bad_request(f"message text contains the reserved token {token}")
+                    raise bad_request(f"a tool or tool call contains the reserved token {token}")
 
     def grids(self, images: list[bytes]) -> tuple[Grid, ...]:
         """Each image's (h, w) grid from its header alone; a 400 for a bad image."""
@@ -176,7 +185,12 @@ class PromptBuilder:
         client's `x-request-id` where one was given (made unique: clients reuse theirs)."""
         grids = self.grids(images)
         counts = [self.processor.tokens(grid) for grid in grids]
-        prompt = render_prompt(self.tokenizer, conversation.messages, conversation.tools)
+        try:
+            prompt = render_prompt(
+                self.tokenizer, conversation.messages, conversation.tools, self.special_tokens
+            )
+        except PlainTextError as e:
+            raise bad_request(f"message text spelling a reserved token: {e}") from None
         ids = expand_placeholders(prompt, self.placeholder_id, counts)
         request = conversation.request
         return PreparedRequest(
@@ -290,18 +304,13 @@ class PromptBuilder:
 
 
 def texts_of(message: dict[str, Any]) -> list[str]:
-    """The text a chat message puts in the prompt: its content, and its tool calls' arguments.
-
-    Neighbouring text parts come as one text: the template renders them with nothing between,
-    so "<|im_" and "end|>" in two parts spell a control token together. An image part, which
-    renders as control tokens, ends a run."""
+    """The text a chat message's content puts in the prompt: neighbouring text parts come as
+    one text (the template renders them with nothing between); an image part ends a run."""
     content = message.get("content") or ""
     if isinstance(content, str):
-        texts = [content]
-    else:
-        runs = itertools.groupby(content, key=lambda part: "text" in part)
-        texts = ["".join(p["text"] for p in parts) for is_text, parts in runs if is_text]
-    return texts + [call["function"]["arguments"] for call in message.get("tool_calls", ())]
+        return [content]
+    runs = itertools.groupby(content, key=lambda part: "text" in part)
+    return ["".join(p["text"] for p in parts) for is_text, parts in runs if is_text]
 
 
 def check_scored(request: CompletionRequest, prepared: list[PreparedRequest]) -> None:
