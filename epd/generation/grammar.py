@@ -11,16 +11,17 @@ so a small model cannot loop on whitespace.
 
 from __future__ import annotations
 
+import copy
 import importlib
 import json
 import math
+import secrets
 import threading
 from collections import OrderedDict
 from collections.abc import Collection, Sequence
 from typing import Any
 
 import llguidance
-import llguidance.hf
 import llguidance.torch
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -93,6 +94,9 @@ class Grammars:
                 problem = llguidance.LLMatcher.validate_grammar(
                     grammar, self.tokenizer, limits=LIMITS
                 )
+                if problem and "unknown special token" in problem:
+                    # their names are not theirs here (`unspellable_specials`)
+                    raise GrammarError("unusable grammar: name special tokens by id, as <[12]>")
                 if problem:
                     raise GrammarError(f"unusable grammar: {problem}")
                 template = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0, limits=LIMITS)
@@ -110,11 +114,10 @@ def llguidance_tokenizer(
 ) -> llguidance.LLTokenizer:
     """The tokenizer as llguidance sees it: a fast (Rust) one, or the tiktoken encoding that
     Kimi-VL's own tokenizer code wraps (`tokenizer.model`)."""
-    if getattr(tokenizer, "backend_tokenizer", None) is not None:
-        return llguidance.hf.from_tokenizer(
-            tokenizer,  # type: ignore[arg-type]
-            n_vocab=vocab_size,
-            eos_token=eos_ids,
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        return llguidance.LLTokenizer(
+            unspellable_specials(backend), n_vocab=vocab_size, eos_token=eos_ids
         )
     encoding = getattr(tokenizer, "model", None)
     if type(encoding).__module__.startswith("tiktoken"):
@@ -125,6 +128,23 @@ def llguidance_tokenizer(
     raise GrammarError(
         f"structured outputs need a fast or a tiktoken tokenizer, not {type(tokenizer).__name__}"
     )
+
+
+def unspellable_specials(backend: Any) -> str:
+    """The tokenizers library's JSON of `backend` with each special token's text made one no
+    output can spell. llguidance tokenises text a grammar forces with this tokenizer, and where
+    the text spells a special token ("<|im_end|>" in a JSON enum), it allowed only that token,
+    then refused it: the text itself could not be written. Special tokens keep their ids (the
+    eos ids still end a grammar); their names lose nothing a grammar of ours refers to."""
+    backend = copy.copy(backend)
+    backend.no_padding()
+    backend.no_truncation()
+    spec = json.loads(backend.to_str())
+    unspellable = f"\x00{secrets.token_hex(8)}"
+    for token in spec.get("added_tokens", ()):
+        if token.get("special"):
+            token["content"] += unspellable
+    return json.dumps(spec)
 
 
 def mask_forbidden(logits: torch.Tensor, rows: list[int], matchers: list[Any]) -> None:

@@ -16,6 +16,7 @@ from epd.generation.grammar import (
     advance,
     choice_grammar,
     json_schema_grammar,
+    lark_grammar,
     mask_forbidden,
     regex_grammar,
 )
@@ -132,3 +133,28 @@ def test_a_grammar_that_fails_fails_every_time_it_is_asked(setup):
     assert grammar not in grammars.compiled
     with pytest.raises(GrammarError, match="lexer"):
         first_token()
+
+
+@pytest.mark.parametrize(
+    "grammar,expected",
+    [
+        (choice_grammar(["<|im_end|> then [EOS]"]), "<|im_end|> then [EOS]"),
+        (json_schema_grammar({"enum": ["<|media_pad|>"]}), '"<|media_pad|>"'),
+        (regex_grammar(r"<\|im_end\|>x"), "<|im_end|>x"),
+    ],
+)
+def test_forced_text_that_spells_a_special_token_is_written_as_text(setup, grammar, expected):
+    """llguidance allowed only the special token where a grammar forced its text, then refused
+    that token: the request failed. The text is now written with ordinary tokens."""
+    tokenizer, eos, _ = setup
+    for seed in range(3):
+        text, ids = follow(setup, grammar, seed)
+        assert text == expected
+        assert not (set(tokenizer.all_special_ids) - {eos}).intersection(ids)
+
+
+def test_a_grammar_names_special_tokens_by_id(setup):
+    _, eos, grammars = setup
+    grammars.check(lark_grammar(f'start: "a" <[{eos}]>'))
+    with pytest.raises(GrammarError, match=r"name special tokens by id, as <\[12\]>"):
+        grammars.check(lark_grammar('start: "a" <|im_end|>'))
