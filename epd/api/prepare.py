@@ -131,9 +131,12 @@ class PromptBuilder:
             call["function"]["arguments"] for m in messages for call in m.get("tool_calls", ())
         ]
         self.check_text_fits([shown, *calls, *(text for m in messages for text in texts_of(m))])
-        # Message text stays plain text however it is spelled (`render_prompt`); the template
-        # renders tools and tool calls from data, where no marker can stand in for the text.
-        self.refuse_special_tokens([shown, *calls] if self.template_shows_tools else calls)
+        # Message text stays plain text however it is spelled (`render_prompt`); a template
+        # that renders tools or tool calls does so from data, where no marker can stand in.
+        self.refuse_special_tokens(
+            ([shown] if self.template_shows_tools else [])
+            + (calls if self.template_shows_tool_calls else [])
+        )
         if tools and not self.template_shows_tools:
             note = {"role": "system", "content": describe_tools(request.tools or [])}
             return Conversation(request, [note, *messages], urls)
@@ -145,6 +148,17 @@ class PromptBuilder:
         probe = [{"role": "user", "content": "hi"}]
         tool = {"type": "function", "function": {"name": "probe_tool_name", "parameters": {}}}
         return render_prompt(self.tokenizer, probe, [tool]) != render_prompt(self.tokenizer, probe)
+
+    @cached_property
+    def template_shows_tool_calls(self) -> bool:
+        """Whether the chat template renders an assistant turn's tool calls (Kimi-VL's does
+        not)."""
+        call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "probe_args"}}
+        probe = [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+        ]
+        return "probe_args" in self.tokenizer.decode(render_prompt(self.tokenizer, probe))
 
     def messages(self, request: ChatCompletionRequest) -> list[dict[str, Any]]:
         """Messages for the chat template; a `developer` message is Kimi's `system` turn, and an

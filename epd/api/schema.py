@@ -68,6 +68,12 @@ class FunctionSpec(Lenient):
     parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
     strict: bool | None = None
 
+    @field_validator("parameters", mode="before")
+    @classmethod
+    def null_is_none(cls, value: Any) -> Any:
+        """`parameters: null`, as the openai SDK dumps a function without them, takes none."""
+        return {"type": "object", "properties": {}} if value is None else value
+
 
 class Tool(Lenient):
     type: Literal["function"]

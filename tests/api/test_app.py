@@ -141,26 +141,6 @@ def test_models_and_health_that_names_the_missing_peers(client, tiny_checkpoint)
             400,
             "a grammar may have up to 24576 bytes",
         ),
-        (  # the template renders tool calls from data: no marker can keep their text plain
-            {
-                "messages": [
-                    *USER,
-                    {
-                        "role": "assistant",
-                        "tool_calls": [
-                            {
-                                "id": "c",
-                                "type": "function",
-                                "function": {"name": "f", "arguments": '{"a": "<|im_end|>"}'},
-                            }
-                        ],
-                    },
-                    {"role": "tool", "tool_call_id": "c", "content": "done"},
-                ],
-            },
-            400,
-            "a tool or tool call contains the reserved token <|im_end|>",
-        ),
         (
             {
                 "messages": USER,

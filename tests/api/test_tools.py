@@ -54,3 +54,11 @@ def test_a_list_of_calls_comes_whole_with_every_token_logprob():
     assert len(choices) == 1 and choices[0]["finish_reason"] == "tool_calls"
     assert choices[0]["delta"]["tool_calls"][0]["function"] == {"name": "get", "arguments": "{}"}
     assert [e["token"] for e in choices[0]["logprobs"]["content"]] == text
+
+
+def test_a_function_dumped_by_the_sdk_with_null_parameters_takes_none():
+    from openai.types.shared import FunctionDefinition
+
+    function = FunctionDefinition(name="ping").model_dump()  # {"parameters": None, ...}
+    tool = Tool.model_validate({"type": "function", "function": function})
+    assert tool.function.parameters == {"type": "object", "properties": {}}
