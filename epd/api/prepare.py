@@ -154,7 +154,7 @@ class PromptBuilder:
         """Whether the chat template renders an assistant turn's tool calls (Kimi-VL's does
         not)."""
         call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "probe_args"}}
-        probe = [
+        probe: list[dict[str, Any]] = [
             {"role": "user", "content": "hi"},
             {"role": "assistant", "content": "", "tool_calls": [call]},
         ]
