@@ -353,7 +353,7 @@ def unique_id(kind: str, request_id: str) -> str:
 
 def output_grammar(request: GenerationRequest) -> str:
     """llguidance grammar text for the request's structured output ("": none)."""
-    fmt = request.response_format if isinstance(request, ChatCompletionRequest) else None
+    fmt = request.response_format
     param = (request.output_constraints() or [""])[0]
     forced = ForcedTools.of(request) if isinstance(request, ChatCompletionRequest) else None
     try:

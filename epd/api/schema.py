@@ -230,6 +230,7 @@ class GenerationRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=128)
+    response_format: ResponseFormat | None = None  # OpenAI's chat field; vLLM's legacy one too
     # vLLM's structured-output extras; at most one of them (or a JSON response_format).
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = Field(None, max_length=MAX_GRAMMAR_CHARS)
@@ -327,8 +328,11 @@ class GenerationRequest(BaseModel):
 
     def output_constraints(self) -> list[str]:
         """The structured-output fields the request sets."""
+        json_format = self.response_format is not None and self.response_format.type != "text"
         named = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
-        return [n for n in named if getattr(self, n) is not None]
+        return ["response_format"] * json_format + [
+            n for n in named if getattr(self, n) is not None
+        ]
 
 
 class ChatCompletionRequest(GenerationRequest):
@@ -338,7 +342,6 @@ class ChatCompletionRequest(GenerationRequest):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    response_format: ResponseFormat | None = None
     tools: list[Tool] | None = Field(None, max_length=128)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
@@ -395,9 +398,7 @@ class ChatCompletionRequest(GenerationRequest):
         return super().unsupported()
 
     def output_constraints(self) -> list[str]:
-        json_format = self.response_format is not None and self.response_format.type != "text"
-        forced = ["tool_choice"] * self.forces_tools
-        return forced + ["response_format"] * json_format + super().output_constraints()
+        return ["tool_choice"] * self.forces_tools + super().output_constraints()
 
 
 TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]

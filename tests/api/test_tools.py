@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from epd.api.schema import Tool
 from epd.api.tools import ForcedTools, ToolReply
 from epd.generation.params import TokenLogprob
@@ -43,9 +45,34 @@ def test_a_named_call_cut_short_ends_its_arguments_without_repeating_them():
     assert [c["logprobs"]["content"][0]["token"] for c in choices] == ['{"', "a", '":1']
 
 
-def test_a_named_call_that_ends_is_tool_calls():
+def test_a_named_call_that_ends_finishes_as_its_text_did():
     choices = stream(ForcedTools((TOOL,), "get"), ['{"a"', ":1}"], "stop")
-    assert choices[-1]["finish_reason"] == "tool_calls"
+    assert choices[-1]["finish_reason"] == "stop"  # as OpenAI's API and vLLM finish it
+
+
+@pytest.mark.parametrize("pieces", [['{"a"', ":1"], ['{"a":1']])
+def test_a_named_call_cut_short_is_the_same_call_whole_or_streamed(pieces):
+    forced = ForcedTools((TOOL,), "get")
+    streamed = stream(forced, pieces, "length")
+    whole = ToolReply("r", "m", 3, want_logprobs=False, forced=forced).completion(
+        deltas(pieces, "length")
+    )
+    (choice,) = whole["choices"]
+    (call,) = choice["message"]["tool_calls"]
+    assert choice["finish_reason"] == streamed[-1]["finish_reason"] == "length"
+    assert choice["message"]["content"] is None and call["function"]["name"] == "get"
+    arguments = [c["delta"]["tool_calls"][0]["function"]["arguments"] for c in streamed]
+    assert call["function"]["arguments"] == "".join(arguments) == "".join(pieces)
+
+
+def test_a_list_of_calls_cut_short_is_text():
+    whole = ToolReply("r", "m", 3, want_logprobs=False, forced=ForcedTools((TOOL,))).completion(
+        deltas(['[{"na', 'me":'], "length")
+    )
+    assert whole["choices"][0]["message"] == {"role": "assistant", "content": '[{"name":'}
+    assert stream(ForcedTools((TOOL,)), ['[{"na', 'me":'], "length")[-1]["delta"] == {
+        "content": '[{"name":'
+    }
 
 
 def test_a_list_of_calls_comes_whole_with_every_token_logprob():
