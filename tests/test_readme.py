@@ -157,6 +157,6 @@ def test_python_structured_output_example(make_serve):
 def test_python_tool_call_example(make_serve):
     result = run_example("python-tools", make_serve)
     finish, name, arguments = result.stdout.split(" ", 2)
-    assert (finish, name) == ("tool_calls", "count_shapes")
+    assert (finish, name) == ("stop", "count_shapes")
     assert json.loads(arguments)["shape"] in ("circle", "square", "triangle")
     assert f"prints `{result.stdout.strip()}`" in README
