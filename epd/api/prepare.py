@@ -5,11 +5,13 @@ from __future__ import annotations
 import itertools
 import json
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 from typing import Any, Protocol
 
+import jinja2
 from transformers import PreTrainedTokenizerBase
 
 from epd.api.errors import APIError, bad_request
@@ -34,10 +36,12 @@ from epd.multimodal.grids import Grid
 from epd.multimodal.image_processor import ImageProcessor
 from epd.multimodal.images import ImageError, open_image
 from epd.multimodal.prompt import (
+    SERVER_VARIABLES,
     PlainTextError,
     expand_placeholders,
     image_parts,
     render_prompt,
+    template_variables,
 )
 from epd.prefill.request import PreparedRequest
 
@@ -56,6 +60,7 @@ class Conversation:
     messages: list[dict[str, Any]]
     image_urls: list[str]
     tools: list[dict[str, Any]] | None = None
+    variables: dict[str, Any] = field(default_factory=dict)  # of its chat_template_kwargs
 
 
 @dataclass(frozen=True)
@@ -130,17 +135,40 @@ class PromptBuilder:
         calls = [
             call["function"]["arguments"] for m in messages for call in m.get("tool_calls", ())
         ]
-        self.check_text_fits([shown, *calls, *(text for m in messages for text in texts_of(m))])
+        variables = self.variables(request)
+        texts = list(strings_in(variables))
+        self.check_text_fits(
+            [shown, *calls, *texts, *(text for m in messages for text in texts_of(m))]
+        )
         # Message text stays plain text however it is spelled (`render_prompt`); a template
-        # that renders tools or tool calls does so from data, where no marker can stand in.
+        # that renders tools, tool calls or its variables does so from data, where no marker
+        # can stand in.
         self.refuse_special_tokens(
             ([shown] if self.template_shows_tools else [])
             + (calls if self.template_shows_tool_calls else [])
+            + texts
         )
         if tools and not self.template_shows_tools:
             note = {"role": "system", "content": describe_tools(request.tools or [])}
-            return Conversation(request, [note, *messages], urls)
-        return Conversation(request, messages, urls, tools)
+            return Conversation(request, [note, *messages], urls, variables=variables)
+        return Conversation(request, messages, urls, tools, variables)
+
+    @cached_property
+    def template_variables(self) -> frozenset[str]:
+        return template_variables(self.tokenizer)
+
+    def variables(self, request: ChatCompletionRequest) -> dict[str, Any]:
+        """The request's chat_template_kwargs that the template reads; vLLM drops the others
+        too (Kimi-VL's template reads none, so `enable_thinking` changes nothing, as it should).
+        Setting what the server gives the template is a 400: it would not be what was asked."""
+        asked = request.chat_template_kwargs or {}
+        given = SERVER_VARIABLES | set(self.tokenizer.special_tokens_map)
+        if taken := sorted(given.intersection(asked)):
+            raise bad_request(
+                f"chat_template_kwargs may not set {taken[0]}: the server gives it",
+                param="chat_template_kwargs",
+            )
+        return {name: value for name, value in asked.items() if name in self.template_variables}
 
     @cached_property
     def template_shows_tools(self) -> bool:
@@ -174,12 +202,16 @@ class PromptBuilder:
         return messages
 
     def refuse_special_tokens(self, texts: list[str]) -> None:
-        """Tool text that spells a control token (<|im_end|>, <|media_pad|>, ...) would forge
-        turns or image slots once the rendered prompt is tokenised, so it is refused."""
+        """Tool or template-variable text that spells a control token (<|im_end|>,
+        <|media_pad|>, ...) would forge turns or image slots once the rendered prompt is
+        tokenised, so it is refused."""
         for text in texts:
             for token in self.special_tokens:
                 if token in text:
-                    raise bad_request(f"a tool or tool call contains the reserved token {token}")
+                    raise bad_request(
+                        f"a tool, tool call or chat_template_kwargs value contains the reserved "
+                        f"token {token}"
+                    )
 
     def grids(self, images: list[bytes]) -> tuple[Grid, ...]:
         """Each image's (h, w) grid from its header alone; a 400 for a bad image."""
@@ -201,11 +233,19 @@ class PromptBuilder:
         counts = [self.processor.tokens(grid) for grid in grids]
         try:
             prompt = render_prompt(
-                self.tokenizer, conversation.messages, conversation.tools, self.special_tokens
+                self.tokenizer,
+                conversation.messages,
+                conversation.tools,
+                self.special_tokens,
+                conversation.variables,
             )
+            ids = expand_placeholders(prompt, self.placeholder_id, counts)
         except PlainTextError as e:
             raise bad_request(f"message text spelling a reserved token: {e}") from None
-        ids = expand_placeholders(prompt, self.placeholder_id, counts)
+        except jinja2.TemplateError as e:  # the template's raise_exception, or its variables
+            raise bad_request(f"the chat template refused the request: {str(e)[:500]}") from None
+        except ValueError as e:  # image slots the template did not write one per image
+            raise bad_request(str(e)) from None
         request = conversation.request
         return PreparedRequest(
             request_id=unique_id("chatcmpl", request_id),
@@ -287,6 +327,7 @@ class PromptBuilder:
                 logprobs=request.wants_logprobs,
                 top_logprobs=request.top_logprob_count,
                 ignore_eos=request.ignore_eos,
+                include_stop_str=request.include_stop_str_in_output,
                 grammar=output_grammar(request),
                 n=request.n,
             )
@@ -325,6 +366,19 @@ def texts_of(message: dict[str, Any]) -> list[str]:
         return [content]
     runs = itertools.groupby(content, key=lambda part: "text" in part)
     return ["".join(p["text"] for p in parts) for is_text, parts in runs if is_text]
+
+
+def strings_in(value: Any) -> Iterator[str]:
+    """Every string in a JSON value, keys too (a template may render either)."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield str(key)
+            yield from strings_in(item)
+    elif isinstance(value, list):
+        for item in value:
+            yield from strings_in(item)
 
 
 def check_scored(request: CompletionRequest, prepared: list[PreparedRequest]) -> None:

@@ -151,6 +151,25 @@ class ResponseFormat(Strict):
         return self
 
 
+MAX_TEMPLATE_KWARGS = 32
+MAX_TEMPLATE_KWARGS_CHARS = 16 * 1024  # templates take flags and short settings
+MAX_TEMPLATE_KWARGS_DEPTH = 8
+
+
+def json_depth(value: Any) -> int:
+    """How deep a parsed JSON value nests (a scalar: 0), without recursing."""
+    deepest, stack = 0, [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        children = (
+            item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        )
+        if children is not None:
+            deepest = max(deepest, depth + 1)
+            stack += [(child, depth + 1) for child in children]
+    return deepest
+
+
 # vLLM's request fields that would change the output, and the value of each that asks for what
 # this server does: any other is a 400, not a reply silently unlike vLLM's.
 # (None: no value is; nulls never get here, `null_is_absent` drops them.)
@@ -158,9 +177,7 @@ VLLM_EXTRAS_NOT_DONE: dict[str, Any] = {
     "add_generation_prompt": True,
     "continue_final_message": False,
     "echo": False,  # chat's (the legacy endpoint declares its own field and takes it)
-    "include_stop_str_in_output": False,
     "chat_template": None,
-    "chat_template_kwargs": {},
     "prompt_logprobs": None,
 }
 # vLLM's `structured_outputs` keys → the guided_* field each stands for; `json_object` asks
@@ -226,6 +243,7 @@ class GenerationRequest(BaseModel):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: bool = False  # vLLM's extra: exactly max_tokens, as benchmark clients ask
+    include_stop_str_in_output: bool = False  # vLLM's extra: the stop string ends the text
     skip_special_tokens: bool = True
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -345,10 +363,24 @@ class ChatCompletionRequest(GenerationRequest):
     tools: list[Tool] | None = Field(None, max_length=128)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # vLLM's extra: variables for the chat template, such as Qwen's `enable_thinking`.
+    chat_template_kwargs: dict[str, Any] | None = Field(None, max_length=MAX_TEMPLATE_KWARGS)
     # Accepted and without effect here: bookkeeping for OpenAI's platform.
     metadata: dict[str, str] | None = None
     store: bool | None = None
     service_tier: str | None = None
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def template_kwargs(cls, kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
+        for name in kwargs or {}:
+            if not name.isidentifier():
+                raise ValueError(f"names must be template variable names, not {name[:40]!r}")
+        if json_depth(kwargs) > MAX_TEMPLATE_KWARGS_DEPTH:  # before anything recurses into it
+            raise ValueError(f"values may nest at most {MAX_TEMPLATE_KWARGS_DEPTH} deep")
+        if len(json.dumps(kwargs, ensure_ascii=False)) > MAX_TEMPLATE_KWARGS_CHARS:
+            raise ValueError(f"at most {MAX_TEMPLATE_KWARGS_CHARS} characters as JSON")
+        return kwargs
 
     @model_validator(mode="after")
     def consistent(self) -> ChatCompletionRequest:

@@ -78,6 +78,7 @@ class SamplingParams(Record, frozen=True):
     skip_special_tokens: bool = True  # leave special tokens out of the text
     grammar: GrammarText = ""  # llguidance grammar the reply must follow ("": none)
     n: int = 1  # choices, each sampled on its own from the same prompt
+    include_stop_str: bool = False  # keep the stop string (or stop token's text) that ended it
 
     def choice_seed(self, index: int) -> int | None:
         """Choice `index`'s seed: the request's for the first, then the next ones (a seeded

@@ -80,14 +80,14 @@ class StopScanner:
         """Characters at the end of the text that may still grow into a stop string."""
         return self.automaton.depth[self.state] if self.automaton else 0
 
-    def scan(self, text: str, honoured: bool = True) -> int | None:
+    def scan(self, text: str, honoured: bool = True) -> tuple[int, int] | None:
         """Feed the reply's new text. Where a stop string ends in it (and `honoured`: not before
-        min_tokens), return where that stop string starts, from the start of `text`: negative
-        if it began in text fed before. Then feed nothing more."""
+        min_tokens), return where that stop string starts and ends, from the start of `text`
+        (the start negative if it began in text fed before). Then feed nothing more."""
         if self.automaton is None:
             return None
         for index, char in enumerate(text):
             self.state = self.automaton.next(self.state, char)
             if honoured and (length := self.automaton.ends[self.state]):
-                return index + 1 - length
+                return index + 1 - length, index + 1
         return None

@@ -2,11 +2,12 @@
 With its prompt, it is also the history that the sampling controls read (`logits.History`).
 
 A reply ends on an eos id (the token is counted but adds no text; with `ignore_eos` it goes on,
-as benchmarks ask) or one of its `stop_token_ids`, on a stop string (the reply is cut before it,
-and text that might be the start of a stop string is held back until it cannot be; one that
-ends before `min_tokens` does not count: `stops.py`), when its grammar allows nothing more, or at
-`max_tokens`. Each
-accepted token gives an `Output`: what the client gets for it.
+as benchmarks ask) or one of its `stop_token_ids`, on a stop string (the reply is cut before it;
+text that might be the start of a stop string is held back until it cannot be; one that ends
+before `min_tokens` does not count: `stops.py`), when its grammar allows nothing more, or at
+`max_tokens`. With `include_stop_str` (vLLM's `include_stop_str_in_output`) the reply keeps the
+stop string, or the stop token's text where it has one. Each accepted token gives an `Output`:
+what the client gets for it.
 
 The rules depend on nothing but the tokens, so two transcripts fed the same tokens give the same
 outputs: prefill says what the first token gives (and the client has it at once), and decode's
@@ -72,6 +73,8 @@ class Transcript:
         grammar_done = self.matcher is not None and advance(self.matcher, token)
         self.tokens.append(token)
         if (token in self.eos_ids and not self.sampling.ignore_eos) or token in self.stop_ids:
+            if self.sampling.include_stop_str:  # the stop token's text, where it has one
+                self.text += self.detokenizer.add(token)
             self.finish_reason = "stop"
         else:
             self._add_text(self.detokenizer.add(token))
@@ -91,9 +94,10 @@ class Transcript:
 
     def _add_text(self, new: str) -> None:
         """Append the token's text, cut before a stop string it completes (none before
-        min_tokens)."""
-        start = self.stops.scan(new, honoured=len(self.tokens) >= self.sampling.min_tokens)
+        min_tokens), or after it where the request asks to include it."""
+        found = self.stops.scan(new, honoured=len(self.tokens) >= self.sampling.min_tokens)
         self.text += new
-        if start is not None:
-            self.text = self.text[: len(self.text) - len(new) + start]
+        if found is not None:
+            cut = found[1] if self.sampling.include_stop_str else found[0]
+            self.text = self.text[: len(self.text) - len(new) + cut]
             self.finish_reason = "stop"

@@ -10,9 +10,11 @@ from __future__ import annotations
 import itertools
 import re
 import secrets
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from typing import Any
 
+import jinja2
+import jinja2.meta
 import torch
 from transformers import PreTrainedTokenizerBase
 
@@ -28,14 +30,33 @@ def image_parts(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     ]
 
 
+# What the server itself gives the chat template; a request's chat_template_kwargs may not.
+SERVER_VARIABLES = frozenset(
+    {"messages", "tools", "documents", "add_generation_prompt", "continue_final_message"}
+    | {"raise_exception", "strftime_now"}  # transformers' helpers
+)
+
+
+def template_variables(tokenizer: PreTrainedTokenizerBase) -> frozenset[str]:
+    """The variables the chat template reads that a request may set (chat_template_kwargs,
+    such as Qwen's `enable_thinking`): not the server's own, nor the special tokens' names
+    (`eos_token`, ...), which transformers gives it. Kimi-VL's reads none."""
+    environment = jinja2.Environment()
+    read = jinja2.meta.find_undeclared_variables(environment.parse(tokenizer.get_chat_template()))
+    given = SERVER_VARIABLES | set(tokenizer.special_tokens_map) | set(environment.globals)
+    return frozenset(read) - given  # globals: `range`, `namespace`, ... are Jinja's
+
+
 def render_prompt(
     tokenizer: PreTrainedTokenizerBase,
     messages: Sequence[dict[str, Any]],
     tools: Sequence[dict[str, Any]] | None = None,
     reserved: Collection[str] = (),
+    variables: Mapping[str, Any] | None = None,
 ) -> list[int]:
     """Token ids of the chat-templated conversation, ending in the assistant generation prompt;
-    `tools` (OpenAI's function specs) go to the template, which may show them or not.
+    `tools` (OpenAI's function specs) go to the template, which may show them or not, and
+    `variables` too (the request's chat_template_kwargs, of `template_variables`).
 
     Message text that spells one of `reserved` (the tokenizer's control tokens) is tokenised as
     plain text, as OpenAI reads a message: a user's "<|im_end|>" is ten characters, not the end
@@ -48,6 +69,7 @@ def render_prompt(
         tools=list(tools) if tools else None,
         tokenize=False,
         add_generation_prompt=True,
+        **(variables or {}),
     )
     if not texts:
         return tokenizer.encode(rendered, add_special_tokens=False)

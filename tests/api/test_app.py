@@ -120,9 +120,22 @@ def test_models_and_health_that_names_the_missing_peers(client, tiny_checkpoint)
         ),
         ({"messages": USER, "continue_final_message": True}, 400, "continue_final_message"),
         ({"messages": USER, "add_generation_prompt": False}, 400, "add_generation_prompt"),
-        ({"messages": USER, "include_stop_str_in_output": True}, 400, "include_stop_str"),
         ({"messages": USER, "chat_template": "{{ 1 }}"}, 400, "chat_template is not supported"),
-        ({"messages": USER, "chat_template_kwargs": {"a": 1}}, 400, "chat_template_kwargs"),
+        (
+            {"messages": USER, "chat_template_kwargs": {"not a name": 1}},
+            400,
+            "invalid chat_template_kwargs: Value error, names must be template variable names",
+        ),
+        (
+            {"messages": USER, "chat_template_kwargs": {"a": [[[[[[[[[1]]]]]]]]]}},
+            400,
+            "values may nest at most 8 deep",
+        ),
+        (
+            {"messages": USER, "chat_template_kwargs": {"messages": []}},
+            400,
+            "chat_template_kwargs may not set messages: the server gives it",
+        ),
         ({"messages": USER, "echo": True}, 400, "echo is not supported"),
         (
             {"messages": [{"role": "user", "content": [{"type": "refusal", "refusal": "x"}]}]},

@@ -1,6 +1,7 @@
 """Sampling settings from a request, and the checkpoint's defaults for what it leaves out."""
 
 import json
+import re
 import shutil
 
 import pytest
@@ -129,6 +130,43 @@ def test_tool_calls_spelling_control_tokens_are_refused_only_where_rendered(
     )
     builder = PromptBuilder.from_checkpoint(tiny_checkpoint, load_tokenizer(tiny_checkpoint), 16)
     builder.tokenizer.chat_template = shows_calls
-    with pytest.raises(APIError, match="a tool or tool call contains the reserved token"):
+    with pytest.raises(
+        APIError, match="tool call or chat_template_kwargs value contains the reserved token"
+    ):
         builder.read(parse_request({"model": "m"} | forged))
     builder.read(parse_request({"model": "m"} | with_call("{}")))
+
+
+HI = {"messages": [{"role": "user", "content": "hi"}]}
+
+
+def test_template_kwargs_the_template_does_not_read_change_nothing(tiny_checkpoint, tmp_path):
+    """Kimi-VL's template reads no variable: a client's `enable_thinking` is dropped, as vLLM
+    drops what a template does not read, rather than refused."""
+    builder = builder_with(tiny_checkpoint, tmp_path)
+    asked = HI | {"chat_template_kwargs": {"enable_thinking": False, "range": 3}}
+    assert prompt_text(builder, asked) == prompt_text(builder, HI)
+
+
+def test_template_kwargs_reach_a_template_that_reads_them(tiny_checkpoint, tmp_path):
+    builder = PromptBuilder.from_checkpoint(tiny_checkpoint, load_tokenizer(tiny_checkpoint), 64)
+    builder.tokenizer.chat_template = (
+        "{% if not thinking %}[plain]{% endif %}{% for m in messages %}{{ m['content'] }}"
+        "<|im_end|>{% endfor %}{{ eos_token }}"
+        "{% if strict and messages | length > 1 %}{{ raise_exception('one turn') }}{% endif %}"
+    )
+    assert builder.template_variables == {"thinking", "strict"}  # not eos_token, raise_exception
+    text, _ = prompt_text(builder, HI | {"chat_template_kwargs": {"thinking": False}})
+    assert text.startswith("[plain]hi<|im_end|>")
+    text, _ = prompt_text(builder, HI | {"chat_template_kwargs": {"thinking": {"on": [1]}}})
+    assert text.startswith("hi<|im_end|>")
+    for kwargs, fragment in [
+        ({"eos_token": "x"}, "may not set eos_token: the server gives it"),
+        ({"thinking": ["<|im_end|>"]}, "chat_template_kwargs value contains the reserved token"),
+        ({"thinking": {"<|media_pad|>": 1}}, "contains the reserved token <|media_pad|>"),
+    ]:
+        with pytest.raises(APIError, match=re.escape(fragment)):
+            prompt_text(builder, HI | {"chat_template_kwargs": kwargs})
+    two = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+    with pytest.raises(APIError, match="the chat template refused the request: one turn"):
+        prompt_text(builder, {"messages": two, "chat_template_kwargs": {"strict": True}})

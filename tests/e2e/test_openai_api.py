@@ -104,7 +104,16 @@ def test_routine_fields_and_an_echoed_reply_are_accepted(client, model_name, loc
     echoed = first.choices[0].message.model_dump()
     assert echoed["tool_calls"] is None and "refusal" in echoed
     conversation = [*TEXT, echoed, {"role": "user", "content": "And then?"}]
-    reply = ask(client, model_name, conversation, max_tokens=12, temperature=0, **routine)
+    thinking = {"chat_template_kwargs": {"enable_thinking": False}}  # Qwen's; Kimi's reads none
+    reply = ask(
+        client,
+        model_name,
+        conversation,
+        max_tokens=12,
+        temperature=0,
+        **routine,
+        extra_body=thinking,
+    )
     expected = local.chat(body(model_name, conversation, max_tokens=12, temperature=0))
     assert reply.choices[0].message.content == expected.text
 
@@ -342,6 +351,19 @@ def test_legacy_completions_stream_and_default_to_16_tokens(client, model_name):
     assert chunks[-1].usage.completion_tokens == 32
 
 
+def test_legacy_completions_follow_a_response_format(client, model_name, local):
+    """vLLM's legacy endpoint takes response_format too: a JSON object from the random model,
+    as the one-process path writes it."""
+    prompt, json_object = "The red circle as JSON:", {"type": "json_object"}
+    params = {"model": model_name, "prompt": prompt, "max_tokens": 40, "temperature": 0}
+    reply = client.completions.create(**params, extra_body={"response_format": json_object})
+    text = reply.choices[0].text
+    assert text.startswith("{") and not text.startswith("{ ")
+    assert text == local.complete({**params, "response_format": json_object}).text
+    if reply.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(text), dict)
+
+
 def test_legacy_completions_take_a_benchmarks_many_stop_strings(client, model_name, local):
     """lm-eval's local-completions sends a task's stop strings as they are: HumanEval's five,
     and the eos text, over OpenAI's 4; the reply is cut as the one-process path cuts it."""
@@ -357,6 +379,16 @@ def test_legacy_completions_take_a_benchmarks_many_stop_strings(client, model_na
     choice = reply.choices[0]
     assert choice.text == expected.text and len(choice.text) <= 6
     assert choice.finish_reason == "stop"
+    kept = {"ignore_eos": True, "include_stop_str_in_output": True}
+    kept_text = (
+        client.completions.create(
+            model=model_name, prompt=prompt, stop=stop, extra_body=kept, **params
+        )
+        .choices[0]
+        .text
+    )
+    assert kept_text == local.complete(body | kept).text
+    assert kept_text.startswith(choice.text) and kept_text[len(choice.text) :] in stop
 
 
 def test_legacy_completions_take_several_prompts(client, model_name, local):

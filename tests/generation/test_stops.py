@@ -15,22 +15,24 @@ def plain_held(text: str, stops: tuple[str, ...]) -> int:
     return next((k for k in sizes if any(s.startswith(text[-k:]) for s in stops)), 0)
 
 
-def plain_cut(text: str, stops: tuple[str, ...]) -> int | None:
-    """Where the first stop string to end in text starts (the longest of those ending there)."""
+def plain_cut(text: str, stops: tuple[str, ...]) -> tuple[int, int] | None:
+    """Where the first stop string to end in text starts (the longest of those ending there),
+    and where it ends."""
     for end in range(1, len(text) + 1):
         starts = [end - len(s) for s in stops if text[:end].endswith(s)]
         if starts:
-            return min(starts)
+            return min(starts), end
     return None
 
 
-def scanned(chunks: list[str], stops: tuple[str, ...]) -> tuple[int | None, list[int]]:
-    """Feed the chunks; the cut from the start of the text, and the held counts along the way."""
+def scanned(chunks: list[str], stops: tuple[str, ...]) -> tuple[tuple[int, int] | None, list[int]]:
+    """Feed the chunks; the stop string's place from the start of the text, and the held
+    counts along the way."""
     scanner, fed, held = StopScanner(stops), 0, []
     for chunk in chunks:
-        start = scanner.scan(chunk)
-        if start is not None:
-            return fed + start, held
+        found = scanner.scan(chunk)
+        if found is not None:
+            return (fed + found[0], fed + found[1]), held
         fed += len(chunk)
         held.append(scanner.held)
     return None, held
@@ -55,9 +57,9 @@ def test_the_automaton_cuts_and_holds_back_as_a_plain_search(seed):
 
 
 def test_the_first_stop_string_to_end_wins_and_the_longest_of_those_ending_there():
-    assert scanned(["abcd"], ("abcd", "bc"))[0] == 1  # "bc" ends first
-    assert scanned(["xabc"], ("abc", "bc"))[0] == 1  # both end at c: cut before the longer
-    assert scanned(["ab", "ab", "c"], ("ababc",))[0] == 0  # begun two tokens before
+    assert scanned(["abcd"], ("abcd", "bc"))[0] == (1, 3)  # "bc" ends first
+    assert scanned(["xabc"], ("abc", "bc"))[0] == (1, 4)  # both end at c: cut before the longer
+    assert scanned(["ab", "ab", "c"], ("ababc",))[0] == (0, 5)  # begun two tokens before
 
 
 def test_nothing_is_held_back_without_stop_strings_or_partial_matches():
@@ -68,7 +70,7 @@ def test_nothing_is_held_back_without_stop_strings_or_partial_matches():
 def test_a_stop_string_ending_before_min_tokens_is_passed_over_but_the_next_one_counts():
     scanner = StopScanner(("ab",))
     assert scanner.scan("xab", honoured=False) is None
-    assert scanner.scan("ab", honoured=True) == 0
+    assert scanner.scan("ab", honoured=True) == (0, 2)
 
 
 def test_a_request_s_choices_share_one_automaton():

@@ -58,6 +58,30 @@ def test_stop_string_cuts_the_reply_before_it(tokenizer):
     assert deltas[-1].finish_reason == "stop"
 
 
+def test_include_stop_str_ends_the_reply_with_the_stop_string(tokenizer):
+    """vLLM's include_stop_str_in_output: the text up to the stop string's end, not past it
+    (" four" was in the same token stream but never accepted)."""
+    reply = transcript(tokenizer, stop=("wo thr", "one"), min_tokens=1, include_stop_str=True)
+    deltas = feed(reply, tokenizer, "one two three four")
+    assert "".join(d.text for d in deltas) == "one"
+    reply = transcript(tokenizer, stop=("wo thr",), include_stop_str=True)
+    deltas = feed(reply, tokenizer, "one two three four")
+    assert "".join(d.text for d in deltas) == "one two thr" and deltas[-1].finish_reason == "stop"
+
+
+def test_include_stop_str_keeps_a_stop_token_s_text_where_it_has_one(tokenizer):
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    two = tokenizer.encode(" two", add_special_tokens=False)[0]
+    for params, token, text in [
+        ({"stop_token_ids": (two,)}, two, " two"),
+        ({"skip_special_tokens": False}, end, "<|im_end|>"),
+        ({}, end, ""),  # special tokens are skipped: eos has no text to keep
+    ]:
+        reply = transcript(tokenizer, include_stop_str=True, **params)
+        delta = reply.accept(token)
+        assert (delta.text, delta.finish_reason) == (text, "stop")
+
+
 def test_text_that_may_become_a_stop_string_is_held_back(tokenizer):
     reply = transcript(tokenizer, stop=("ab!",))
     texts = [d.text for d in feed(reply, tokenizer, "xa")]
