@@ -212,7 +212,7 @@ def create_app(service: Service, on_started: Callable[[], Any] | None = None) ->
     card = {
         "id": service.model_name,
         "object": "model",
-        "created": 0,
+        "created": int(time.time()),  # as vLLM's card: when this server started
         "owned_by": "epd",
         "root": config.model,  # vLLM's fields: what it was loaded from, the context it takes
         "parent": None,

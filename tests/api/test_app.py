@@ -2,6 +2,7 @@
 
 import base64
 import json
+import time
 
 import pytest
 from fastapi.testclient import TestClient
@@ -58,6 +59,7 @@ def test_non_finite_numbers_are_refused(client, field, value):
 
 def test_models_and_health_that_names_the_missing_peers(client, tiny_checkpoint):
     (card,) = client.get("/v1/models").json()["data"]
+    assert 0 < time.time() - card["created"] < 600  # when it started, not 1970
     assert card["id"] == "tiny" and card["root"] == str(tiny_checkpoint)
     assert card["max_model_len"] == load_model_config(tiny_checkpoint).text.max_position_embeddings
     health = client.get("/health")  # no encoder or decoder answers this prefill
@@ -118,8 +120,11 @@ def test_models_and_health_that_names_the_missing_peers(client, tiny_checkpoint)
             400,
             "structured_outputs: regex not supported",
         ),
-        ({"messages": USER, "continue_final_message": True}, 400, "continue_final_message"),
-        ({"messages": USER, "add_generation_prompt": False}, 400, "add_generation_prompt"),
+        (  # vLLM refuses the two together too: the prompt cannot end in both places
+            {"messages": USER, "continue_final_message": True},
+            400,
+            "continue_final_message requires add_generation_prompt=false",
+        ),
         ({"messages": USER, "chat_template": "{{ 1 }}"}, 400, "chat_template is not supported"),
         (
             {"messages": USER, "chat_template_kwargs": {"not a name": 1}},
