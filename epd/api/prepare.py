@@ -238,14 +238,15 @@ class PromptBuilder:
                 conversation.tools,
                 self.special_tokens,
                 conversation.variables,
+                conversation.request.opening,
             )
             ids = expand_placeholders(prompt, self.placeholder_id, counts)
         except PlainTextError as e:
             raise bad_request(f"message text spelling a reserved token: {e}") from None
         except jinja2.TemplateError as e:  # the template's raise_exception, or its variables
             raise bad_request(f"the chat template refused the request: {str(e)[:500]}") from None
-        except ValueError as e:  # image slots the template did not write one per image
-            raise bad_request(str(e)) from None
+        except ValueError as e:  # no last message to continue, image slots not one an image
+            raise bad_request(str(e)[:300]) from None
         request = conversation.request
         return PreparedRequest(
             request_id=unique_id("chatcmpl", request_id),

@@ -22,6 +22,7 @@ from epd.generation.params import (
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
 )
+from epd.multimodal.prompt import Opening
 
 log = logging.getLogger(__name__)
 
@@ -174,8 +175,6 @@ def json_depth(value: Any) -> int:
 # this server does: any other is a 400, not a reply silently unlike vLLM's.
 # (None: no value is; nulls never get here, `null_is_absent` drops them.)
 VLLM_EXTRAS_NOT_DONE: dict[str, Any] = {
-    "add_generation_prompt": True,
-    "continue_final_message": False,
     "echo": False,  # chat's (the legacy endpoint declares its own field and takes it)
     "chat_template": None,
     "prompt_logprobs": None,
@@ -363,6 +362,10 @@ class ChatCompletionRequest(GenerationRequest):
     tools: list[Tool] | None = Field(None, max_length=128)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # vLLM's extras: the prompt ends after the last turn, not in a new assistant turn, or
+    # inside the last turn, for the model to go on with it (an answer the client began).
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
     # vLLM's extra: variables for the chat template, such as Qwen's `enable_thinking`.
     chat_template_kwargs: dict[str, Any] | None = Field(None, max_length=MAX_TEMPLATE_KWARGS)
     # Accepted and without effect here: bookkeeping for OpenAI's platform.
@@ -386,7 +389,15 @@ class ChatCompletionRequest(GenerationRequest):
     def consistent(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs=true")
+        if self.continue_final_message and self.add_generation_prompt:  # as vLLM refuses it
+            raise ValueError("continue_final_message requires add_generation_prompt=false")
         return self
+
+    @property
+    def opening(self) -> Opening:
+        if self.continue_final_message:
+            return "continue"
+        return "generation_prompt" if self.add_generation_prompt else "none"
 
     @property
     def asked_tokens(self) -> int | None:

@@ -11,7 +11,7 @@ import itertools
 import re
 import secrets
 from collections.abc import Collection, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import jinja2
 import jinja2.meta
@@ -29,6 +29,10 @@ def image_parts(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         if isinstance(part, dict) and part.get("type") == "image_url"
     ]
 
+
+# Where the rendered conversation ends: in the assistant's generation prompt, after the last
+# turn, or inside the last turn.
+Opening = Literal["generation_prompt", "none", "continue"]
 
 # What the server itself gives the chat template; a request's chat_template_kwargs may not.
 SERVER_VARIABLES = frozenset(
@@ -53,10 +57,13 @@ def render_prompt(
     tools: Sequence[dict[str, Any]] | None = None,
     reserved: Collection[str] = (),
     variables: Mapping[str, Any] | None = None,
+    opening: Opening = "generation_prompt",
 ) -> list[int]:
-    """Token ids of the chat-templated conversation, ending in the assistant generation prompt;
-    `tools` (OpenAI's function specs) go to the template, which may show them or not, and
-    `variables` too (the request's chat_template_kwargs, of `template_variables`).
+    """Token ids of the chat-templated conversation, ending in the assistant generation prompt
+    (or, by `opening`, after the last turn, or inside it: `continue` leaves the last message
+    open for the model to go on with, as vLLM's continue_final_message). `tools` (OpenAI's
+    function specs) go to the template, which may show them or not, and `variables` too (the
+    request's chat_template_kwargs, of `template_variables`).
 
     Message text that spells one of `reserved` (the tokenizer's control tokens) is tokenised as
     plain text, as OpenAI reads a message: a user's "<|im_end|>" is ten characters, not the end
@@ -68,7 +75,8 @@ def render_prompt(
         marked,
         tools=list(tools) if tools else None,
         tokenize=False,
-        add_generation_prompt=True,
+        add_generation_prompt=opening == "generation_prompt",
+        continue_final_message=opening == "continue",
         **(variables or {}),
     )
     if not texts:

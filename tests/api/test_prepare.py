@@ -170,3 +170,24 @@ def test_template_kwargs_reach_a_template_that_reads_them(tiny_checkpoint, tmp_p
     two = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
     with pytest.raises(APIError, match="the chat template refused the request: one turn"):
         prompt_text(builder, {"messages": two, "chat_template_kwargs": {"strict": True}})
+
+
+def test_the_prompt_may_end_after_the_last_turn_or_inside_it(tiny_checkpoint, tmp_path):
+    """vLLM's add_generation_prompt: false and continue_final_message: the model goes on with
+    an answer the client began, which stays plain text however it is spelled."""
+    builder = builder_with(tiny_checkpoint, tmp_path)
+    begun = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "It is a"}]
+    ends, goes_on = {"add_generation_prompt": False}, {"continue_final_message": True}
+    text, _ = prompt_text(builder, {"messages": begun} | ends)
+    assert text.endswith("<|im_assistant|>assistant<|im_middle|>It is a<|im_end|>")
+    text, controls = prompt_text(builder, {"messages": begun} | goes_on | ends)
+    assert text.endswith("<|im_assistant|>assistant<|im_middle|>It is a")
+    forged = [*begun[:1], {"role": "assistant", "content": [{"type": "text", "text": FORGED}]}]
+    text, forged_controls = prompt_text(builder, {"messages": forged} | goes_on | ends)
+    assert text.endswith(f"<|im_middle|>{FORGED}") and forged_controls == controls
+    with pytest.raises(APIError, match="continue_final_message requires add_generation_prompt"):
+        parse_request({"model": "m", "messages": begun} | goes_on)
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    only_image = [{"role": "user", "content": [image]}]
+    with pytest.raises(APIError, match="could not find any text to continue"):
+        prompt_text(builder, {"messages": only_image} | goes_on | ends)

@@ -118,6 +118,18 @@ def test_routine_fields_and_an_echoed_reply_are_accepted(client, model_name, loc
     assert reply.choices[0].message.content == expected.text
 
 
+def test_an_answer_the_client_began_is_continued_as_the_one_process_path_does(
+    client, model_name, local
+):
+    begun = [*TEXT, {"role": "assistant", "content": "It is a"}]
+    extra = {"add_generation_prompt": False, "continue_final_message": True}
+    reply = ask(client, model_name, begun, max_tokens=12, temperature=0, extra_body=extra)
+    expected = local.chat(body(model_name, begun, max_tokens=12, temperature=0, **extra))
+    fresh = local.chat(body(model_name, begun, max_tokens=12, temperature=0))
+    assert reply.choices[0].message.content == expected.text != fresh.text
+    assert reply.usage.prompt_tokens == expected.prompt_tokens < fresh.prompt_tokens
+
+
 def test_asking_for_what_is_not_there_names_the_field(client, model_name):
     with pytest.raises(openai.BadRequestError, match="audio output") as error:
         ask(client, model_name, TEXT, extra_body={"modalities": ["text", "audio"]})
