@@ -42,6 +42,7 @@ from epd.api.schema import (
     parse_completion,
     parse_plain,
     parse_request,
+    parse_tokenize,
 )
 from epd.api.tools import ForcedTools, ToolReply
 from epd.checkpoint.tokenizer import decode_text
@@ -235,9 +236,15 @@ def create_app(service: Service, on_started: Callable[[], Any] | None = None) ->
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict[str, Any]:
-        parse = partial(parse_plain, kind=TokenizeRequest)
-        asked = service.served(await read_body(request, parse))
-        return await service.off_loop(tokens.tokenize, service.builder, asked)
+        asked = service.served(await read_body(request, parse_tokenize))
+        if isinstance(asked, TokenizeRequest):
+            return await service.off_loop(tokens.tokenize, service.builder, asked)
+        with service.queue_slot():  # its images are fetched and read as a chat's are
+            conversation = await service.off_loop(service.builder.read, asked)
+            images = await service.load_images(conversation.image_urls)
+            return await service.off_loop(
+                tokens.tokenize_chat, service.builder, conversation, images
+            )
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> dict[str, str]:

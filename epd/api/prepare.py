@@ -231,6 +231,18 @@ class PromptBuilder:
         client's `x-request-id` where one was given (made unique: clients reuse theirs)."""
         grids = self.grids(images)
         counts = [self.processor.tokens(grid) for grid in grids]
+        ids = self.prompt_ids(conversation, counts)
+        return PreparedRequest(
+            request_id=unique_id("chatcmpl", request_id),
+            prompt_ids=ids,
+            images=images,
+            grids=grids,
+            image_tokens=tuple(counts),
+            sampling=self.sampling(conversation.request, len(ids)),
+        )
+
+    def prompt_ids(self, conversation: Conversation, image_tokens: list[int]) -> list[int]:
+        """The conversation's prompt, each image's placeholder repeated for its tokens."""
         try:
             prompt = render_prompt(
                 self.tokenizer,
@@ -240,22 +252,13 @@ class PromptBuilder:
                 conversation.variables,
                 conversation.request.opening,
             )
-            ids = expand_placeholders(prompt, self.placeholder_id, counts)
+            return expand_placeholders(prompt, self.placeholder_id, image_tokens)
         except PlainTextError as e:
             raise bad_request(f"message text spelling a reserved token: {e}") from None
         except jinja2.TemplateError as e:  # the template's raise_exception, or its variables
             raise bad_request(f"the chat template refused the request: {str(e)[:500]}") from None
         except ValueError as e:  # no last message to continue, image slots not one an image
             raise bad_request(str(e)[:300]) from None
-        request = conversation.request
-        return PreparedRequest(
-            request_id=unique_id("chatcmpl", request_id),
-            prompt_ids=ids,
-            images=images,
-            grids=grids,
-            image_tokens=tuple(counts),
-            sampling=self.sampling(request, len(ids)),
-        )
 
     def prepare_completion(
         self, request: CompletionRequest, request_id: str = "", which: int = 0

@@ -508,6 +508,19 @@ class TokenizeRequest(Lenient):
     return_token_strs: bool = False
 
 
+class TokenizeChatRequest(ChatCompletionRequest):
+    """POST /tokenize with `messages` (vLLM's chat form): the conversation as
+    /v1/chat/completions reads it, every field of it checked as there."""
+
+    return_token_strs: bool = False
+
+
+def parse_tokenize(body: Any) -> TokenizeRequest | TokenizeChatRequest:
+    if isinstance(body, dict) and "messages" in body:
+        return parse(body, TokenizeChatRequest)
+    return parse_plain(body, TokenizeRequest)
+
+
 class DetokenizeRequest(Lenient):
     """POST /detokenize (vLLM's): token ids → their text."""
 

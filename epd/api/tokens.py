@@ -1,13 +1,14 @@
 """vLLM's tokenizer routes, which lm-eval and other clients find and use instead of loading the
-tokenizer themselves: POST /tokenize, POST /detokenize, GET /tokenizer_info."""
+tokenizer themselves: POST /tokenize (a text prompt, or chat messages), POST /detokenize, GET
+/tokenizer_info."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from epd.api.errors import bad_request
-from epd.api.prepare import PromptBuilder
-from epd.api.schema import DetokenizeRequest, TokenizeRequest
+from epd.api.prepare import Conversation, PromptBuilder
+from epd.api.schema import DetokenizeRequest, TokenizeChatRequest, TokenizeRequest
 from epd.checkpoint.tokenizer import decode_text
 
 
@@ -18,11 +19,27 @@ def tokenize(builder: PromptBuilder, request: TokenizeRequest) -> dict[str, Any]
     builder.check_text_fits([request.prompt])
     tokenizer = builder.tokenizer
     ids = list(tokenizer.encode(request.prompt, add_special_tokens=request.add_special_tokens))
+    return tokenized(builder, ids, request.return_token_strs)
+
+
+def tokenize_chat(
+    builder: PromptBuilder, conversation: Conversation, images: list[bytes]
+) -> dict[str, Any]:
+    """vLLM's chat form: the ids /v1/chat/completions would prefill for the conversation,
+    each image's tokens included (its placeholder repeated, as prefill gets it)."""
+    counts = [builder.processor.tokens(grid) for grid in builder.grids(images)]
+    ids = builder.prompt_ids(conversation, counts)
+    request = conversation.request
+    assert isinstance(request, TokenizeChatRequest)
+    return tokenized(builder, ids, request.return_token_strs)
+
+
+def tokenized(builder: PromptBuilder, ids: list[int], spelled: bool) -> dict[str, Any]:
     return {
         "count": len(ids),
         "max_model_len": builder.context_length,
         "tokens": ids,
-        "token_strs": tokenizer.convert_ids_to_tokens(ids) if request.return_token_strs else None,
+        "token_strs": builder.tokenizer.convert_ids_to_tokens(ids) if spelled else None,
     }
 
 

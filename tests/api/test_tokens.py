@@ -1,7 +1,13 @@
 """vLLM's tokenizer routes, as lm-eval's remote tokenizer calls them."""
 
-import pytest
+import base64
+import io
 
+import pytest
+from PIL import Image
+
+from epd.api.prepare import PromptBuilder
+from epd.api.schema import parse_request
 from epd.checkpoint.tokenizer import load_tokenizer
 from tests.api.test_app import api
 
@@ -27,6 +33,37 @@ def test_tokenize_gives_the_ids_a_completion_would_prefill(client, tokenizer):
     assert body["max_model_len"] > len(ids)
     plain = client.post("/tokenize", json={"model": "tiny", "prompt": "x"}).json()
     assert plain["token_strs"] is None
+
+
+def png(width, height):
+    image = io.BytesIO()
+    Image.new("RGB", (width, height), "red").save(image, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(image.getvalue()).decode()
+
+
+def test_tokenize_chat_messages_gives_what_the_chat_route_would_prefill(
+    client, tiny_checkpoint, tokenizer
+):
+    """vLLM's chat form, images' tokens included: what a client counts before it sends."""
+    builder = PromptBuilder.from_checkpoint(tiny_checkpoint, tokenizer, 512)
+    content = [{"type": "text", "text": "What shape?"}, {"type": "image_url", "image_url": {}}]
+    content[1]["image_url"]["url"] = png(56, 84)
+    chat = {"messages": [{"role": "user", "content": content}]}
+    reply = client.post("/tokenize", json=chat | {"return_token_strs": True})
+    assert reply.status_code == 200, reply.text
+    body = reply.json()
+    image_tokens = builder.processor.tokens(builder.processor.grid_for_size(56, 84))
+    expected = builder.prompt_ids(builder.read(parse_request(chat)), [image_tokens])
+    assert body["tokens"] == expected and body["count"] == len(expected)
+    assert body["tokens"].count(builder.placeholder_id) == image_tokens > 1
+    assert body["token_strs"][-3:] == tokenizer.convert_ids_to_tokens(expected[-3:])
+    begun = {"messages": [*chat["messages"], {"role": "assistant", "content": "A"}]}
+    continued = client.post(
+        "/tokenize", json=begun | {"add_generation_prompt": False, "continue_final_message": True}
+    ).json()
+    assert continued["count"] == body["count"] + 1  # the assistant turn begun, then "A"
+    refused = client.post("/tokenize", json=begun | {"continue_final_message": True})
+    assert refused.status_code == 400 and "continue_final_message" in refused.text
 
 
 def test_detokenize_gives_the_text_back(client, tokenizer):
