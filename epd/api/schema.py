@@ -379,10 +379,14 @@ class ChatCompletionRequest(GenerationRequest):
         for name in kwargs or {}:
             if not name.isidentifier():
                 raise ValueError(f"names must be template variable names, not {name[:40]!r}")
+        try:
+            size = len(json.dumps(kwargs, ensure_ascii=False))
+        except RecursionError:
+            size = MAX_TEMPLATE_KWARGS_CHARS + 1
+        if size > MAX_TEMPLATE_KWARGS_CHARS:
+            raise ValueError(f"at most {MAX_TEMPLATE_KWARGS_CHARS} characters as JSON")
         if json_depth(kwargs) > MAX_TEMPLATE_KWARGS_DEPTH:  # before anything recurses into it
             raise ValueError(f"values may nest at most {MAX_TEMPLATE_KWARGS_DEPTH} deep")
-        if len(json.dumps(kwargs, ensure_ascii=False)) > MAX_TEMPLATE_KWARGS_CHARS:
-            raise ValueError(f"at most {MAX_TEMPLATE_KWARGS_CHARS} characters as JSON")
         return kwargs
 
     @model_validator(mode="after")
