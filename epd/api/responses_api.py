@@ -19,7 +19,14 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from epd.api.errors import APIError, bad_request
 from epd.api.responses import Reply
-from epd.api.schema import ChatCompletionRequest, Lenient, parse_plain, parse_request
+from epd.api.schema import (
+    MAX_CHAT_ITEMS,
+    ChatCompletionRequest,
+    Lenient,
+    chat_items,
+    parse_plain,
+    parse_request,
+)
 from epd.wire.messages import TokenDelta
 
 PART_TYPES = ("input_text", "output_text", "input_image", "refusal")
@@ -161,6 +168,11 @@ def chat_part(part: InputPart) -> dict[str, Any]:
 
 def parse_responses(body: Any) -> tuple[ResponsesRequest, ChatCompletionRequest]:
     """The request, and the chat request it stands for (validated as any chat request)."""
+    if isinstance(body, dict) and (items := chat_items(body.get("input"))) > MAX_CHAT_ITEMS:
+        raise bad_request(
+            f"the input holds {items} items and content parts, over {MAX_CHAT_ITEMS}",
+            param="input",
+        )
     request = parse_plain(body, ResponsesRequest)
     if (refused := request.refused()) is not None:
         param, why = refused

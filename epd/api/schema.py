@@ -178,7 +178,17 @@ VLLM_EXTRAS_NOT_DONE: dict[str, Any] = {
     "echo": False,  # chat's (the legacy endpoint declares its own field and takes it)
     "chat_template": None,
     "prompt_logprobs": None,
+    "allowed_token_ids": None,
+    "bad_words": None,
+    "use_beam_search": False,
+    "length_penalty": 1.0,
+    "truncate_prompt_tokens": None,
+    "return_tokens_as_token_ids": False,
+    "functions": None,  # OpenAI's legacy form of tools
 }
+# Messages and content parts a request may hold in all: each costs pydantic ~3 µs under the
+# GIL, so 3 million of them (93 MB) held the event loop, and every stream, for 9 s.
+MAX_CHAT_ITEMS = 1 << 16
 # vLLM's `structured_outputs` keys → the guided_* field each stands for; `json_object` asks
 # for any JSON object, as response_format's.
 STRUCTURED_OUTPUTS = {"json": "guided_json", "regex": "guided_regex", "choice": "guided_choice"}
@@ -554,12 +564,25 @@ def parse_completion(body: Any) -> CompletionRequest:
     return parse(body, CompletionRequest)
 
 
+def chat_items(messages: Any) -> int:
+    """Messages and their content parts, counted on the parsed JSON before pydantic reads it."""
+    if not isinstance(messages, list):
+        return 0
+    parts = (m.get("content") for m in messages if isinstance(m, dict))
+    return len(messages) + sum(len(c) for c in parts if isinstance(c, list))
+
+
 R = TypeVar("R", bound=GenerationRequest)
 
 
 def parse(body: Any, kind: type[R]) -> R:
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
+    if (items := chat_items(body.get("messages"))) > MAX_CHAT_ITEMS:
+        raise bad_request(
+            f"the messages hold {items} messages and content parts, over {MAX_CHAT_ITEMS}",
+            param="messages",
+        )
     try:
         request = kind.model_validate(body)
     except ValidationError as e:

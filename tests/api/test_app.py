@@ -142,6 +142,14 @@ def test_models_and_health_that_names_the_missing_peers(client, tiny_checkpoint)
             "chat_template_kwargs may not set messages: the server gives it",
         ),
         ({"messages": USER, "echo": True}, 400, "echo is not supported"),
+        ({"messages": USER, "allowed_token_ids": [5]}, 400, "allowed_token_ids is not supported"),
+        ({"messages": USER, "use_beam_search": True}, 400, "use_beam_search is not supported"),
+        ({"messages": USER, "bad_words": ["x"]}, 400, "bad_words is not supported"),
+        (  # counted before pydantic reads them: 3 million held every stream up for 9 s
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}] * 70000}]},
+            400,
+            "the messages hold 70001 messages and content parts, over 65536",
+        ),
         (
             {"messages": [{"role": "user", "content": [{"type": "refusal", "refusal": "x"}]}]},
             400,

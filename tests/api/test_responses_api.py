@@ -89,6 +89,7 @@ def test_input_messages_become_chat_messages():
         ({"input": "hi", "include": ["message.output_text.logprobs"]}, "include may name"),
         ({"input": "hi", "metadata": {str(i): "v" for i in range(17)}}, "metadata"),
         ({"input": "hi", "metadata": {"k": "v" * 513}}, "metadata"),
+        ({"input": [{"role": "user", "content": "a"}] * 70000}, "70000 items and content parts"),
     ],
 )
 def test_what_cannot_be_served_is_a_400(body, fragment):
