@@ -243,7 +243,7 @@ def create_app(service: Service, on_started: Callable[[], Any] | None = None) ->
             conversation = await service.off_loop(service.builder.read, asked)
             images = await service.load_images(conversation.image_urls)
             return await service.off_loop(
-                tokens.tokenize_chat, service.builder, conversation, images
+                tokens.tokenize_chat, service.builder, conversation, images, asked.return_token_strs
             )
 
     @app.post("/detokenize")

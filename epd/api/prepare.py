@@ -229,8 +229,7 @@ class PromptBuilder:
     ) -> PreparedRequest:
         """The request as prefill takes it, once its images are fetched; its id holds the
         client's `x-request-id` where one was given (made unique: clients reuse theirs)."""
-        grids = self.grids(images)
-        counts = [self.processor.tokens(grid) for grid in grids]
+        grids, counts = self.image_tokens(images)
         ids = self.prompt_ids(conversation, counts)
         return PreparedRequest(
             request_id=unique_id("chatcmpl", request_id),
@@ -240,6 +239,11 @@ class PromptBuilder:
             image_tokens=tuple(counts),
             sampling=self.sampling(conversation.request, len(ids)),
         )
+
+    def image_tokens(self, images: list[bytes]) -> tuple[tuple[Grid, ...], list[int]]:
+        """Each image's (h, w) grid and the tokens it becomes; a 400 for a bad image."""
+        grids = self.grids(images)
+        return grids, [self.processor.tokens(grid) for grid in grids]
 
     def prompt_ids(self, conversation: Conversation, image_tokens: list[int]) -> list[int]:
         """The conversation's prompt, each image's placeholder repeated for its tokens."""

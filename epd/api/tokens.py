@@ -8,7 +8,7 @@ from typing import Any
 
 from epd.api.errors import bad_request
 from epd.api.prepare import Conversation, PromptBuilder
-from epd.api.schema import DetokenizeRequest, TokenizeChatRequest, TokenizeRequest
+from epd.api.schema import DetokenizeRequest, TokenizeRequest
 from epd.checkpoint.tokenizer import decode_text
 
 
@@ -23,15 +23,12 @@ def tokenize(builder: PromptBuilder, request: TokenizeRequest) -> dict[str, Any]
 
 
 def tokenize_chat(
-    builder: PromptBuilder, conversation: Conversation, images: list[bytes]
+    builder: PromptBuilder, conversation: Conversation, images: list[bytes], spelled: bool
 ) -> dict[str, Any]:
     """vLLM's chat form: the ids /v1/chat/completions would prefill for the conversation,
     each image's tokens included (its placeholder repeated, as prefill gets it)."""
-    counts = [builder.processor.tokens(grid) for grid in builder.grids(images)]
-    ids = builder.prompt_ids(conversation, counts)
-    request = conversation.request
-    assert isinstance(request, TokenizeChatRequest)
-    return tokenized(builder, ids, request.return_token_strs)
+    _, counts = builder.image_tokens(images)
+    return tokenized(builder, builder.prompt_ids(conversation, counts), spelled)
 
 
 def tokenized(builder: PromptBuilder, ids: list[int], spelled: bool) -> dict[str, Any]:
