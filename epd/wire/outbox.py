@@ -2,11 +2,14 @@
 
 A message that cannot go out at once (the peer is still connecting, reconnecting, or its
 libzmq queue is full) waits in that peer's bounded queue; the owner's loop calls `poll()`, which
-sends what waited once it can, and gives up on each message `connect_timeout_s` after it was
-queued, reporting its request so the owner can fail or abort it. Monitor events are read on
-every poll: libzmq blocks its I/O thread, and with it every socket of the process, once a
-monitor's queue is full. Peers that go idle or never answer are closed and their number is
-capped, so a stream of distinct reply addresses cannot exhaust file descriptors.
+sends what waited once it can, and gives up on a message that has waited too long, reporting its
+request so the owner can fail or abort it: `connect_timeout_s` while the peer is not connected,
+`stall_timeout_s` while it is connected but not reading (a peer busy for a few seconds, its
+event loop held by a large request, loses nothing; one that stays hung loses its requests).
+Monitor events are read on every poll: libzmq blocks its I/O thread, and with it every socket
+of the process, once a monitor's queue is full. Peers that go idle or never answer are closed
+and their number is capped, so a stream of distinct reply addresses cannot exhaust file
+descriptors.
 """
 
 from __future__ import annotations
@@ -31,9 +34,15 @@ log = logging.getLogger(__name__)
 # shrinks this to show that a long outage no longer fills the monitor queues.
 RECONNECT_MS = int(os.environ.get("EPD_ZMQ_RECONNECT_MS", "100"))
 HEARTBEAT_MS = 1000  # ZMTP pings on every connection...
-HEARTBEAT_TIMEOUT_MS = 5000  # ...so a hung (not only a dead) peer is disconnected
+# ...so a vanished peer (its host gone, nothing closed) is disconnected. A peer that only stops
+# reading still pings from libzmq's I/O thread, and stays up: `stall_timeout_s` bounds its wait.
+HEARTBEAT_TIMEOUT_MS = 5000
 EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED  # none fire while a peer is away
 LIBZMQ_QUEUE = 64  # messages libzmq holds per peer; beyond, they wait in ours (bounded, timed)
+# Decode sends a delta per stream per step (~1000 a second at 16 streams): a queue this long
+# holds a minute of them for a prefill that stalls, at a few hundred bytes each.
+MAX_QUEUED = 65536
+STALL_TIMEOUT_S = 30.0  # the longest a connected peer may read nothing before its messages fail
 
 
 @dataclass
@@ -73,7 +82,8 @@ class Outbox:
         max_peers: int = 256,
         idle_close_s: float = 60.0,
         connect_timeout_s: float = 2.0,
-        max_queued: int = 4096,
+        stall_timeout_s: float = STALL_TIMEOUT_S,
+        max_queued: int = MAX_QUEUED,
         max_queued_bytes: int = 1 << 30,
         curve: CurveKeys | None = None,
     ) -> None:
@@ -81,7 +91,7 @@ class Outbox:
         self.curve = curve  # when set, every connection is a CURVE client of the cluster
         self.pinned = frozenset(pinned)
         self.max_peers, self.idle_close_s = max_peers, idle_close_s
-        self.connect_timeout_s = connect_timeout_s
+        self.connect_timeout_s, self.stall_timeout_s = connect_timeout_s, stall_timeout_s
         self.max_queued, self.max_queued_bytes = max_queued, max_queued_bytes
         self.queued_bytes = 0
         self.peers: dict[str, Peer] = {}
@@ -226,8 +236,11 @@ class Outbox:
         return losses
 
     def _expire(self, address: str, peer: Peer, now: float) -> list[Queued]:
+        """Take off the messages that waited too long: for a connection, or for a connected
+        peer to read."""
+        limit = self.stall_timeout_s if peer.up else self.connect_timeout_s
         expired = []
-        while peer.queue and now - peer.queue[0].since > self.connect_timeout_s:
+        while peer.queue and now - peer.queue[0].since > limit:
             expired.append(peer.queue.popleft())
             self.queued_bytes -= expired[-1].size
         if expired:

@@ -19,6 +19,7 @@ import zmq.asyncio
 from epd.wire.codec import HEADER_BYTES, WireError, decode
 from epd.wire.curve import CurveKeys
 from epd.wire.messages import Message
+from epd.wire.outbox import STALL_TIMEOUT_S
 
 log = logging.getLogger(__name__)
 QUEUED_MESSAGES = 256  # per connection, so a flood waits in its sender, not in this process
@@ -27,8 +28,12 @@ QUEUED_BYTES = 1 << 30  # ...and fewer where messages may be large: at most ~thi
 # not finish its handshake (libzmq's default waits 30 s), or one that finished it and then
 # answers no ping (without pings, kept for ever: a host that vanished without closing, or a
 # hostile client holding descriptors). Real peers answer pings from libzmq's own I/O thread.
+# But once this process stops reading (its loop held for seconds by one large request), libzmq
+# stops reading the connection at the queue's limit, answers too: a short timeout here would
+# drop a live sender, with every request in flight on it (a 9 s stall did, 2026-12-03). So
+# the timeout is the longest stall a sender waits out.
 HANDSHAKE_MS = 5000
-HEARTBEAT_MS, HEARTBEAT_TIMEOUT_MS = 1000, 5000
+HEARTBEAT_MS, HEARTBEAT_TIMEOUT_MS = 1000, int(STALL_TIMEOUT_S * 1000)
 REFUSALS_LOGGED_PER_S = 10
 
 

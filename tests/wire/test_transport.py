@@ -10,6 +10,7 @@ import pytest
 import torch
 import zmq
 
+from epd.wire import outbox as outbox_module
 from epd.wire import transport
 from epd.wire.messages import Abort, ImageEmbeddings
 from epd.wire.outbox import Outbox
@@ -204,7 +205,7 @@ def test_a_frame_over_the_limit_is_never_read(context, address):
 
 def test_a_peer_that_does_not_read_makes_messages_wait_then_fail_by_age(context, address):
     inbox = Inbox(context, address)  # bound, never read: libzmq's queues fill up
-    outbox = Outbox(context, [address], connect_timeout_s=0.5)
+    outbox = Outbox(context, [address], stall_timeout_s=0.5)
     assert wait_until(lambda: outbox.is_up(address))
     rows = torch.zeros(16, 1024)  # 64 KiB a message
     sent = [outbox.send(address, ImageEmbeddings(f"r{i}", 0, ((2, 2),), rows)) for i in range(600)]
@@ -213,6 +214,38 @@ def test_a_peer_that_does_not_read_makes_messages_wait_then_fail_by_age(context,
     losses = []
     assert wait_until(lambda: losses.extend(outbox.poll().requests) or outbox.queued == 0)
     assert losses[0] == (address, first) and not outbox.poll().peers  # the peer is not lost
+    inbox.close()
+
+
+def test_a_peer_that_stalls_for_seconds_loses_nothing(context, address, monkeypatch):
+    """A receiver that reads nothing for a while (its loop held by one large request) stops
+    libzmq reading its connection, pings included: neither side may take that for a dead peer.
+    Every message arrives, in order, once it reads again. The sender's timeouts shrunk: its
+    heartbeat's to 0.3 s, a message's wait for a connection to 0.2 s."""
+    for module in (outbox_module, transport):  # each side pings every 0.1 s
+        monkeypatch.setattr(module, "HEARTBEAT_MS", 100)
+    monkeypatch.setattr(outbox_module, "HEARTBEAT_TIMEOUT_MS", 300)
+    inbox = Inbox(context, address)
+    outbox = Outbox(context, [address], connect_timeout_s=0.2, stall_timeout_s=30)
+    assert wait_until(lambda: outbox.is_up(address))
+    sent, deadline = 0, time.monotonic() + 1.5  # five heartbeat timeouts, nothing read
+    while time.monotonic() < deadline:
+        for _ in range(50):
+            assert outbox.send(address, Abort(f"r{sent}"))
+            sent += 1
+        losses = outbox.poll()
+        assert losses.requests == [] and losses.peers == []
+        time.sleep(0.01)
+    assert outbox.queued > 0  # libzmq's queues filled: the rest waited here
+    received, deadline = [], time.monotonic() + 10
+    while len(received) < sent and time.monotonic() < deadline:
+        message = inbox.recv(timeout_ms=10)
+        if message is None:  # libzmq's queues are empty: send what waited
+            losses = outbox.poll()
+            assert losses.requests == [] and losses.peers == []
+        else:
+            received.append(message.request_id)
+    assert received == [f"r{i}" for i in range(sent)] and outbox.queued == 0
     inbox.close()
 
 
