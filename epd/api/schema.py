@@ -550,7 +550,7 @@ def parse_plain(body: Any, kind: type[M]) -> M:
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
     try:
-        return kind.model_validate(body)
+        return kind.model_validate(body, strict=True)
     except ValidationError as e:
         raise _as_api_error(e) from None
 
@@ -584,7 +584,7 @@ def parse(body: Any, kind: type[R]) -> R:
             param="messages",
         )
     try:
-        request = kind.model_validate(body)
+        request = kind.model_validate(body, strict=True)
     except ValidationError as e:
         raise _as_api_error(e) from None
     if (refused := request.unsupported()) is not None:

@@ -224,6 +224,13 @@ def test_models_and_health_that_names_the_missing_peers(client, tiny_checkpoint)
             "invalid tool_choice.function: Field required",
         ),
         ({"messages": USER, "tool_choice": "any"}, 400, "invalid tool_choice: Input should be"),
+        # Values of the wrong JSON type are refused, as OpenAI refuses them, not coerced.
+        ({"messages": USER, "logprobs": "yes"}, 400, "invalid logprobs: Input should be a valid"),
+        ({"messages": USER, "max_tokens": True}, 400, "invalid max_tokens: Input should be"),
+        ({"messages": USER, "n": 2.0}, 400, "invalid n: Input should be a valid integer"),
+        ({"messages": USER, "stream": 1}, 400, "invalid stream: Input should be a valid bool"),
+        ({"messages": USER, "temperature": "0.5"}, 400, "invalid temperature: Input should"),
+        ({"messages": USER, "seed": "7"}, 400, "invalid seed: Input should be a valid integer"),
     ],
 )
 def test_invalid_requests_get_openai_errors(client, body, status, fragment):
@@ -255,6 +262,7 @@ def test_fields_clients_send_routinely_are_accepted(client, caplog):
         "tool_choice": "none",
         "tools": [],
         "n": 1,
+        "temperature": 1,  # an integer where a number is asked is a number
         "presence_penalty": 0.5,
         "frequency_penalty": -0.5,
         "repetition_penalty": 1.1,
