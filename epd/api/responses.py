@@ -129,13 +129,6 @@ class Echo:
         return [self.first_token, *(e.token for e in self.scored)]
 
     @cached_property
-    def end(self) -> int:
-        """The offset of the first generated token: after the prompt's tokens, spelt one by
-        one as `tokens` has them (one that is part of a character spells "\ufffd" and so can
-        differ from the text in length: offsets then keep rising all the same)."""
-        return sum(map(len, self.tokens))
-
-    @cached_property
     def logprobs(self) -> dict[str, list[Any]]:
         """The prompt's part of a choice's `logprobs`, made once for all its choices."""
         return {
@@ -145,16 +138,20 @@ class Echo:
                 None,
                 *({t.token: t.logprob for t in e.top_logprobs} for e in self.scored),
             ],
-            "text_offset": offsets(self.tokens, 0),
+            "text_offset": offsets(self.tokens, 0, len(self.text)),
         }
 
 
-def offsets(tokens: list[str], start: int) -> list[int]:
-    """Where each token begins in a text that has `start` characters before the first."""
-    found = []
+def offsets(tokens: list[str], start: int, length: int) -> list[int]:
+    """Where each token begins in the `length` characters of text they make, which have
+    `start` characters before them: each token after the spelling of those before it, but
+    never past the text's end. (A token that ends inside a character spells "\ufffd", a
+    character the text holds only once, when the character is whole; a stop string cuts the
+    text short.)"""
+    found, spelled = [], 0
     for token in tokens:
-        found.append(start)
-        start += len(token)
+        found.append(start + min(spelled, length))
+        spelled += len(token)
     return found
 
 
@@ -198,12 +195,15 @@ class TextReply(Reply):
         if not self.want_logprobs:
             return None
         entries = [e for d in deltas for e in d.logprobs]
-        tokens = [e.token for e in entries]
+        begins, offset = [], offset + (len(echo.text) if echo else 0)
+        for delta in deltas:  # each delta's tokens within the text it brought
+            begins += offsets([e.token for e in delta.logprobs], offset, len(delta.text))
+            offset += len(delta.text)
         generated: dict[str, list[Any]] = {
-            "tokens": tokens,
+            "tokens": [e.token for e in entries],
             "token_logprobs": [e.logprob for e in entries],
             "top_logprobs": [{t.token: t.logprob for t in e.top_logprobs} for e in entries],
-            "text_offset": offsets(tokens, offset + (echo.end if echo else 0)),
+            "text_offset": begins,
         }
         if echo is None:
             return generated
@@ -237,8 +237,8 @@ class TextReply(Reply):
         echo = self.echo_for(delta.index) if delta.index not in self.offsets else None
         offset = self.offsets.get(delta.index, 0)
         logprobs = self.text_logprobs([delta], offset, echo)
-        offset += echo.end if echo else 0
-        self.offsets[delta.index] = offset + sum(len(e.token) for e in delta.logprobs)
+        offset += len(echo.text) if echo else 0
+        self.offsets[delta.index] = offset + len(delta.text)
         choice = {
             "index": delta.index,
             "text": (echo.text if echo else "") + delta.text,

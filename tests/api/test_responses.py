@@ -49,12 +49,37 @@ def test_a_stream_echoes_the_prompt_of_each_choice_once_in_its_first_chunk():
     assert sent[3]["logprobs"]["text_offset"] == [12]
 
 
-def test_offsets_keep_rising_where_a_token_is_part_of_a_character():
-    """Two byte tokens of one character each spell "\ufffd": the generated token's offset
-    follows the prompt's tokens as spelt, never falling back into them."""
+def test_offsets_stay_in_the_text_where_a_token_is_part_of_a_character():
+    """Two byte tokens of one character each spell "\ufffd" though the text holds the
+    character once: offsets never point past the text, and the generated text's tokens begin
+    where it does, after the prompt's text."""
     echo = Echo("日", "\ufffd", (entry("\ufffd", -1.0),))
     reply = TextReply("r", "m", 2, want_logprobs=True, echoes=[echo])
     (choice,) = reply.completion(DELTAS[:1])["choices"]
+    assert choice["text"] == "日 you"
+    assert choice["logprobs"]["text_offset"] == [0, 1, 1]
+
+
+def test_generated_tokens_of_one_character_begin_where_it_does():
+    """Decode sends no text for a token that ends inside a character, then the whole
+    character with the token that completes it: both tokens begin at the character."""
+    deltas = [
+        TokenDelta("r", (7,), "", 1, None, (entry("\ufffd", -0.5),)),
+        TokenDelta("r", (8,), "日", 2, None, (entry("\ufffd", -0.5),)),
+        TokenDelta("r", (9,), " you", 3, "length", (entry(" you", -0.5),)),
+    ]
+    reply = TextReply("r", "m", 2, want_logprobs=True, echoes=[ECHO])
+    (choice,) = reply.completion(deltas)["choices"]
+    assert choice["text"] == "Hi there日 you"
+    assert choice["logprobs"]["text_offset"] == [0, 2, 8, 8, 9]
+    streamed = TextReply("r", "m", 2, want_logprobs=True)
+    sent = [json.loads(streamed.delta_chunk(d)[len("data: ") :]) for d in deltas]
+    assert [c["choices"][0]["logprobs"]["text_offset"] for c in sent] == [[0], [0], [1]]
+    # Several tokens in one delta (prefill's first, with others): spelt, within its text.
+    together = TokenDelta(
+        "r", (7, 8, 9), "日 you", 3, "length", sum((d.logprobs for d in deltas), ())
+    )
+    (choice,) = TextReply("r", "m", 2, want_logprobs=True).completion([together])["choices"]
     assert choice["logprobs"]["text_offset"] == [0, 1, 2]
 
 
