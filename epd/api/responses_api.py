@@ -3,9 +3,11 @@
 message, whole or as the API's stream of typed events.
 
 What it needs beyond one stateless turn of text and images is refused by name: tools, stored
-conversations (`previous_response_id`, `conversation`), background runs, formats other than
-text, input items other than messages. `store` is accepted and ignored (nothing is kept to be
-fetched later), and so is `reasoning`, which this model does not do (as vLLM ignores it).
+conversations (`previous_response_id`, `conversation`), background runs, input items other
+than messages. `text.format` asks for JSON as chat's `response_format` does (json_object, or
+a json_schema whose fields lie flat in the format). `store` is accepted and ignored (nothing is
+kept to be fetched later), and so is `reasoning`, which this model does not do (as vLLM
+ignores it).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from epd.api.errors import APIError, bad_request
 from epd.api.responses import Reply
@@ -62,7 +64,30 @@ class InputMessage(Lenient):
 
 
 class TextFormat(Lenient):
-    type: str
+    """The output's format: chat's `response_format`, its json_schema's fields laid flat."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = Field(None, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(None, alias="schema")
+    strict: bool | None = None  # the output follows the schema either way
+
+    @model_validator(mode="after")
+    def schema_given(self) -> TextFormat:
+        if self.type == "json_schema" and (self.name is None or self.schema_ is None):
+            raise ValueError("type json_schema needs a name and a schema")
+        return self
+
+    def response_format(self) -> dict[str, Any] | None:
+        """The chat request's `response_format` for this format (None: plain text)."""
+        if self.type != "json_schema":
+            return None if self.type == "text" else {"type": self.type}
+        fields = self.model_dump(by_alias=True, exclude_none=True, exclude={"type"})
+        return {"type": "json_schema", "json_schema": fields}
+
+    def echoed(self) -> dict[str, Any]:
+        """As a response object gives it back."""
+        return self.model_dump(by_alias=True, exclude_none=True)
 
 
 class TextOptions(Lenient):  # `verbosity` and the like: ignored
@@ -104,7 +129,10 @@ class ResponsesRequest(BaseModel):
     def echoed(self) -> dict[str, Any]:
         """What a response object repeats of its request."""
         fields = ("instructions", "max_output_tokens", "temperature", "top_p", "metadata")
-        return {name: value for name in fields if (value := getattr(self, name)) is not None}
+        echoed = {name: value for name in fields if (value := getattr(self, name)) is not None}
+        if self.text is not None and self.text.format is not None:
+            echoed["text"] = {"format": self.text.format.echoed()}
+        return echoed
 
     def refused(self) -> tuple[str, str] | None:
         extra = self.model_extra or {}
@@ -114,9 +142,6 @@ class ResponsesRequest(BaseModel):
         include = extra.get("include") or []
         if not isinstance(include, list) or set(include) - set(INCLUDES_WITHOUT_CONTENT):
             return "include", f"include may name only {', '.join(INCLUDES_WITHOUT_CONTENT)}"
-        formatted = self.text.format if self.text else None
-        if formatted is not None and formatted.type != "text":
-            return "text.format", "only text output is supported on /v1/responses"
         return None
 
     def chat_body(self) -> dict[str, Any]:
@@ -140,6 +165,9 @@ class ResponsesRequest(BaseModel):
         ):
             if theirs is not None:
                 body[ours] = theirs
+        formatted = self.text.format if self.text is not None else None
+        if formatted is not None and (response_format := formatted.response_format()):
+            body["response_format"] = response_format
         return body
 
 
@@ -212,11 +240,11 @@ class ResponseReply(Reply):
             "temperature": None,
             "top_p": None,
             "metadata": {},
+            "text": {"format": {"type": "text"}},
             **self.echoed,
             "parallel_tool_calls": False,
             "tool_choice": "none",
             "tools": [],
-            "text": {"format": {"type": "text"}},
             "store": False,
             "usage": self.response_usage(output_tokens) if status != "in_progress" else None,
         }

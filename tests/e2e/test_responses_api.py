@@ -1,9 +1,15 @@
 """OpenAI's Responses API through the official client, over the three processes: the same
 text as the chat it stands for, whole and streamed, and what it cannot do refused by name."""
 
+import json
+from typing import Annotated, Literal
+
+import jsonschema
 import openai
 import pytest
+from pydantic import BaseModel, Field
 
+from .test_openai_api import PERSON
 from .test_stack import CASES, RED, body
 
 INSTRUCTIONS = "Be brief."
@@ -62,13 +68,51 @@ def test_a_streamed_response_sends_the_events_in_order(client, model_name):
     assert events[-1].response.usage.output_tokens == whole.usage.output_tokens
 
 
+def test_a_response_follows_its_text_format(client, model_name, local):
+    """`text.format` is chat's `response_format` with the json_schema's fields laid flat: the
+    same JSON as the chat it stands for, and the response repeats the format."""
+    schema = {"type": "json_schema", "name": "person", "schema": PERSON, "strict": True}
+    reply = client.responses.create(
+        model=model_name,
+        input="Who?",
+        max_output_tokens=200,
+        temperature=0,
+        text={"format": schema},
+    )
+    jsonschema.validate(json.loads(reply.output_text), PERSON)
+    flat = {key: value for key, value in schema.items() if key != "type"}
+    chat_format = {"type": "json_schema", "json_schema": flat}
+    chat = [{"role": "user", "content": "Who?"}]
+    expected = local.chat(
+        body(model_name, chat, max_tokens=200, temperature=0, response_format=chat_format)
+    )
+    assert reply.output_text == expected.text and reply.status == "completed"
+    assert reply.text.format.type == "json_schema" and reply.text.format.name == "person"
+
+
+class Person(BaseModel):
+    name: Annotated[str, Field(max_length=12)]
+    tags: Annotated[list[Literal["a", "b"]], Field(max_length=2)]
+    ok: bool
+
+
+def test_the_sdks_parse_gets_an_object_of_its_model(client, model_name):
+    """`client.responses.parse(text_format=...)`: the SDK sends the model's strict schema and
+    reads the reply back into the model."""
+    reply = client.responses.parse(
+        model=model_name, input="Who?", max_output_tokens=200, temperature=0, text_format=Person
+    )
+    assert isinstance(reply.output_parsed, Person)
+    assert Person.model_validate_json(reply.output_text) == reply.output_parsed
+
+
 @pytest.mark.parametrize(
     "params,fragment",
     [
         ({"tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools are not"),
         ({"previous_response_id": "resp_1"}, "responses are not stored"),
         ({"include": ["message.output_text.logprobs"]}, "include may name only"),
-        ({"text": {"format": {"type": "json_object"}}}, "only text output"),
+        ({"text": {"format": {"type": "json_schema", "schema": {}}}}, "a name and a schema"),
         ({"max_output_tokens": 0}, "max_output_tokens"),
     ],
 )
