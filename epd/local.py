@@ -22,7 +22,7 @@ from epd.checkpoint.weights import load_model
 from epd.config.roles import PrefillConfig
 from epd.decode.scheduler import Scheduler
 from epd.encode.encoder import Encoder
-from epd.generation.params import TokenLogprob
+from epd.generation.sampling import Scored
 from epd.generation.transcript import Output
 from epd.prefill.engine import PrefillEngine
 from epd.prefill.request import PreparedRequest
@@ -55,7 +55,7 @@ class Completion:
     # OpenAI-style benchmarks time the first chunk with content).
     first_text_s: float | None
     total_s: float
-    prompt_logprobs: tuple[TokenLogprob, ...] = ()  # a legacy `echo` with `logprobs`: scored
+    prompt_logprobs: tuple[Scored, ...] = ()  # a legacy `echo` or `prompt_logprobs`: scored
 
     # The first choice's, which is the only one unless the request asked for n > 1.
     @property

@@ -19,6 +19,7 @@ from typing import Any, Protocol, TypeVar, cast
 import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from transformers import PreTrainedTokenizerBase
 
 from epd.api import tokens
 from epd.api.errors import APIError, as_api_error, bad_request, overloaded
@@ -32,7 +33,7 @@ from epd.api.middleware import (
     request_id,
 )
 from epd.api.prepare import PromptBuilder, check_grammar, check_scored
-from epd.api.responses import Echo, Reply, TextReply
+from epd.api.responses import Echo, Reply, TextReply, prompt_logprobs_json
 from epd.api.responses_api import ResponseReply, parse_responses
 from epd.api.schema import (
     ChatCompletionRequest,
@@ -47,7 +48,7 @@ from epd.api.schema import (
 from epd.api.tools import ForcedTools, ToolReply
 from epd.checkpoint.tokenizer import decode_text
 from epd.config.roles import PrefillConfig
-from epd.generation.params import TokenLogprob
+from epd.generation.sampling import Scored, spelled
 from epd.prefill.coordinator import Coordinator
 from epd.prefill.engine import PrefillEngine
 from epd.prefill.errors import PrefillError
@@ -297,7 +298,7 @@ def create_app(service: Service, on_started: Callable[[], Any] | None = None) ->
             legacy.wants_logprobs,
             legacy.include_usage,
             echoes=[
-                echo_of(service, legacy.prompts[which], p, s.prompt_logprobs)
+                echo_of(service, legacy.prompts[which], p, s.prompt_logprobs, legacy.logprobs or 0)
                 for which, (p, s) in enumerate(zip(prepared, started, strict=True))
             ]
             if legacy.echo
@@ -305,6 +306,10 @@ def create_app(service: Service, on_started: Callable[[], Any] | None = None) ->
             n=legacy.n,
             prompt_only=legacy.prompt_only,
         )
+        if legacy.prompt_logprobs is not None:
+            reply.prompt_logprobs = [
+                await prompt_scores(service, s, legacy.prompt_logprobs) for s in started
+            ]
         deltas = merged([s.deltas for s in started], legacy.n)
         return await respond(service, request, reply, deltas, legacy, choices=count * legacy.n)
 
@@ -366,7 +371,8 @@ async def start_chat(
         )
     except ValueError as e:  # e.g. more images than the prompt has placeholders
         raise bad_request(str(e)) from None
-    deltas = (await generate(service, prepared)).deltas
+    check_scored(chat, [prepared])
+    started = await generate(service, prepared)
     names = (prepared.request_id, service.model_name, len(prepared.prompt_ids))
     forced = ForcedTools.of(chat)
     reply = (
@@ -374,7 +380,24 @@ async def start_chat(
         if forced is None
         else ToolReply(*names, chat.logprobs, chat.include_usage, forced=forced)
     )
-    return reply, deltas, len(prepared.images)
+    if chat.prompt_logprobs is not None:
+        reply.prompt_logprobs = [await prompt_scores(service, started, chat.prompt_logprobs)]
+    return reply, started.deltas, len(prepared.images)
+
+
+async def prompt_scores(
+    service: Service, started: Started, alternatives: int
+) -> list[dict[str, Any] | None]:
+    """A prompt's `prompt_logprobs` as vLLM gives them (off the loop: a token is spelt for
+    each entry)."""
+    spell = partial(token_text, service.builder.tokenizer)
+    return await service.off_loop(
+        prompt_logprobs_json, started.prompt_logprobs, alternatives, spell
+    )
+
+
+def token_text(tokenizer: PreTrainedTokenizerBase, token: int) -> str:
+    return decode_text(tokenizer, [token])
 
 
 @dataclass(frozen=True)
@@ -383,7 +406,7 @@ class Started:
     if it asked (`PreparedRequest.prompt_logprobs`)."""
 
     deltas: AsyncIterator[TokenDelta]
-    prompt_logprobs: tuple[TokenLogprob, ...] = ()
+    prompt_logprobs: tuple[Scored, ...] = ()
 
 
 async def generate(service: Service, prepared: PreparedRequest) -> Started:
@@ -416,13 +439,15 @@ def echo_of(
     service: Service,
     asked: str | list[int],
     prepared: PreparedRequest,
-    scored: tuple[TokenLogprob, ...],
+    scored: tuple[Scored, ...],
+    alternatives: int,
 ) -> Echo:
     """What a legacy completion's `echo` gives back of one prompt: its text as sent (token
-    ids decoded), and its first token's spelling for the logprobs."""
+    ids decoded), and its tokens spelt for the logprobs, each with its `alternatives`."""
     tokenizer = service.builder.tokenizer
     text = asked if isinstance(asked, str) else decode_text(tokenizer, asked)
-    return Echo(text, decode_text(tokenizer, prepared.prompt_ids[:1]), scored)
+    spelt = tuple(spelled(s, tokenizer, alternatives) for s in scored)
+    return Echo(text, decode_text(tokenizer, prepared.prompt_ids[:1]), spelt)
 
 
 async def merged(streams: list[AsyncIterator[TokenDelta]], n: int) -> AsyncIterator[TokenDelta]:

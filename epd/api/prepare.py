@@ -238,6 +238,7 @@ class PromptBuilder:
             grids=grids,
             image_tokens=tuple(counts),
             sampling=self.sampling(conversation.request, len(ids)),
+            prompt_logprobs=conversation.request.prompt_logprobs,
         )
 
     def image_tokens(self, images: list[bytes]) -> tuple[tuple[Grid, ...], list[int]]:
@@ -292,7 +293,7 @@ class PromptBuilder:
             grids=(),
             image_tokens=(),
             sampling=self.sampling(request, len(ids)),
-            prompt_logprobs=request.logprobs if request.echo else None,
+            prompt_logprobs=scored_alternatives(request),
         )
 
     def sampling(self, request: GenerationRequest, prompt_tokens: int) -> SamplingParams:
@@ -389,19 +390,33 @@ def strings_in(value: Any) -> Iterator[str]:
             yield from strings_in(item)
 
 
-def check_scored(request: CompletionRequest, prepared: list[PreparedRequest]) -> None:
-    """A 400 if the prompts' tokens a legacy `echo` with `logprobs` would put in the reply,
-    with their alternatives, in each of its n choices, are more than MAX_SCORED_ENTRIES."""
-    if not request.echo or request.logprobs is None:
-        return
+def scored_alternatives(request: CompletionRequest) -> int | None:
+    """The alternatives to score each prompt token with: for `prompt_logprobs`, and for an
+    `echo` with `logprobs` (None: neither asks for the prompt's scores)."""
+    asked = [request.prompt_logprobs, request.logprobs if request.echo else None]
+    return max((a for a in asked if a is not None), default=None)
+
+
+def check_scored(request: GenerationRequest, prepared: list[PreparedRequest]) -> None:
+    """A 400 if the prompts' tokens the reply would score (a legacy `echo` with `logprobs`
+    in each of its n choices, `prompt_logprobs` once for a chat and in each choice of a legacy
+    completion), with their alternatives, are more than MAX_SCORED_ENTRIES."""
     tokens = sum(len(p.prompt_ids) for p in prepared)
-    entries = tokens * (1 + request.logprobs) * request.n
-    if entries > MAX_SCORED_ENTRIES:
-        raise bad_request(
-            f"echo with logprobs={request.logprobs} and n={request.n} would reply with {entries} "
-            f"logprobs ({tokens} prompt tokens × (logprobs + 1) × n), over {MAX_SCORED_ENTRIES}",
-            param="echo",
-        )
+    legacy = isinstance(request, CompletionRequest)
+    echoed = request.logprobs if isinstance(request, CompletionRequest) and request.echo else None
+    for param, alternatives, copies in (
+        ("echo", echoed, request.n),
+        ("prompt_logprobs", request.prompt_logprobs, request.n if legacy else 1),
+    ):
+        if alternatives is None:
+            continue
+        entries = tokens * (1 + alternatives) * copies
+        if entries > MAX_SCORED_ENTRIES:
+            raise bad_request(
+                f"{param} would reply with {entries} logprobs ({tokens} prompt tokens × "
+                f"({alternatives} alternatives + 1) × {copies}), over {MAX_SCORED_ENTRIES}",
+                param=param,
+            )
 
 
 def unique_id(kind: str, request_id: str) -> str:

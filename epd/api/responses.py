@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
@@ -12,7 +13,27 @@ from msgspec.structs import replace
 
 from epd.api.errors import APIError
 from epd.generation.params import TokenLogprob
+from epd.generation.sampling import Scored
 from epd.wire.messages import TokenDelta
+
+
+def prompt_logprobs_json(
+    scored: Sequence[Scored], alternatives: int, spell: Callable[[int], str]
+) -> list[dict[str, Any] | None]:
+    """vLLM's `prompt_logprobs`: None for the prompt's first token (nothing comes before it),
+    then for each other token {token id: {logprob, rank, decoded_token}} for the token itself
+    and its `alternatives` likeliest (ranked 1, 2, ...)."""
+
+    def entry(token: int, logprob: float, rank: int) -> dict[str, Any]:
+        return {"logprob": logprob, "rank": rank, "decoded_token": spell(token)}
+
+    found: list[dict[str, Any] | None] = [None]
+    for score in scored:
+        ranked = {str(score.token_id): entry(score.token_id, score.logprob, score.rank)}
+        for rank, (token, logprob) in enumerate(score.top[:alternatives], start=1):
+            ranked.setdefault(str(token), entry(token, logprob, rank))
+        found.append(ranked)
+    return found
 
 
 def logprob_json(entry: TokenLogprob) -> dict[str, Any]:
@@ -37,6 +58,8 @@ class Reply:
     want_logprobs: bool
     stream_usage: bool = False  # every chunk has `usage`: null but in the last (OpenAI's rule)
     created: int = field(default_factory=lambda: int(time.time()))
+    # Each prompt's `prompt_logprobs_json`, if the request asked for them (vLLM's extra)
+    prompt_logprobs: list[list[dict[str, Any] | None]] = field(default_factory=list)
     chunk_object = "chat.completion.chunk"
 
     def usage(self, completion_tokens: int) -> dict[str, int]:
@@ -63,7 +86,7 @@ class Reply:
             for index, mine in groups
         ]
         completion_tokens = sum(mine[-1].completion_tokens for _, mine in groups)
-        return {
+        body = {
             "id": self.request_id,
             "object": "chat.completion",
             "created": self.created,
@@ -71,6 +94,9 @@ class Reply:
             "choices": choices,
             "usage": self.usage(completion_tokens),
         }
+        if self.prompt_logprobs:  # vLLM puts a chat's beside its choices
+            body["prompt_logprobs"] = self.prompt_logprobs[0]
+        return body
 
     def opening(self, choices: int) -> list[str]:
         """The chunks a stream starts with: each choice's role."""
@@ -224,12 +250,15 @@ class TextReply(Reply):
     def choice(self, index: int, deltas: list[TokenDelta]) -> dict[str, Any]:
         """Choice `index` whole, after its echoed prompt if asked."""
         echo = self.echo_for(index)
-        return {
+        choice = {
             "index": index,
             "text": (echo.text if echo else "") + "".join(d.text for d in deltas),
             "logprobs": self.text_logprobs(deltas, echo=echo),
             "finish_reason": deltas[-1].finish_reason,
         }
+        if self.prompt_logprobs:  # in each choice, its prompt's (as vLLM's)
+            choice["prompt_logprobs"] = self.prompt_logprobs[index // self.n]
+        return choice
 
     def delta_chunk(self, delta: TokenDelta) -> str:
         """A choice's chunk; its first also carries the echoed prompt, if asked."""

@@ -21,6 +21,7 @@ from epd.generation.params import (
     MAX_LOGIT_BIAS,
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
+    MAX_TOP_LOGPROBS,
 )
 from epd.multimodal.prompt import Opening
 
@@ -177,7 +178,6 @@ def json_depth(value: Any) -> int:
 VLLM_EXTRAS_NOT_DONE: dict[str, Any] = {
     "echo": False,  # chat's (the legacy endpoint declares its own field and takes it)
     "chat_template": None,
-    "prompt_logprobs": None,
     "allowed_token_ids": None,
     "bad_words": None,
     "use_beam_search": False,
@@ -264,6 +264,16 @@ class GenerationRequest(BaseModel):
     guided_choice: list[str] | None = Field(None, min_length=1, max_length=1024)
     guided_grammar: str | None = Field(None, max_length=MAX_GRAMMAR_CHARS)
     user: str | None = None  # accepted without effect
+    # vLLM's extra: each prompt token's logprob and rank after those before it, with this
+    # many likeliest alternatives
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    @field_validator("prompt_logprobs", mode="before")
+    @classmethod
+    def scores_asked(cls, asked: Any) -> Any:
+        """`true` asks for the prompt's scores with one alternative, as vLLM reads it (a bool
+        is an int there); `false` for none."""
+        return {True: 1, False: None}.get(asked, asked) if isinstance(asked, bool) else asked
 
     @model_validator(mode="before")
     @classmethod
@@ -344,6 +354,8 @@ class GenerationRequest(BaseModel):
             if field in extra and extra[field] != done:
                 only = "" if done is None else f" (only {json.dumps(done)})"
                 return field, f"{field} is not supported{only}"
+        if self.prompt_logprobs is not None and self.stream:
+            return "prompt_logprobs", "prompt_logprobs cannot be streamed (nor in vLLM)"
         if why := structured_outputs_left(extra.get("structured_outputs", {})):
             return "structured_outputs", why
         if len(self.output_constraints()) > 1:

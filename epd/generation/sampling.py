@@ -9,12 +9,19 @@ from __future__ import annotations
 import math
 import secrets
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from transformers import PreTrainedTokenizerBase
 
 from epd.checkpoint.tokenizer import decode_text
-from epd.generation.params import MIN_LOGPROB, SamplingParams, TokenLogprob, TopLogprob
+from epd.generation.params import (
+    MIN_LOGPROB,
+    SamplingParams,
+    TokenLogprob,
+    TopLogprob,
+    check_logprob,
+)
 
 # Below this temperature sampling is greedy: dividing by a tinier one can overflow float32
 # logits to inf, whose softmax is NaN (vLLM draws the same line).
@@ -110,27 +117,63 @@ def token_logprob(
 def token_logprobs(
     logits: torch.Tensor, tokens: Sequence[int], top: int, tokenizer: PreTrainedTokenizerBase
 ) -> list[TokenLogprob]:
-    """`token_logprob` for many rows at once: logits (N, vocab), one token per row.
+    """`token_logprob` for many rows at once: logits (N, vocab), one token per row."""
+    return [spelled(s, tokenizer) for s in score_tokens(logits, tokens, top)]
+
+
+@dataclass(frozen=True)
+class Scored:
+    """A token's logprob under the model's distribution, its rank there (1: the likeliest; 0:
+    not ranked), and the `top` likeliest tokens as (id, logprob), the likeliest first."""
+
+    token_id: int
+    logprob: float
+    rank: int = 0
+    top: tuple[tuple[int, float], ...] = ()
+
+    def __post_init__(self) -> None:
+        for value in (self.logprob, *(v for _, v in self.top)):
+            check_logprob(value, ())  # a NaN from the model fails its own request
+
+
+def score_tokens(
+    logits: torch.Tensor, tokens: Sequence[int], top: int, ranked: bool = False
+) -> list[Scored]:
+    """Each row's token scored: logits (N, vocab), one token per row; ranked if asked (one
+    more pass over the rows).
 
     Only the few values asked for are taken from the rows, where they are, and only those leave
     the device: a logprob is the logit less the row's logsumexp (log-softmax without writing
-    the (N, vocab) result, one pass fewer over a large vocabulary)."""
+    the (N, vocab) result, one pass fewer over a large vocabulary). Values are kept within
+    [MIN_LOGPROB, 0], so they stay finite JSON numbers."""
     logits = logits.float()
     norm = logits.logsumexp(-1, keepdim=True)  # (N, 1)
     ids = torch.tensor(tokens, dtype=torch.int64, device=logits.device)[:, None]
-    chosen = (logits.gather(1, ids) - norm)[:, 0].clamp(MIN_LOGPROB, 0.0).tolist()  # (N,)
+    picked = logits.gather(1, ids)  # (N, 1)
+    chosen = (picked - norm)[:, 0].clamp(MIN_LOGPROB, 0.0).tolist()  # (N,)
+    ranks = ((logits > picked).sum(-1) + 1).tolist() if ranked else [0] * len(tokens)
     best_values: list[list[float]] = [[] for _ in tokens]
     best_ids: list[list[int]] = [[] for _ in tokens]
     if top:
         best = logits.topk(top)  # (N, top)
         best_values = (best.values - norm).clamp(MIN_LOGPROB, 0.0).tolist()
         best_ids = best.indices.tolist()
-    entries = []
-    for token, value, values, indices in zip(tokens, chosen, best_values, best_ids, strict=True):
-        alternatives = []
-        for v, index in zip(values, indices, strict=True):
-            piece = decode_text(tokenizer, [index])
-            alternatives.append(TopLogprob(piece, v, tuple(piece.encode())))
-        piece = decode_text(tokenizer, [token])
-        entries.append(TokenLogprob(piece, value, tuple(piece.encode()), tuple(alternatives)))
-    return entries
+    return [
+        Scored(token, value, rank, tuple(zip(indices, values, strict=True)))
+        for token, value, rank, values, indices in zip(
+            tokens, chosen, ranks, best_values, best_ids, strict=True
+        )
+    ]
+
+
+def spelled(
+    scored: Scored, tokenizer: PreTrainedTokenizerBase, top: int | None = None
+) -> TokenLogprob:
+    """A score as OpenAI's logprobs spell it, each token as its text; with its `top`
+    likeliest alternatives (default: all it has)."""
+    alternatives = []
+    for index, value in scored.top[:top]:
+        piece = decode_text(tokenizer, [index])
+        alternatives.append(TopLogprob(piece, value, tuple(piece.encode())))
+    piece = decode_text(tokenizer, [scored.token_id])
+    return TokenLogprob(piece, scored.logprob, tuple(piece.encode()), tuple(alternatives))

@@ -21,7 +21,7 @@ from typing import TypeVar
 import torch
 
 from epd.config.roles import PrefillConfig
-from epd.generation.params import TokenLogprob
+from epd.generation.sampling import Scored
 from epd.multimodal.grids import kimi_vl_grids
 from epd.prefill.batcher import PrefillBatcher, token_budget
 from epd.prefill.engine import Prefilled, PrefillEngine, Prompt
@@ -79,7 +79,7 @@ class Stream:
     queue: asyncio.Queue[TokenDelta | PrefillError] = field(default_factory=asyncio.Queue)
     sent_at: float = 0.0  # when the hand-off went to the decoder (perf_counter)
     max_tokens: int = sys.maxsize  # the request's: no choice may have more
-    prompt_logprobs: tuple[TokenLogprob, ...] = ()  # scored prompt tokens, if asked (`Prompt`)
+    prompt_logprobs: tuple[Scored, ...] = ()  # scored prompt tokens, if asked (`Prompt`)
 
 
 async def within(awaitable: Awaitable[T], seconds: float, error: Exception) -> T:

@@ -27,8 +27,14 @@ from transformers import PreTrainedTokenizerBase
 from epd.generation.finite import all_finite
 from epd.generation.grammar import GrammarError, Grammars
 from epd.generation.logits import NoTokenAllowed, adjust, require_a_token
-from epd.generation.params import SamplingParams, TokenLogprob
-from epd.generation.sampling import make_generator, sample_batch, token_logprob, token_logprobs
+from epd.generation.params import SamplingParams
+from epd.generation.sampling import (
+    Scored,
+    make_generator,
+    sample_batch,
+    score_tokens,
+    token_logprob,
+)
 from epd.generation.transcript import Output, Transcript
 from epd.model.deepseek import DeepseekV3ForCausalLM
 from epd.model.latent_cache import LatentCache
@@ -58,7 +64,7 @@ class Partial:
     of those its positions predict (each token's logprob after the ones before it)."""
 
     cache: LatentCache
-    scored: tuple[TokenLogprob, ...] = ()
+    scored: tuple[Scored, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -85,7 +91,7 @@ class Prefilled:
 
     first: tuple[Output, ...]  # by choice
     handoff: KVHandoff | None  # None: every choice ended at its first token
-    prompt_logprobs: tuple[TokenLogprob, ...] = ()  # from the prompt's second token, if asked
+    prompt_logprobs: tuple[Scored, ...] = ()  # from the prompt's second token, if asked
 
 
 class PrefillEngine:
@@ -174,19 +180,19 @@ class PrefillEngine:
         mine = rows[first : first + int(slots[start:stop].sum())].to(self.device)
         return scatter_image_embeddings(embeds, chunk, mine, self.placeholder_id)
 
-    def score(self, chunk: Chunk, hidden: torch.Tensor) -> list[TokenLogprob]:
-        """The logprobs of the prompt tokens that the chunk's positions predict, hidden
-        (stop - start, D): each position's next token, up to the prompt's last (the last
+    def score(self, chunk: Chunk, hidden: torch.Tensor) -> list[Scored]:
+        """The logprobs and ranks of the prompt tokens that the chunk's positions predict,
+        hidden (stop - start, D): each position's next token, up to the prompt's last (the last
         position predicts the first generated token, which is sampled, not scored)."""
         prompt = chunk.prompt
         ids, top = prompt.prompt_ids, prompt.prompt_logprobs or 0
         predicting = min(chunk.stop, len(ids) - 1) - chunk.start
-        entries: list[TokenLogprob] = []
+        entries: list[Scored] = []
         for at in range(0, predicting, SCORED_ROWS):
             rows = range(at, min(at + SCORED_ROWS, predicting))
             logits = self.lm.logits(hidden[rows.start : rows.stop])  # (rows, vocab)
             targets = [ids[chunk.start + j + 1] for j in rows]
-            entries += token_logprobs(logits, targets, top, self.tokenizer)
+            entries += score_tokens(logits, targets, top, ranked=True)
         return entries
 
     def forward(

@@ -11,6 +11,7 @@ from starlette.requests import ClientDisconnect
 from epd.api.app import create_app, parse_json
 from epd.api.errors import APIError, as_api_error
 from epd.api.prepare import PromptBuilder
+from epd.api.schema import parse_request
 from epd.api.server import build_service
 from epd.checkpoint.config import load_model_config
 from epd.config.roles import PrefillConfig
@@ -231,6 +232,18 @@ def test_models_and_health_that_names_the_missing_peers(client, tiny_checkpoint)
         ({"messages": USER, "stream": 1}, 400, "invalid stream: Input should be a valid bool"),
         ({"messages": USER, "temperature": "0.5"}, 400, "invalid temperature: Input should"),
         ({"messages": USER, "seed": "7"}, 400, "invalid seed: Input should be a valid integer"),
+        ({"messages": USER, "prompt_logprobs": 21}, 400, "invalid prompt_logprobs"),
+        ({"messages": USER, "prompt_logprobs": -1}, 400, "invalid prompt_logprobs"),
+        (
+            {"messages": USER, "prompt_logprobs": 1, "stream": True},
+            400,
+            "prompt_logprobs cannot be streamed",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "word " * 1200}], "prompt_logprobs": 20},
+            400,
+            "prompt_logprobs would reply with",
+        ),
     ],
 )
 def test_invalid_requests_get_openai_errors(client, body, status, fragment):
@@ -298,6 +311,14 @@ def test_null_fields_mean_their_defaults_and_vllms_names_are_taken(client, caplo
     assert response.status_code == 200, response.json()
     assert response.json()["choices"][0]["message"]["content"] in ("a", "b")
     assert "ignored request fields" not in caplog.text
+
+
+@pytest.mark.parametrize("asked,alternatives", [(True, 1), (False, None), (0, 0), (5, 5)])
+def test_prompt_logprobs_true_asks_for_one_alternative_as_in_vllm(asked, alternatives):
+    """vLLM reads the field as an int, so its clients send `true` (a bool is an int there)."""
+    assert parse_request({"messages": USER, "prompt_logprobs": asked}).prompt_logprobs == (
+        alternatives
+    )
 
 
 def test_structured_outputs_are_the_guided_fields_they_name():
@@ -405,8 +426,6 @@ def test_a_reply_its_first_token_ends_is_served_by_prefill_alone(client):
 
 
 def test_developer_messages_are_system_turns(client, tiny_checkpoint):
-    from epd.api.prepare import PromptBuilder
-    from epd.api.schema import parse_request
     from epd.checkpoint.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(tiny_checkpoint)

@@ -2,8 +2,9 @@
 
 import json
 
-from epd.api.responses import Echo, TextReply
+from epd.api.responses import Echo, TextReply, prompt_logprobs_json
 from epd.generation.params import TokenLogprob, TopLogprob
+from epd.generation.sampling import Scored
 from epd.wire.messages import TokenDelta
 
 
@@ -95,3 +96,28 @@ def test_max_tokens_0_gives_the_prompt_alone():
     streamed = json.loads(reply.delta_chunk(last)[len("data: ") :])["choices"][0]
     assert streamed["text"] == "Hi there" and streamed["logprobs"]["tokens"] == ["Hi", " there"]
     assert json.loads(reply.usage_chunk(1)[len("data: ") :])["usage"]["completion_tokens"] == 0
+
+
+def test_prompt_logprobs_name_each_token_and_its_alternatives_by_id():
+    """vLLM's layout: None first; then the prompt's own token (its true rank), and the
+    alternatives asked for, ranked; a token among its own alternatives appears once."""
+    scored = [
+        Scored(7, -2.5, 3, ((4, -0.5), (9, -1.0), (7, -2.5))),
+        Scored(4, -0.5, 1, ((4, -0.5), (9, -1.0), (7, -2.5))),
+    ]
+    spell = {4: "a", 7: "b", 9: "c"}.__getitem__
+    assert prompt_logprobs_json(scored, 2, spell) == [
+        None,
+        {
+            "7": {"logprob": -2.5, "rank": 3, "decoded_token": "b"},
+            "4": {"logprob": -0.5, "rank": 1, "decoded_token": "a"},
+            "9": {"logprob": -1.0, "rank": 2, "decoded_token": "c"},
+        },
+        {
+            "4": {"logprob": -0.5, "rank": 1, "decoded_token": "a"},
+            "9": {"logprob": -1.0, "rank": 2, "decoded_token": "c"},
+        },
+    ]
+    assert prompt_logprobs_json(scored, 0, spell)[1] == {
+        "7": {"logprob": -2.5, "rank": 3, "decoded_token": "b"}
+    }

@@ -472,6 +472,43 @@ def test_legacy_echo_with_max_tokens_0_gives_the_prompt_alone(client, model_name
     assert len(choice.logprobs.tokens) == len(ids) and reply.usage.completion_tokens == 0
 
 
+def test_prompt_logprobs_score_the_prompt_as_vllm_gives_them(client, model_name, local):
+    """vLLM's `prompt_logprobs` on a chat with an image: beside the choices, None for the
+    first prompt token, then each token by id with its logprob and rank after those before it,
+    and its likeliest alternatives ranked; as the one-process path scores them."""
+    messages = CASES["one image"]
+    params = {"max_tokens": 2, "temperature": 0}
+    reply = client.chat.completions.create(
+        model=model_name, messages=messages, **params, extra_body={"prompt_logprobs": 2}
+    )
+    alone = local.chat(body(model_name, messages, **params, prompt_logprobs=2))
+    scores = reply.model_extra["prompt_logprobs"]
+    assert len(scores) == reply.usage.prompt_tokens == alone.prompt_tokens
+    assert scores[0] is None
+    tokenizer = local.builder.tokenizer
+    for entry, expected in zip(scores[1:], alone.prompt_logprobs, strict=True):
+        own = entry[str(expected.token_id)]
+        assert own["logprob"] == pytest.approx(expected.logprob, abs=1e-4)
+        assert own["rank"] == expected.rank >= 1
+        assert own["decoded_token"] == tokenizer.decode([expected.token_id])
+        ranked = sorted(entry.items(), key=lambda item: item[1]["rank"])
+        best = [(str(t), v) for t, v in expected.top]
+        assert [t for t, _ in ranked[:2]] == [t for t, _ in best]  # ties aside
+        assert len(entry) == 2 + (str(expected.token_id) not in dict(best))
+    # The legacy endpoint gives each choice its prompt's; streaming them is refused, as vLLM.
+    ids = tokenizer.encode("The red circle is")
+    legacy = client.completions.create(
+        model=model_name, prompt=ids, max_tokens=1, n=2, extra_body={"prompt_logprobs": 0}
+    )
+    for choice in legacy.choices:
+        scored = choice.model_extra["prompt_logprobs"]
+        assert scored[0] is None and [list(e) for e in scored[1:]] == [[str(t)] for t in ids[1:]]
+    with pytest.raises(openai.BadRequestError, match="prompt_logprobs cannot be streamed"):
+        client.chat.completions.create(
+            model=model_name, messages=TEXT, stream=True, extra_body={"prompt_logprobs": 1}
+        )
+
+
 def test_legacy_echo_streams_the_prompt_first(client, model_name):
     prompt = "Once upon a time"
     params = {"max_tokens": 4, "temperature": 0, "echo": True, "n": 2}

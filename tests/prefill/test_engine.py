@@ -66,15 +66,12 @@ def test_a_prompt_asking_gets_each_token_scored_after_those_before(engine, oracl
     assert len(scored) == len(LONG_PROMPT) - 1  # every token but the first, which has no before
     for position, (token, entry) in enumerate(zip(LONG_PROMPT[1:], scored, strict=True)):
         expected = oracle_logprobs[position]  # what the model said before `token`
-        assert entry.token == engine.tokenizer.decode([token])
+        assert entry.token_id == token
         assert entry.logprob == pytest.approx(float(expected[token]), abs=1e-4)
+        assert entry.rank == 1 + int((expected > expected[token]).sum())
         best = expected.topk(3)
-        assert [t.token for t in entry.top_logprobs] == [
-            engine.tokenizer.decode([i]) for i in best.indices.tolist()
-        ]
-        assert [t.logprob for t in entry.top_logprobs] == pytest.approx(
-            best.values.tolist(), abs=1e-4
-        )
+        assert [t for t, _ in entry.top] == best.indices.tolist()
+        assert [v for _, v in entry.top] == pytest.approx(best.values.tolist(), abs=1e-4)
     assert engine.run("r", LONG_PROMPT, None, greedy).prompt_logprobs == ()  # only if asked
 
 
@@ -90,10 +87,11 @@ def test_a_chunked_prompt_is_scored_as_a_whole_one(engine, monkeypatch):
         (result,) = engine.run_chunks([Chunk(prompt, start, stop, past)])
         past = result
     assert isinstance(result, Prefilled)
-    assert [e.token for e in result.prompt_logprobs] == [e.token for e in whole]
+    assert [e.token_id for e in result.prompt_logprobs] == [e.token_id for e in whole]
     for chunked, alone in zip(result.prompt_logprobs, whole, strict=True):
         assert chunked.logprob == pytest.approx(alone.logprob, abs=1e-5)
-        assert [t.token for t in chunked.top_logprobs] == [t.token for t in alone.top_logprobs]
+        assert chunked.rank == alone.rank
+        assert [t for t, _ in chunked.top] == [t for t, _ in alone.top]
 
 
 def test_a_prompt_whose_scores_are_not_finite_fails_alone(engine, monkeypatch):
