@@ -382,6 +382,7 @@ async def start_chat(
     )
     if chat.prompt_logprobs is not None:
         reply.prompt_logprobs = [await prompt_scores(service, started, chat.prompt_logprobs)]
+    reply.echo_text = chat.echoed
     return reply, started.deltas, len(prepared.images)
 
 

@@ -60,6 +60,7 @@ class Reply:
     created: int = field(default_factory=lambda: int(time.time()))
     # Each prompt's `prompt_logprobs_json`, if the request asked for them (vLLM's extra)
     prompt_logprobs: list[list[dict[str, Any] | None]] = field(default_factory=list)
+    echo_text: str = ""  # a chat's `echo`: the text each choice's content begins with
     chunk_object = "chat.completion.chunk"
 
     def usage(self, completion_tokens: int) -> dict[str, int]:
@@ -79,7 +80,10 @@ class Reply:
         choices = [
             {
                 "index": index,
-                "message": {"role": "assistant", "content": "".join(d.text for d in mine)},
+                "message": {
+                    "role": "assistant",
+                    "content": self.echo_text + "".join(d.text for d in mine),
+                },
                 "logprobs": self.logprobs(mine),
                 "finish_reason": mine[-1].finish_reason,
             }
@@ -115,7 +119,7 @@ class Reply:
         return f"data: {json.dumps(body)}\n\n"
 
     def first_chunk(self, index: int = 0) -> str:
-        delta = {"role": "assistant", "content": ""}
+        delta = {"role": "assistant", "content": self.echo_text}
         choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
         return self.chunk([choice])
 

@@ -176,7 +176,6 @@ def json_depth(value: Any) -> int:
 # this server does: any other is a 400, not a reply silently unlike vLLM's.
 # (None: no value is; nulls never get here, `null_is_absent` drops them.)
 VLLM_EXTRAS_NOT_DONE: dict[str, Any] = {
-    "echo": False,  # chat's (the legacy endpoint declares its own field and takes it)
     "chat_template": None,
     "allowed_token_ids": None,
     "bad_words": None,
@@ -390,6 +389,9 @@ class ChatCompletionRequest(GenerationRequest):
     continue_final_message: bool = False
     # vLLM's extra: variables for the chat template, such as Qwen's `enable_thinking`.
     chat_template_kwargs: dict[str, Any] | None = Field(None, max_length=MAX_TEMPLATE_KWARGS)
+    # vLLM's extra: the reply begins with the last message's text where that is the
+    # assistant's, so a client that had the model go on with it reads the answer whole.
+    echo: bool = False
     # Accepted and without effect here: bookkeeping for OpenAI's platform.
     metadata: dict[str, str] | None = None
     store: bool | None = None
@@ -435,6 +437,16 @@ class ChatCompletionRequest(GenerationRequest):
         return choice.function.name if isinstance(choice, NamedToolChoice) else None
 
     @property
+    def echoed(self) -> str:
+        """What `echo` puts before each choice's text: the last message's, if the assistant's."""
+        last = self.messages[-1]
+        if not self.echo or last.role != "assistant":
+            return ""
+        if isinstance(last.content, list):
+            return "".join(p.text for p in last.content if isinstance(p, TextPart))
+        return last.content or ""
+
+    @property
     def forces_tools(self) -> bool:
         return self.tool_choice == "required" or self.named_tool is not None
 
@@ -456,6 +468,8 @@ class ChatCompletionRequest(GenerationRequest):
             return "tool_choice", f"tool_choice names {self.named_tool!r}, which is not in tools"
         if self.forces_tools and (self.stop or self.stop_token_ids):
             return "stop", "stop and stop_token_ids would cut a forced tool call short"
+        if self.forces_tools and self.echoed:
+            return "echo", "echo would put text before a forced tool call"
         for i, message in enumerate(self.messages):
             if message.function_call:
                 return f"messages.{i}.function_call", "function_call is replaced by tool_calls"

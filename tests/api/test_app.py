@@ -142,7 +142,7 @@ def test_models_and_health_that_names_the_missing_peers(client, tiny_checkpoint)
             400,
             "chat_template_kwargs may not set messages: the server gives it",
         ),
-        ({"messages": USER, "echo": True}, 400, "echo is not supported"),
+        ({"messages": USER, "chat_template": "{{ 1 }}"}, 400, "chat_template is not supported"),
         ({"messages": USER, "allowed_token_ids": [5]}, 400, "allowed_token_ids is not supported"),
         ({"messages": USER, "use_beam_search": True}, 400, "use_beam_search is not supported"),
         ({"messages": USER, "bad_words": ["x"]}, 400, "bad_words is not supported"),
@@ -233,6 +233,16 @@ def test_models_and_health_that_names_the_missing_peers(client, tiny_checkpoint)
         ({"messages": USER, "temperature": "0.5"}, 400, "invalid temperature: Input should"),
         ({"messages": USER, "seed": "7"}, 400, "invalid seed: Input should be a valid integer"),
         ({"messages": USER, "prompt_logprobs": 21}, 400, "invalid prompt_logprobs"),
+        (
+            {
+                "messages": [*USER, {"role": "assistant", "content": "{"}],
+                "echo": True,
+                "tools": [{"type": "function", "function": {"name": "f"}}],
+                "tool_choice": "required",
+            },
+            400,
+            "echo would put text before a forced tool call",
+        ),
         ({"messages": USER, "prompt_logprobs": -1}, 400, "invalid prompt_logprobs"),
         (
             {"messages": USER, "prompt_logprobs": 1, "stream": True},

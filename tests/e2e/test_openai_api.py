@@ -128,6 +128,20 @@ def test_an_answer_the_client_began_is_continued_as_the_one_process_path_does(
     fresh = local.chat(body(model_name, begun, max_tokens=12, temperature=0))
     assert reply.choices[0].message.content == expected.text != fresh.text
     assert reply.usage.prompt_tokens == expected.prompt_tokens < fresh.prompt_tokens
+    # vLLM's `echo`: the reply begins with the answer the client began, whole or streamed.
+    echo = {**extra, "echo": True}
+    whole = ask(client, model_name, begun, max_tokens=12, temperature=0, extra_body=echo)
+    assert whole.choices[0].message.content == "It is a" + expected.text
+    chunks = ask(
+        client, model_name, begun, max_tokens=12, temperature=0, stream=True, extra_body=echo
+    )
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == whole.choices[0].message.content
+    plain = ask(client, model_name, TEXT, max_tokens=3, temperature=0, extra_body={"echo": True})
+    assert (
+        plain.choices[0].message.content
+        == local.chat(body(model_name, TEXT, max_tokens=3, temperature=0)).text
+    )  # the last message is the user's: nothing to echo
 
 
 def test_asking_for_what_is_not_there_names_the_field(client, model_name):
