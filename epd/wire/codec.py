@@ -12,6 +12,7 @@ the way in and every value by the message's own checks; anything else is a WireE
 
 from __future__ import annotations
 
+import math
 import typing
 import warnings
 from typing import Annotated, Any
@@ -102,7 +103,11 @@ def _tensor(ref: TensorRef, buffers: list[memoryview], used: set[int]) -> torch.
         raise ValueError(f"bad tensor reference {ref}")
     used.add(ref.frame)
     dtype, raw = TENSOR_DTYPES[ref.dtype], buffers[ref.frame]
+    # Each dim, and the elements the non-zero ones span: an empty tensor of (2**47, 2**47, 0)
+    # matches its empty frame, but torch cannot lay it out.
     if len(ref.shape) > MAX_RANK or not all(0 <= d < 2**48 for d in ref.shape):
+        raise ValueError(f"bad tensor shape {ref.shape}")
+    if math.prod(d for d in ref.shape if d) >= 2**48:
         raise ValueError(f"bad tensor shape {ref.shape}")
     count = 1
     for dim in ref.shape:

@@ -103,8 +103,9 @@ class Inbox:
             return decode(frames, self.max_header_bytes)
         except WireError as e:
             self.refusals.log(str(e))
-        except Exception:  # a decoder bug must not take the receiving loop down with it
-            log.exception("refused a message that failed to decode")
+        except Exception as e:  # a decoder bug must not take the receiving loop down with it
+            # counted and rate-limited as any refusal: a peer could send it again and again
+            self.refusals.log(f"a message that failed to decode: {type(e).__name__}: {e}"[:500])
         return None
 
     def recv(self, timeout_ms: int) -> Message | None:

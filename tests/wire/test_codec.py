@@ -166,3 +166,11 @@ def test_every_frame_belongs_to_exactly_one_tensor():
     both = header("KVHandoff", "r", "", 1, [0], [None], [4], ref, ref, [2, "int64", [1]])
     with pytest.raises(WireError, match="bad tensor reference"):
         decode([both, bytes(4), bytes(8)])
+
+
+def test_an_empty_tensor_torch_cannot_lay_out_is_refused():
+    """(2**47, 2**47, 0) holds no element, as its empty frame says, but its non-zero dims span
+    more than torch can address: refused as a bad shape, not raised from torch."""
+    ref = [1, "float32", [2**47, 2**47, 0]]
+    with pytest.raises(WireError, match="bad tensor shape"):
+        decode([header("ImageEmbeddings", "r", 0, [[2, 2]], ref), b""])

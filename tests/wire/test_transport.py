@@ -262,6 +262,27 @@ def test_refusals_are_counted_and_logged_a_few_a_second(context, address, caplog
     raw.close(linger=0)
 
 
+def test_a_message_the_decoder_fails_on_is_a_counted_refusal(context, address, caplog, monkeypatch):
+    """A decoder bug (any exception, not only a WireError) drops the message, and a peer that
+    sends it again and again gets it counted and logged a few times a second, no more."""
+
+    def broken(frames, max_header_bytes):
+        raise RuntimeError("Storage size calculation overflowed")
+
+    monkeypatch.setattr(transport, "decode", broken)
+    inbox = Inbox(context, address)
+    raw = context.socket(zmq.PUSH)
+    raw.connect(address)
+    for _ in range(100):
+        raw.send(b"anything")
+    while inbox.recv(timeout_ms=500) is not None or inbox.refusals.total < 100:
+        pass
+    assert inbox.refusals.total == 100
+    assert "RuntimeError: Storage size calculation overflowed" in caplog.text
+    assert caplog.text.count("refused a message") <= 30 and "Traceback" not in caplog.text
+    raw.close(linger=0)
+
+
 def test_the_probe_sees_the_io_thread_move_messages(context):
     trips = threading.Semaphore(0)
     probe = WireProbe(context, trips.release, interval_s=0.05)
