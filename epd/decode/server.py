@@ -34,7 +34,7 @@ from epd.wire.curve import process_keys
 from epd.wire.limits import cut
 from epd.wire.messages import Abort, Failure, KVHandoff, TokenDelta
 from epd.wire.outbox import Outbox
-from epd.wire.transport import Inbox
+from epd.wire.transport import Inbox, Refusals
 
 log = logging.getLogger(__name__)
 # A hand-off decode refuses, by why: full for now, or too large for it ever; otherwise bad.
@@ -58,6 +58,7 @@ class DecodeServer:
         self.reply_to: dict[str, str] = {}  # request id → its prefill, while decode holds it
         self.taking = True  # False once a stop was asked for: the drain
         self.open_choices: dict[str, int] = {}  # request id → its choices not finished yet
+        self.refused_handoffs = Refusals()  # logged a few a second: a peer may send many
 
     def take_messages(self) -> None:
         """Take what arrived, for at most INTAKE_S; wait briefly only when there is nothing to do.
@@ -96,7 +97,7 @@ class DecodeServer:
         try:
             added = self.scheduler.add(handoff)
         except Exception as e:  # a bad hand-off fails its own request, never the server
-            log.warning("refused the hand-off of %s: %s", request_id, e)
+            self.refused_handoffs.log(f"the hand-off of {request_id}: {e}"[:500])
             code = REFUSALS.get(type(e), "bad_handoff")
             why = cut(f"decode refused the request: {e}")
             self.outbox.send(reply_to, Failure(request_id, code, why))
@@ -119,7 +120,12 @@ class DecodeServer:
             self.deliver(request_id, TokenDelta.of(request_id, sequence.index, output), last)
         except Exception as e:
             log.exception("could not send the output of %s", request_id)
-            self.fail_request(request_id, "internal", f"decode failed: {type(e).__name__}: {e}")
+            try:
+                why = f"decode failed: {type(e).__name__}: {e}"
+                self.fail_request(request_id, "internal", why)
+            except Exception:  # nor its failure: it ends here, and the step goes on
+                log.exception("could not fail %s either: dropping it", request_id)
+                self.drop(request_id)
 
     def fail_request(self, request_id: str, code: str, message: str) -> None:
         """End a request with a Failure (queued if its prefill is reconnecting)."""
@@ -237,6 +243,8 @@ def run(config: DecodeConfig) -> None:
         scheduler = load_scheduler(config)
         context: zmq.Context = zmq.Context.instance()
         inbox = Inbox(context, config.bind, largest_frame(config.model), curve=keys)
-        return DecodeServer(scheduler, inbox, Outbox(context, curve=keys), prefills)
+        # The prefills named exactly stay connected: never closed as idle nor pushed out.
+        outbox = Outbox(context, prefills.exact, curve=keys)
+        return DecodeServer(scheduler, inbox, outbox, prefills)
 
     run_role("decode", config, build, config.drain_timeout_s)

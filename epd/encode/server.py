@@ -194,7 +194,8 @@ def run(config: EncodeConfig) -> None:
         largest = config.max_images * config.max_image_bytes + HEADER_BYTES  # files in a header
         inbox = Inbox(context, config.bind, largest, max_header_bytes=largest, curve=keys)
         beat = functools.partial(watchdog.beat, "loop")  # once per image: large ones take a while
-        outbox = Outbox(context, curve=keys)
+        # The prefills named exactly stay connected: never closed as idle nor pushed out.
+        outbox = Outbox(context, prefills.exact, curve=keys)
         return EncodeServer(encoder, inbox, outbox, config, prefills, beat)
 
     run_role("encode", config, build)

@@ -42,6 +42,7 @@ LIBZMQ_QUEUE = 64  # messages libzmq holds per peer; beyond, they wait in ours (
 # Decode sends a delta per stream per step (~1000 a second at 16 streams): a queue this long
 # holds a minute of them for a prefill that stalls, at a few hundred bytes each.
 MAX_QUEUED = 65536
+CLOSING_LINGER_MS = 2000  # a connected peer's socket, closed, delivers what it holds for this long
 STALL_TIMEOUT_S = 30.0  # the longest a connected peer may read nothing before its messages fail
 
 
@@ -126,7 +127,11 @@ class Outbox:
         return peer.up
 
     def _open(self, address: str) -> Peer | None:
-        socket = self.context.socket(zmq.PUSH)
+        try:
+            socket = self.context.socket(zmq.PUSH)
+        except zmq.ZMQError as e:  # no file descriptor left: this message's request fails alone
+            log.error("cannot open a socket for %r: %s", address, e)
+            return None
         for option, value in (
             (zmq.IMMEDIATE, 1),  # libzmq never queues for a connection that is gone
             (zmq.SNDHWM, LIBZMQ_QUEUE),
@@ -138,7 +143,12 @@ class Outbox:
             socket.setsockopt(option, value)
         if self.curve is not None:
             self.curve.connect(socket)
-        monitor = socket.get_monitor_socket(EVENTS)
+        try:
+            monitor = socket.get_monitor_socket(EVENTS)
+        except zmq.ZMQError as e:  # as above: its own descriptors
+            log.error("cannot monitor a socket for %r: %s", address, e)
+            socket.close(linger=0)
+            return None
         try:
             socket.connect(address)
         except zmq.ZMQError as e:  # e.g. a wildcard or malformed address
@@ -158,14 +168,15 @@ class Outbox:
     def _evict(self) -> bool:
         """Make room for one more peer; False if every peer is pinned or connected and busy.
 
-        The least recently used idle peer goes first; failing that, one that is not connected,
-        with what waited for it (its requests are reported lost): a flood of reply addresses
-        nobody serves must not keep a live prefill from getting its answers.
+        The least recently used peer that is not connected goes first, with what waited for it
+        (its requests are reported lost): a flood of reply addresses nobody serves must not push
+        out a live prefill. Failing that, the least recently used idle one; what it was handed
+        still goes out (`_close_peer`).
         """
         unpinned = [a for a in self.peers if a not in self.pinned]
-        idle = [a for a in unpinned if not self.peers[a].queue]
         away = [a for a in unpinned if not self.peers[a].up]
-        for candidates in (idle, away):
+        idle = [a for a in unpinned if not self.peers[a].queue]
+        for candidates in (away, idle):
             if candidates:
                 address = min(candidates, key=lambda a: self.peers[a].last_used)
                 self.dropped += [(address, q.request_id) for q in self.peers[address].queue]
@@ -173,9 +184,14 @@ class Outbox:
                 return True
         return False
 
-    def _close_peer(self, address: str) -> None:
+    def _close_peer(self, address: str, linger_ms: int | None = None) -> None:
+        """Close a peer's socket; by default what libzmq holds for a connected peer still goes
+        out, for up to CLOSING_LINGER_MS (with no linger it would be dropped without a word)."""
         peer = self.peers.pop(address)
         self.queued_bytes -= sum(q.size for q in peer.queue)
+        if linger_ms is None:
+            linger_ms = CLOSING_LINGER_MS if peer.up else 0
+        peer.socket.setsockopt(zmq.LINGER, linger_ms)
         _close(peer.socket, peer.monitor)
 
     def _events(self, address: str, peer: Peer) -> None:
@@ -250,8 +266,7 @@ class Outbox:
     def close(self, linger_ms: int = 0) -> None:
         """Close every socket; `linger_ms` lets messages already handed to libzmq go out."""
         for address in list(self.peers):
-            self.peers[address].socket.setsockopt(zmq.LINGER, linger_ms)
-            self._close_peer(address)
+            self._close_peer(address, linger_ms)
 
 
 def _send(socket: zmq.Socket, frames: list[Frame]) -> bool:

@@ -38,6 +38,9 @@ def wait_until(check, timeout=3.0):
     return False
 
 
+ROWS = torch.zeros(16, 1024)  # 64 KiB a message: libzmq's queues hold a few
+
+
 def open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
@@ -166,6 +169,42 @@ def test_a_flood_of_dead_reply_addresses_cannot_lock_out_a_live_peer(context, ad
     assert wait_until(settled)  # the evicted one at once, the others when they time out
     assert (f"ipc://{tmp_path}/dead-0", "dead-0") in losses
     assert inbox.recv(timeout_ms=2000) == Abort("live")
+
+
+def test_a_flood_of_dead_reply_addresses_cannot_push_out_a_slow_live_peer(context, tmp_path):
+    """A live peer reading slowly, whose messages all sit in libzmq (none in the outbox's own
+    queue), is not the one evicted for a flood of reply addresses nobody serves; and once it
+    is evicted (only live peers left), what libzmq held for it still arrives."""
+    slow = context.socket(zmq.PULL)
+    slow.setsockopt(zmq.RCVHWM, 1)
+    address = f"ipc://{tmp_path}/slow"
+    slow.bind(address)
+    outbox = Outbox(context, max_peers=8, connect_timeout_s=0.3)
+    assert outbox.send(address, Abort("first")) and wait_until(lambda: outbox.is_up(address))
+    outbox.poll()  # the first goes out
+    sent = 1
+    while not outbox.peers[address].queue:  # libzmq's queues fill up
+        assert outbox.send(address, ImageEmbeddings(f"r{sent}", 0, ((2, 2),), ROWS))
+        sent += 1
+    while outbox.peers[address].queue:  # the peer reads a little; what waited goes to libzmq
+        assert slow.poll(3000)
+        slow.recv_multipart()
+        sent -= 1
+        outbox.poll()
+    for i in range(20):  # each takes a slot, and waits for a connection that never comes
+        assert outbox.send(f"ipc://{tmp_path}/dead-{i}", Abort(f"dead-{i}"))
+    assert address in outbox.peers  # the dead ones made room for one another
+    live = []
+    for i in range(7):  # live peers fill the other slots: the slow one is pushed out at last
+        live.append(Inbox(context, f"ipc://{tmp_path}/live-{i}"))
+        assert outbox.send(f"ipc://{tmp_path}/live-{i}", Abort(f"live-{i}"))
+        assert wait_until(lambda: not outbox.poll().peers and outbox.queued == 0)
+    assert outbox.send(f"ipc://{tmp_path}/live-7", Abort("live-7"))
+    assert address not in outbox.peers and outbox.poll().requests == []
+    for _ in range(sent):  # ...and every message it was handed arrives
+        assert slow.poll(3000), "a message handed to libzmq was dropped"
+        slow.recv_multipart()
+    slow.close(linger=0)
 
 
 def test_pinned_peers_stay_open(context, address):
