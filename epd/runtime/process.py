@@ -3,10 +3,12 @@ line."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import logging
 import os
+import resource
 import signal
 import sys
 import threading
@@ -23,6 +25,7 @@ T = TypeVar("T")
 SUPERVISOR_ENV = "EPD_SUPERVISOR_PID"  # set by `epd serve`: its children end when it does
 STOP_GRACE_S = 15.0  # a process asked to stop that has not finished by then exits at once
 PR_SET_PDEATHSIG = 1
+MAX_OPEN_FILES = 1 << 20  # the soft limit taken where the hard one is unlimited
 
 
 class ProcessOptions(Protocol):
@@ -180,5 +183,19 @@ def start_process(
     setup_logging(role, options.log_level, options.log_format)
     stop = stop_event(grace_s)
     follow_supervisor()
+    raise_file_limit()
     torch.set_num_threads(torch_threads(options.threads, options.device))
     return stop
+
+
+def raise_file_limit() -> None:
+    """Let the process open as many files as its hard limit allows.
+
+    Every ZeroMQ connection, accepted or made, takes a descriptor; at a soft limit of 1024 a
+    thousand idle connections from anyone who can reach a port left decode unable to open a
+    socket to its prefill, and prefill's API unable to answer (docs/architecture.md)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = MAX_OPEN_FILES if hard == resource.RLIM_INFINITY else hard
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        with contextlib.suppress(ValueError, OSError):  # e.g. a sandbox that forbids it
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))

@@ -1,13 +1,17 @@
-"""What every process sets up first: its log lines; and work that must not outlive its thread."""
+"""What every process sets up first: its log lines, its open files limit; and work that must
+not outlive its thread."""
 
 import os
+import resource
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 
-from epd.runtime.process import on_passing_thread, set_torch_threads
+from epd.runtime.process import MAX_OPEN_FILES, on_passing_thread, set_torch_threads
 
 
 def test_log_level_and_json_lines(capsys):
@@ -82,3 +86,21 @@ def test_a_threads_count_set_with_set_torch_threads_is_kept():
         assert on_passing_thread(loop_like, False) == 2  # why set_torch_threads reads it back
     finally:
         torch.set_num_threads(main_threads)
+
+
+def test_a_role_raises_its_open_files_limit_to_the_hard_one():
+    """Each ZeroMQ connection takes a descriptor: a role must not stop at a low soft limit."""
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    code = (
+        "import resource; from epd.runtime.process import raise_file_limit; "
+        "raise_file_limit(); print(resource.getrlimit(resource.RLIMIT_NOFILE)[0])"
+    )
+    raised = subprocess.run(
+        [sys.executable, "-c", code],
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard)),
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    wanted = MAX_OPEN_FILES if hard == resource.RLIM_INFINITY else hard
+    assert int(raised.stdout) == wanted > 256
