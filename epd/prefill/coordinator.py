@@ -14,6 +14,7 @@ import logging
 import sys
 import time
 import weakref
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -55,6 +56,7 @@ from epd.wire.transport import Inbox, async_context
 log = logging.getLogger(__name__)
 PEER_POLL_S = 0.02
 PEER_GRACE_S = 0.5  # how long a request waits for a peer that is just connecting
+MAX_DISOWNED = 4096  # requests not ours that decoders were asked to drop, remembered
 # How long what a lost peer sent before it went (its last tokens, a Failure saying why it
 # stopped) has to be read before its requests fail for the loss: the disconnect is seen on
 # another connection and can overtake them. Messages still unread then may hold them too, so
@@ -123,6 +125,7 @@ class Coordinator:
         self.inbox = Inbox(async_context(), config.bind, largest, curve=keys)
         self.waits: dict[tuple[str, int], EncodeWait] = {}  # images being encoded
         self.streams: dict[str, Stream] = {}  # requests handed to decode, not finished
+        self.disowned: OrderedDict[str, None] = OrderedDict()  # unknown requests aborted (LRU)
         budget = token_budget(config.max_prefill_tokens, engine.device)
         self.batcher = PrefillBatcher(
             engine,
@@ -179,10 +182,24 @@ class Coordinator:
         elif isinstance(message, TokenDelta):
             if (stream := self.streams.get(message.request_id)) is not None:
                 stream.queue.put_nowait(message)
+            else:
+                self.disown(message.request_id)
         elif isinstance(message, Failure):
             self.fail(message.request_id, from_failure(message))
         else:
             self.inbox.refusals.log(f"a {type(message).__name__}: prefill does not take it")
+
+    def disown(self, request_id: str) -> None:
+        """Tokens came for a request this prefill does not hold (its client left, it timed out,
+        or someone handed decode a request in this prefill's name): every decoder is asked,
+        once per request, to drop it, so that what holds decode's room is what is wanted."""
+        if request_id in self.disowned:
+            return
+        self.disowned[request_id] = None
+        if len(self.disowned) > MAX_DISOWNED:
+            self.disowned.popitem(last=False)
+        for decoder in self.decoders.current:
+            self.outbox.send(decoder, Abort(request_id))
 
     def fail(self, request_id: str, error: PrefillError) -> None:
         for (rid, _), wait in self.waits.items():

@@ -343,3 +343,26 @@ def test_a_lost_decoders_last_words_come_before_the_loss(tiny_checkpoint, tmp_pa
 
     lost = "lost the connection to decoder while it held this request"
     assert asyncio.run(main()) == ["decode stopped before it finished", lost, "finished", lost]
+
+
+def test_tokens_for_a_request_prefill_does_not_hold_make_decode_drop_it(tiny_checkpoint, tmp_path):
+    """A hand-off made in this prefill's name by someone else (or a request whose client
+    left) holds decode's room until told: its first tokens here ask every decoder, once, to
+    drop it; the tokens of a request prefill holds go to it."""
+    config = ipc_config(tiny_checkpoint, tmp_path)
+    service = build_service(config)
+
+    async def main():
+        coordinator = Coordinator(config, service.engine, 64, service.watchdog)
+        sent = []
+        coordinator.outbox.send = lambda peer, message: sent.append((peer, message)) or True
+        ours = Stream("ours", "decoder", choices=1)
+        coordinator.streams["ours"] = ours
+        for _ in range(3):
+            coordinator.route(TokenDelta("ghost", (7,), "", completion_tokens=1))
+        coordinator.route(TokenDelta("ours", (7,), "a", completion_tokens=1))
+        await coordinator.stop()
+        return sent, ours.queue.qsize()
+
+    sent, queued = asyncio.run(main())
+    assert sent == [(d, Abort("ghost")) for d in config.decoders] and queued == 1
