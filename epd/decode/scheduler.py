@@ -93,6 +93,9 @@ class Scheduler:
                 f"decode's KV cache of {budget} tokens does not fit in memory: set a smaller "
                 "--max-kv-tokens"
             ) from e
+        # Waiting caches stay in memory where they arrived: at most what the pool holds, in
+        # bytes (their number alone let 192 contexts of 128k tokens, ~4 GB each, wait).
+        self.max_waiting_bytes = self.pool.max_tokens * layers * width * dtype.itemsize
 
     @cached_property
     def grammars(self) -> Grammars:  # built on first use: a large vocabulary takes a second
@@ -151,6 +154,18 @@ class Scheduler:
             )
         if len(self.waiting) + handoff.sampling.n > self.max_waiting:
             raise Busy(f"decode is full: {len(self.waiting)} sequences wait for a batch slot")
+        waiting_bytes = self.waiting_bytes()
+        if waiting_bytes and waiting_bytes + handoff.cache.nbytes > self.max_waiting_bytes:
+            raise Busy(f"decode is full: {waiting_bytes} bytes of caches wait for a batch slot")
+
+    def waiting_bytes(self) -> int:
+        """The memory the waiting sequences' caches take (a request's choices share one)."""
+        caches = {
+            id(s.cache.data): s.cache.data.nbytes
+            for s in self.waiting
+            if isinstance(s.cache, LatentCache)  # as waiting ones are: paged only in the batch
+        }
+        return sum(caches.values())
 
     def add(self, handoff: KVHandoff) -> list[tuple[Sequence, Output]]:
         """Admit a prefilled request, a sequence per choice; the choices share the prompt's cache

@@ -279,6 +279,21 @@ def test_decode_refuses_what_it_has_no_room_to_park(parts):
         Scheduler(lm, tokenizer, eos, max_batch_size=1).add(many)
 
 
+def test_waiting_caches_take_at_most_the_pools_bytes(parts):
+    """Places to wait are counted, and so are the bytes their caches hold: a few long
+    contexts fill the line before its places do (a choice's copies count once)."""
+    lm, tokenizer, engine, eos = parts
+    scheduler = Scheduler(lm, tokenizer, eos, max_batch_size=8, max_kv_tokens=64)
+    long_prompt = list(range(10, 50))  # 40 tokens: a quarter-filled line is past the pool
+    sampling = SamplingParams(8, temperature=1.0, seed=0, n=2)
+    first = engine.run("w0", long_prompt, None, sampling).handoff
+    scheduler.add(first)  # nothing waits: always taken
+    assert scheduler.waiting_bytes() == first.cache.nbytes <= scheduler.max_waiting_bytes
+    with pytest.raises(Busy, match="bytes of caches wait"):
+        scheduler.add(engine.run("w1", long_prompt, None, sampling).handoff)
+    assert len(scheduler.waiting) == 2 < scheduler.max_waiting  # places were left
+
+
 def test_n_choices_decode_apart_and_abort_together(parts):
     lm, tokenizer, engine, eos = parts
     scheduler = Scheduler(lm, tokenizer, eos)
