@@ -123,8 +123,14 @@ class Inbox:
         return not self.socket.closed and bool(self.socket.getsockopt(zmq.EVENTS) & zmq.POLLIN)
 
     async def arecv(self) -> Message | None:
-        """Next message or None if it was refused (asyncio sockets)."""
-        frames = await self.socket.recv_multipart(copy=False)  # type: ignore[misc]
+        """Next message, or None if it was refused or was not there (asyncio sockets)."""
+        try:
+            frames = await self.socket.recv_multipart(copy=False)  # type: ignore[misc]
+        except zmq.Again:
+            # As in `recv`: a CURVE server's socket, once one connection has failed its
+            # handshake beside others, can report input before a message; pyzmq then raises
+            # Again out of the await, and the reading task, had it not been caught, ended.
+            return None
         return self.receive(frames)
 
     def close(self) -> None:
