@@ -288,17 +288,22 @@ def test_a_peer_that_stalls_for_seconds_loses_nothing(context, address, monkeypa
     inbox.close()
 
 
-def test_refusals_are_counted_and_logged_a_few_a_second(context, address, caplog):
+def refused_all(context, address, payload: bytes, count: int) -> Inbox:
+    """An inbox that took `count` copies of `payload` from a raw peer, each refused."""
     inbox = Inbox(context, address)
     raw = context.socket(zmq.PUSH)
     raw.connect(address)
-    for _ in range(200):
-        raw.send(b"junk")
-    while inbox.recv(timeout_ms=500) is not None or inbox.refusals.total < 200:
+    for _ in range(count):
+        raw.send(payload)
+    while inbox.recv(timeout_ms=500) is not None or inbox.refusals.total < count:
         pass
-    assert inbox.refusals.total == 200
-    assert caplog.text.count("refused a message") <= 30
     raw.close(linger=0)
+    return inbox
+
+
+def test_refusals_are_counted_and_logged_a_few_a_second(context, address, caplog):
+    assert refused_all(context, address, b"junk", 200).refusals.total == 200
+    assert caplog.text.count("refused a message") <= 30
 
 
 def test_a_message_the_decoder_fails_on_is_a_counted_refusal(context, address, caplog, monkeypatch):
@@ -309,17 +314,9 @@ def test_a_message_the_decoder_fails_on_is_a_counted_refusal(context, address, c
         raise RuntimeError("Storage size calculation overflowed")
 
     monkeypatch.setattr(transport, "decode", broken)
-    inbox = Inbox(context, address)
-    raw = context.socket(zmq.PUSH)
-    raw.connect(address)
-    for _ in range(100):
-        raw.send(b"anything")
-    while inbox.recv(timeout_ms=500) is not None or inbox.refusals.total < 100:
-        pass
-    assert inbox.refusals.total == 100
+    assert refused_all(context, address, b"anything", 100).refusals.total == 100
     assert "RuntimeError: Storage size calculation overflowed" in caplog.text
     assert caplog.text.count("refused a message") <= 30 and "Traceback" not in caplog.text
-    raw.close(linger=0)
 
 
 def test_the_probe_sees_the_io_thread_move_messages(context):
