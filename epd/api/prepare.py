@@ -402,12 +402,14 @@ def check_scored(request: GenerationRequest, prepared: list[PreparedRequest]) ->
     in each of its n choices, `prompt_logprobs` once for a chat and in each choice of a legacy
     completion), with their alternatives, are more than MAX_SCORED_ENTRIES."""
     tokens = sum(len(p.prompt_ids) for p in prepared)
-    legacy = isinstance(request, CompletionRequest)
-    echoed = request.logprobs if isinstance(request, CompletionRequest) and request.echo else None
-    for param, alternatives, copies in (
-        ("echo", echoed, request.n),
-        ("prompt_logprobs", request.prompt_logprobs, request.n if legacy else 1),
-    ):
+    asked = [("prompt_logprobs", request.prompt_logprobs, 1)]  # a chat's: beside its choices
+    if isinstance(request, CompletionRequest):  # in each choice, as the echo's
+        echoed = request.logprobs if request.echo else None
+        asked = [
+            ("echo", echoed, request.n),
+            ("prompt_logprobs", request.prompt_logprobs, request.n),
+        ]
+    for param, alternatives, copies in asked:
         if alternatives is None:
             continue
         entries = tokens * (1 + alternatives) * copies

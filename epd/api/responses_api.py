@@ -130,9 +130,13 @@ class ResponsesRequest(BaseModel):
         """What a response object repeats of its request."""
         fields = ("instructions", "max_output_tokens", "temperature", "top_p", "metadata")
         echoed = {name: value for name in fields if (value := getattr(self, name)) is not None}
-        if self.text is not None and self.text.format is not None:
-            echoed["text"] = {"format": self.text.format.echoed()}
+        if self.format is not None:
+            echoed["text"] = {"format": self.format.echoed()}
         return echoed
+
+    @property
+    def format(self) -> TextFormat | None:
+        return self.text.format if self.text is not None else None
 
     def refused(self) -> tuple[str, str] | None:
         extra = self.model_extra or {}
@@ -165,8 +169,7 @@ class ResponsesRequest(BaseModel):
         ):
             if theirs is not None:
                 body[ours] = theirs
-        formatted = self.text.format if self.text is not None else None
-        if formatted is not None and (response_format := formatted.response_format()):
+        if self.format is not None and (response_format := self.format.response_format()):
             body["response_format"] = response_format
         return body
 

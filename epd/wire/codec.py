@@ -109,10 +109,7 @@ def _tensor(ref: TensorRef, buffers: list[memoryview], used: set[int]) -> torch.
         raise ValueError(f"bad tensor shape {ref.shape}")
     if math.prod(d for d in ref.shape if d) >= 2**48:
         raise ValueError(f"bad tensor shape {ref.shape}")
-    count = 1
-    for dim in ref.shape:
-        count *= dim
-    if count * dtype.itemsize != raw.nbytes:
+    if math.prod(ref.shape) * dtype.itemsize != raw.nbytes:
         raise ValueError(f"frame {ref.frame} has {raw.nbytes} bytes, not a {ref.dtype} {ref.shape}")
     if raw.nbytes == 0:
         return torch.empty(ref.shape, dtype=dtype)
