@@ -20,6 +20,10 @@ from epd.model.latent_cache import DecodeBatch
 from epd.model.norm import RMSNorm
 from epd.model.rope import rotate
 
+# From this many queries over their own rows, bfloat16 attention runs as two batched products on
+# a CPU (`products_win_on_cpu`).
+MIN_PRODUCT_QUERIES = 4
+
 
 class MLAttention(nn.Module):
     def __init__(self, config: TextConfig, layer: int) -> None:
@@ -219,12 +223,23 @@ class MLAttention(nn.Module):
         own, or (K, L), shared, where visible (N, K) → (N, H, L), the whole rows as values
         (k_pe's columns come out too, for the caller to drop: a value tensor of
         cache[..., :rank] would first copy that strided slice of every row)."""
-        if q.device.type == "cpu":
+        if q.device.type == "cpu" and not products_win_on_cpu(q, cache):
             return fused_latent_attention(q, cache, visible, self.scale)
         # On a GPU the fused kernels that take a mask run a block per request's few query rows
         # and do not split a long cache across blocks; two batched products spread it.
         # (Unmeasured: no GPU has been lent. docs/benchmarks.md)
         return latent_attention(q, cache, visible, self.scale)
+
+
+def products_win_on_cpu(q: torch.Tensor, cache: torch.Tensor) -> bool:
+    """Whether, on a CPU, two batched products beat the fused kernel for queries (N, H, L)
+    over each one's own rows (N, K, L): in bfloat16, from MIN_PRODUCT_QUERIES queries up.
+    There the fused kernel took 2-2.9× the products' time at N 16-64 on an AMD EPYC (zen 4)
+    and about as long on an Intel Xeon with AMX; at one query it was 1.4-1.5× faster. In
+    float32 and float16 it was as fast or faster (docs/benchmarks.md, "Decode attention in
+    bfloat16 by batch"). Shared rows stay fused: the products would write every chunk query's
+    scores against the whole past."""
+    return cache.dim() == 3 and q.dtype == torch.bfloat16 and q.shape[0] >= MIN_PRODUCT_QUERIES
 
 
 def latent_attention(

@@ -2,7 +2,12 @@ import pytest
 import torch
 
 from epd.model.config import TextConfig
-from epd.model.mla import MLAttention, fused_latent_attention, latent_attention
+from epd.model.mla import (
+    MIN_PRODUCT_QUERIES,
+    MLAttention,
+    fused_latent_attention,
+    latent_attention,
+)
 
 # Kimi-VL's latent rows: kv_lora_rank 512 + qk_rope_head_dim 64; 16 heads.
 HEADS, WIDTH = 16, 576
@@ -32,6 +37,38 @@ def test_the_fused_kernel_equals_the_two_products_over_shared_rows(dtype, tolera
     products = latent_attention(q, rows, visible, 0.05)
     assert fused.shape == products.shape == (7, HEADS, WIDTH)
     torch.testing.assert_close(fused.float(), products.float(), atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "queries", "fused"),
+    [
+        (torch.bfloat16, 1, True),
+        (torch.bfloat16, MIN_PRODUCT_QUERIES - 1, True),
+        (torch.bfloat16, MIN_PRODUCT_QUERIES, False),
+        (torch.bfloat16, 16, False),
+        (torch.float32, 16, True),
+    ],
+)
+def test_a_cpu_decode_step_attends_through_the_faster_kernel_for_its_dtype_and_batch(
+    dtype, queries, fused
+):
+    """bfloat16 steps of a few requests or more take the two products; one request, float32
+    and shared rows the fused kernel (`products_win_on_cpu`)."""
+    attention = bfloat16_attention().to(dtype)
+    generator = torch.Generator().manual_seed(3)
+    q = torch.randn(queries, 4, 40, generator=generator).to(dtype)
+    cache = torch.randn(queries, 30, 40, generator=generator).to(dtype)
+    visible = torch.arange(30)[None, :] < torch.arange(30 - queries, 30)[:, None]
+    expected = (fused_latent_attention if fused else latent_attention)(
+        q, cache, visible, attention.scale
+    )
+    assert torch.equal(attention.attend_latent(q, cache, visible), expected)
+    rows = cache[0]  # shared rows: fused whatever the batch
+    shared = visible[:, :30]
+    assert torch.equal(
+        attention.attend_latent(q, rows, shared),
+        fused_latent_attention(q, rows, shared, attention.scale),
+    )
 
 
 def bfloat16_attention() -> MLAttention:
