@@ -24,6 +24,7 @@ float16 is left as it is: not measured.
 
 from __future__ import annotations
 
+import functools
 import logging
 import platform
 import weakref
@@ -92,13 +93,38 @@ def product(
     """x (N, in) → x @ weight.T + bias (N, out): through `packed` (weight packed by `pack`)
     for 1 to MAX_PACKED_ROWS rows, their count above ROW_STEP rounded up to a multiple of it
     (zero rows added, their results dropped), and up to `max_rows` rounded up to a multiple of
-    ROW_BUCKET; through the plain weight for more rows."""
+    ROW_BUCKET; through the plain weight for more rows, unless `blas_is_slow_here`."""
     rows = x.shape[0]
     if 0 < rows <= MAX_PACKED_ROWS:
         return packed_product(x, packed, bias)
     if 0 < rows <= max_rows:
         return onednn_linear(padded(x, ROW_BUCKET), packed, bias)[:rows]
+    if rows and weight.dtype == torch.float32 and blas_is_slow_here():
+        return onednn_linear(padded(x, bucket(rows)), packed, bias)[:rows]
     return bucketed_linear(x, weight, bias)
+
+
+@functools.cache
+def blas_is_slow_here() -> bool:
+    """Whether torch's BLAS, MKL, runs float32 products slowly on this CPU: it takes its fast
+    kernels on Intel's CPUs only. On an AMD EPYC (zen 4) a (256, 1024) @ (1024, 2816) product
+    took 2.3× as long as through the packed weight, and a 240-token float32 prefill 1.5×
+    (docs/benchmarks.md, "float32 products on an AMD CPU"); on an Intel Xeon the two were as
+    fast. There, float32 products of any row count run packed, their rows bucketed as
+    bfloat16's are (`bucket`)."""
+    return torch.backends.mkl.is_available() and cpu_vendor() not in ("GenuineIntel", "")
+
+
+def cpu_vendor() -> str:
+    """The CPU's vendor as Linux names it (GenuineIntel, AuthenticAMD), or "" unknown."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as info:
+            for line in info:
+                if line.startswith("vendor_id"):
+                    return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return ""
 
 
 def packed_product(

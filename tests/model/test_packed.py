@@ -374,16 +374,21 @@ def packed_row_counts(monkeypatch: pytest.MonkeyPatch) -> set[int]:
     return seen
 
 
+@pytest.mark.parametrize(
+    "slow_blas, past_64",  # where MKL is slow, float32 prompts run packed too, rows bucketed
+    [(False, set()), (True, set(range(96, 321, 32)))],
+)
 @torch.inference_mode()
-def test_a_process_meets_few_row_counts_per_packed_weight(monkeypatch):
+def test_a_process_meets_few_row_counts_per_packed_weight(monkeypatch, slow_blas, past_64):
     """oneDNN keeps a kernel (~0.5-1 MiB) per row count it meets: prefill's many prompt lengths
     must not each leave one behind."""
+    monkeypatch.setattr(packed, "blas_is_slow_here", lambda: slow_blas)
     seen = packed_row_counts(monkeypatch)
     linear = PackedLinear.of(linear_of())
     for rows in range(1, 300):
         x = torch.randn(rows, linear.in_features)
         assert rel_err(linear(x), F.linear(x, linear.weight, linear.bias)) <= 1e-6
-    assert seen == {*range(1, 9), *range(16, 65, 8)}
+    assert seen == {*range(1, 9), *range(16, 65, 8), *past_64}
 
 
 @torch.inference_mode()
@@ -396,16 +401,20 @@ def test_experts_with_many_or_rounded_rows_equal_a_plain_loop():
 
 
 @pytest.mark.parametrize(
-    "dtype, tolerance, packed_rows",
-    [  # a prompt's expert products: bfloat16 packed up to 256 rows (65 → 96), float32 to 64
-        (torch.float32, 1e-6, {16, 64}),
-        pytest.param(torch.bfloat16, 2e-2, {16, 64, 96, 256}, marks=BF16),
+    "dtype, slow_blas, tolerance, packed_rows",
+    [  # a prompt's expert products: bfloat16 packed up to 256 rows (65 → 96), float32 to 64,
+        # or where MKL is slow every count, bucketed (257 → 288)
+        (torch.float32, False, 1e-6, {16, 64}),
+        (torch.float32, True, 1e-6, {16, 64, 96, 256, 288}),
+        pytest.param(torch.bfloat16, False, 2e-2, {16, 64, 96, 256}, marks=BF16),
+        pytest.param(torch.bfloat16, True, 2e-2, {16, 64, 96, 256}, marks=BF16),
     ],
 )
 @torch.inference_mode()
 def test_a_prompts_expert_products_run_packed_where_that_gains(
-    monkeypatch, dtype, tolerance, packed_rows
+    monkeypatch, dtype, slow_blas, tolerance, packed_rows
 ):
+    monkeypatch.setattr(packed, "blas_is_slow_here", lambda: slow_blas)
     seen = packed_row_counts(monkeypatch)
     moe = pack_for_cpu(moe_of(experts_of().to(dtype)))
     # Rows per expert: 13 (run as 16), 64, 65 (as 96 in bfloat16), 256 and 257 (plain).
@@ -472,3 +481,17 @@ def test_row_buckets_stay_fine_for_prompts_and_coarse_for_large_images():
     for rows in range(65, 20000):
         padded = -(-rows // packed.bucket(rows)) * packed.bucket(rows)
         assert padded - rows < max(32, rows / 8)  # at most an eighth more past 256 rows
+
+
+@pytest.mark.parametrize(
+    "vendor, slow",
+    [("GenuineIntel", False), ("AuthenticAMD", True), ("HygonGenuine", True), ("", False)],
+)
+def test_float32_prompts_run_packed_where_mkl_takes_its_slow_kernels(monkeypatch, vendor, slow):
+    """MKL's fast kernels are Intel's only; an unknown CPU keeps MKL, as before."""
+    monkeypatch.setattr(packed, "cpu_vendor", lambda: vendor)
+    packed.blas_is_slow_here.cache_clear()
+    try:
+        assert packed.blas_is_slow_here() is (slow and torch.backends.mkl.is_available())
+    finally:
+        packed.blas_is_slow_here.cache_clear()
