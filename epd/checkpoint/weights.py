@@ -17,7 +17,7 @@ from epd.checkpoint.config import CheckpointError, load_model_config, read_json,
 from epd.dtypes import TENSOR_DTYPES
 from epd.model.kimi_vl import ROLE_PREFIXES, KimiVL, Role
 from epd.model.moe import FLOAT32_TENSOR_SUFFIXES
-from epd.model.packed import bucket_rows, pack_for_cpu
+from epd.model.packed import bucket_rows, pack_for_cpu, packs_many_rows
 
 SKIPPED_SUFFIXES = ("rotary_emb.inv_freq",)  # recomputed, never loaded
 
@@ -110,8 +110,8 @@ def load_model(
 ) -> KimiVL:
     """Build the role's part of Kimi-VL and fill it from the checkpoint, strictly, for inference
     (on a CPU the language model's weights are then packed for oneDNN, `epd/model/packed.py`;
-    the vision tower's products have too many rows to run packed, and in bfloat16 every plain
-    product gets its rows bucketed)."""
+    the vision tower's only where products of many rows gain from it, `packs_many_rows`; in
+    bfloat16 every plain product gets its rows bucketed)."""
     checkpoint, device = Path(checkpoint), torch.device(device)
     config = load_model_config(checkpoint)
     with torch.device("meta"):
@@ -123,5 +123,8 @@ def load_model(
     model.load_state_dict(state, strict=True, assign=True)
     if device.type == "cpu" and hasattr(model, "language_model"):
         pack_for_cpu(model.language_model)
+    if device.type == "cpu" and hasattr(model, "vision_tower") and packs_many_rows(dtype):
+        pack_for_cpu(model.vision_tower)
+        pack_for_cpu(model.multi_modal_projector)
     bucket_rows(model)
     return model.eval()

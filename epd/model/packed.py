@@ -93,15 +93,21 @@ def product(
     """x (N, in) → x @ weight.T + bias (N, out): through `packed` (weight packed by `pack`)
     for 1 to MAX_PACKED_ROWS rows, their count above ROW_STEP rounded up to a multiple of it
     (zero rows added, their results dropped), and up to `max_rows` rounded up to a multiple of
-    ROW_BUCKET; through the plain weight for more rows, unless `blas_is_slow_here`."""
+    ROW_BUCKET; through the plain weight for more rows, unless `packs_many_rows`."""
     rows = x.shape[0]
     if 0 < rows <= MAX_PACKED_ROWS:
         return packed_product(x, packed, bias)
     if 0 < rows <= max_rows:
         return onednn_linear(padded(x, ROW_BUCKET), packed, bias)[:rows]
-    if rows and weight.dtype == torch.float32 and blas_is_slow_here():
+    if rows and packs_many_rows(weight.dtype):
         return onednn_linear(padded(x, bucket(rows)), packed, bias)[:rows]
     return bucketed_linear(x, weight, bias)
+
+
+def packs_many_rows(dtype: torch.dtype) -> bool:
+    """Whether products of many rows (a prompt's, an image's patches) in `dtype` run faster
+    through packed weights here than through the plain ones: float32 where MKL is slow."""
+    return dtype == torch.float32 and blas_is_slow_here()
 
 
 @functools.cache

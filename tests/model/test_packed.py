@@ -213,9 +213,13 @@ def test_what_onednn_cannot_pack_runs_the_grouped_matmul(monkeypatch):
     assert type(bf16.experts) is Experts
 
 
-def test_loading_for_a_cpu_packs_the_language_model_only(tmp_path, monkeypatch):
+@pytest.mark.parametrize("slow_blas", [False, True])
+def test_loading_for_a_cpu_packs_the_language_model_and_the_vision_where_mkl_is_slow(
+    tmp_path, monkeypatch, slow_blas
+):
     make_checkpoint(tmp_path, "tiny", seed=0)
     monkeypatch.setattr(packed, "MIN_PACKED_LINEAR", 1)  # the tiny model's linears are small
+    monkeypatch.setattr(packed, "blas_is_slow_here", lambda: slow_blas)
     model = load_model(tmp_path, role="all")
     layers = model.language_model.model.layers
     experts = [layer.mlp.experts for layer in layers if hasattr(layer.mlp, "experts")]
@@ -223,9 +227,10 @@ def test_loading_for_a_cpu_packs_the_language_model_only(tmp_path, monkeypatch):
     assert isinstance(layers[0].self_attn.o_proj, PackedLinear)
     # Decode folds kv_b_proj's weight into its queries and outputs: a copy would go unused.
     assert type(layers[0].self_attn.kv_b_proj) is nn.Linear
-    # The vision tower's products have too many rows to run packed: no copy for it.
-    assert not any(isinstance(m, PackedLinear) for m in model.vision_tower.modules())
-    assert not any(isinstance(m, PackedLinear) for m in model.multi_modal_projector.modules())
+    # The vision tower's products have hundreds of rows: packed only where MKL runs those
+    # slowly (float32 on a CPU not Intel's), else no copy for it.
+    for part in (model.vision_tower, model.multi_modal_projector):
+        assert any(isinstance(m, PackedLinear) for m in part.modules()) is slow_blas
     assert not any(type(m) is RowBucketedLinear for m in model.modules())  # float32: no need
 
 
@@ -493,5 +498,7 @@ def test_float32_prompts_run_packed_where_mkl_takes_its_slow_kernels(monkeypatch
     packed.blas_is_slow_here.cache_clear()
     try:
         assert packed.blas_is_slow_here() is (slow and torch.backends.mkl.is_available())
+        assert packed.packs_many_rows(torch.float32) is packed.blas_is_slow_here()
+        assert not packed.packs_many_rows(torch.bfloat16)  # oneDNN runs those products anyway
     finally:
         packed.blas_is_slow_here.cache_clear()
