@@ -9,7 +9,8 @@ this VM's memory bandwidth; oneDNN, from weights reordered once at load, runs th
 faster. Small linears stay as they are: below `MIN_PACKED_LINEAR` weights, oneDNN's fixed cost
 per call (~10 µs) outweighs what it saves. Products of many rows (prefill's) run plain:
 oneDNN keeps a kernel per row count it meets (`MAX_PACKED_ROWS`); only a prompt's expert
-products in bfloat16, a few hundred rows each, run packed (`MAX_PACKED_EXPERT_ROWS`). The
+products in bfloat16, a few hundred rows each, run packed (`MAX_PACKED_EXPERT_ROWS`), and
+float32 ones of any count where MKL is slow (`packs_many_rows`: CPUs not Intel's). The
 packed copies are extra memory (those weights twice, bfloat16 experts three times:
 `PackedExperts`): the parameters stay, because state dicts name them (docs/benchmarks.md).
 
