@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.bias import causal_lower_right
 
+from epd.model import cpu
 from epd.model.config import TextConfig
 from epd.model.latent_cache import DecodeBatch
 from epd.model.norm import RMSNorm
@@ -233,13 +234,19 @@ class MLAttention(nn.Module):
 
 def products_win_on_cpu(q: torch.Tensor, cache: torch.Tensor) -> bool:
     """Whether, on a CPU, two batched products beat the fused kernel for queries (N, H, L)
-    over each one's own rows (N, K, L): in bfloat16, from MIN_PRODUCT_QUERIES queries up.
-    There the fused kernel took 2-2.9× the products' time at N 16-64 on an AMD EPYC (zen 4)
-    and about as long on an Intel Xeon with AMX; at one query it was 1.4-1.5× faster. In
-    float32 and float16 it was as fast or faster (docs/benchmarks.md, "Decode attention in
-    bfloat16 by batch"). Shared rows stay fused: the products would write every chunk query's
-    scores against the whole past."""
-    return cache.dim() == 3 and q.dtype == torch.bfloat16 and q.shape[0] >= MIN_PRODUCT_QUERIES
+    over each one's own rows (N, K, L): in bfloat16 from MIN_PRODUCT_QUERIES queries up, on a
+    CPU without AMX. There (an AMD EPYC, zen 5) the fused kernel took 2-2.9× the products' time
+    at N 16-64 and a batch-16 step ran 13% faster without it; at one query it was 1.4-1.5×
+    faster. With AMX (an Intel Xeon) a step ran ~5% faster fused; in float32 and float16 it was
+    as fast or faster everywhere measured (docs/benchmarks.md, "Decode attention by CPU").
+    Shared rows stay fused: the products would write every chunk query's scores against the
+    whole past."""
+    return (
+        cache.dim() == 3
+        and q.dtype == torch.bfloat16
+        and q.shape[0] >= MIN_PRODUCT_QUERIES
+        and not cpu.has_amx()
+    )
 
 
 def latent_attention(

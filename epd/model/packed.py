@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from epd.memory import available_memory
+from epd.model import cpu
 from epd.model.moe import MLP, Experts
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
@@ -114,24 +115,12 @@ def packs_many_rows(dtype: torch.dtype) -> bool:
 @functools.cache
 def blas_is_slow_here() -> bool:
     """Whether torch's BLAS, MKL, runs float32 products slowly on this CPU: it takes its fast
-    kernels on Intel's CPUs only. On an AMD EPYC (zen 4) a (256, 1024) @ (1024, 2816) product
+    kernels on Intel's CPUs only. On an AMD EPYC (zen 5) a (256, 1024) @ (1024, 2816) product
     took 2.3× as long as through the packed weight, and a 240-token float32 prefill 1.5×
     (docs/benchmarks.md, "float32 products on an AMD CPU"); on an Intel Xeon the two were as
     fast. There, float32 products of any row count run packed, their rows bucketed as
     bfloat16's are (`bucket`)."""
-    return torch.backends.mkl.is_available() and cpu_vendor() not in ("GenuineIntel", "")
-
-
-def cpu_vendor() -> str:
-    """The CPU's vendor as Linux names it (GenuineIntel, AuthenticAMD), or "" unknown."""
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as info:
-            for line in info:
-                if line.startswith("vendor_id"):
-                    return line.partition(":")[2].strip()
-    except OSError:
-        pass
-    return ""
+    return torch.backends.mkl.is_available() and cpu.vendor() not in ("GenuineIntel", "")
 
 
 def packed_product(

@@ -1,6 +1,7 @@
 import pytest
 import torch
 
+from epd.model import mla
 from epd.model.config import TextConfig
 from epd.model.mla import (
     MIN_PRODUCT_QUERIES,
@@ -49,11 +50,14 @@ def test_the_fused_kernel_equals_the_two_products_over_shared_rows(dtype, tolera
         (torch.float32, 16, True),
     ],
 )
+@pytest.mark.parametrize("amx", [False, True])
 def test_a_cpu_decode_step_attends_through_the_faster_kernel_for_its_dtype_and_batch(
-    dtype, queries, fused
+    monkeypatch, amx, dtype, queries, fused
 ):
-    """bfloat16 steps of a few requests or more take the two products; one request, float32
-    and shared rows the fused kernel (`products_win_on_cpu`)."""
+    """bfloat16 steps of a few requests or more take the two products without AMX; one
+    request, float32, AMX and shared rows the fused kernel (`products_win_on_cpu`)."""
+    monkeypatch.setattr(mla.cpu, "has_amx", lambda: amx)
+    fused = fused or amx
     attention = bfloat16_attention().to(dtype)
     generator = torch.Generator().manual_seed(3)
     q = torch.randn(queries, 4, 40, generator=generator).to(dtype)

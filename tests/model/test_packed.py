@@ -494,7 +494,7 @@ def test_row_buckets_stay_fine_for_prompts_and_coarse_for_large_images():
 )
 def test_float32_prompts_run_packed_where_mkl_takes_its_slow_kernels(monkeypatch, vendor, slow):
     """MKL's fast kernels are Intel's only; an unknown CPU keeps MKL, as before."""
-    monkeypatch.setattr(packed, "cpu_vendor", lambda: vendor)
+    monkeypatch.setattr(packed.cpu, "vendor", lambda: vendor)
     packed.blas_is_slow_here.cache_clear()
     try:
         assert packed.blas_is_slow_here() is (slow and torch.backends.mkl.is_available())
