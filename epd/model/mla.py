@@ -238,7 +238,7 @@ def products_win_on_cpu(q: torch.Tensor, cache: torch.Tensor) -> bool:
     CPU without AMX. There (an AMD EPYC, zen 5) the fused kernel took 2-2.9× the products' time
     at N 16-64 and a batch-16 step ran 13% faster without it; at one query it was 1.4-1.5×
     faster. With AMX (an Intel Xeon) a step ran ~5% faster fused; in float32 and float16 it was
-    as fast or faster everywhere measured (docs/benchmarks.md, "Decode attention by CPU").
+    as fast or faster everywhere measured (docs/benchmarks.md, "Kernels that depend on the CPU").
     Shared rows stay fused: the products would write every chunk query's scores against the
     whole past."""
     return (

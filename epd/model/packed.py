@@ -117,7 +117,7 @@ def blas_is_slow_here() -> bool:
     """Whether torch's BLAS, MKL, runs float32 products slowly on this CPU: it takes its fast
     kernels on Intel's CPUs only. On an AMD EPYC (zen 5) a (256, 1024) @ (1024, 2816) product
     took 2.3× as long as through the packed weight, and a 240-token float32 prefill 1.5×
-    (docs/benchmarks.md, "float32 products on an AMD CPU"); on an Intel Xeon the two were as
+    (docs/benchmarks.md, "Kernels that depend on the CPU"); on an Intel Xeon the two were as
     fast. There, float32 products of any row count run packed, their rows bucketed as
     bfloat16's are (`bucket`)."""
     return torch.backends.mkl.is_available() and cpu.vendor() not in ("GenuineIntel", "")
