@@ -15,6 +15,7 @@ from safetensors import safe_open
 
 from epd.checkpoint.config import CheckpointError, load_model_config, read_json, stored_dtype
 from epd.dtypes import TENSOR_DTYPES
+from epd.model import cpu
 from epd.model.kimi_vl import ROLE_PREFIXES, KimiVL, Role
 from epd.model.moe import FLOAT32_TENSOR_SUFFIXES
 from epd.model.packed import bucket_rows, pack_for_cpu, packs_many_rows
@@ -31,20 +32,9 @@ def default_dtype(device: torch.device, stored: str | None = None) -> torch.dtyp
     saved = TENSOR_DTYPES[stored] if stored else torch.float32
     if device.type == "cuda":
         return saved if saved in (torch.bfloat16, torch.float16) else torch.bfloat16
-    if device.type == "cpu" and saved == torch.bfloat16 and cpu_runs_bfloat16():
+    if device.type == "cpu" and saved == torch.bfloat16 and cpu.runs_bfloat16():
         return torch.bfloat16
     return torch.float32
-
-
-def cpu_runs_bfloat16() -> bool:
-    """Whether this CPU multiplies bfloat16 natively (AVX512-BF16 or AMX): elsewhere oneDNN
-    converts it on the fly, and bfloat16 can run slower than float32."""
-    native = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
-    return (
-        torch.backends.mkldnn.is_available()
-        and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-        and any(getattr(torch.cpu, check, lambda: False)() for check in native)
-    )
 
 
 def tensor_files(checkpoint: Path) -> dict[str, Path]:
@@ -121,10 +111,10 @@ def load_model(
     dtype = dtype or default_dtype(device, stored_dtype(checkpoint))
     state = read_tensors(files, shapes, device, dtype)
     model.load_state_dict(state, strict=True, assign=True)
-    if device.type == "cpu" and hasattr(model, "language_model"):
-        pack_for_cpu(model.language_model)
-    if device.type == "cpu" and hasattr(model, "vision_tower") and packs_many_rows(dtype):
-        pack_for_cpu(model.vision_tower)
-        pack_for_cpu(model.multi_modal_projector)
+    if device.type == "cpu":
+        # One call, so that all the copies together stay within its memory budget.
+        packed = model if packs_many_rows(dtype) else getattr(model, "language_model", None)
+        if packed is not None:
+            pack_for_cpu(packed)
     bucket_rows(model)
     return model.eval()

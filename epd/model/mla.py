@@ -235,16 +235,21 @@ class MLAttention(nn.Module):
 def products_win_on_cpu(q: torch.Tensor, cache: torch.Tensor) -> bool:
     """Whether, on a CPU, two batched products beat the fused kernel for queries (N, H, L)
     over each one's own rows (N, K, L): in bfloat16 from MIN_PRODUCT_QUERIES queries up, on a
-    CPU without AMX. There (an AMD EPYC, zen 5) the fused kernel took 2-2.9× the products' time
-    at N 16-64 and a batch-16 step ran 13% faster without it; at one query it was 1.4-1.5×
-    faster. With AMX (an Intel Xeon) a step ran ~5% faster fused; in float32 and float16 it was
-    as fast or faster everywhere measured (docs/benchmarks.md, "Kernels that depend on the CPU").
-    Shared rows stay fused: the products would write every chunk query's scores against the
-    whole past."""
+    CPU that multiplies bfloat16 natively without AMX (AVX512-BF16). There (an AMD EPYC, zen 5;
+    8 heads, 160-wide rows) the fused kernel took 1.6-2.9× the products' time at N 16-64,
+    0.85-2.5× at N 4 (slower only for short caches), and whole steps ran 5% faster at batch 4
+    and 14-20% at 16-64; at one query it was 1.4-2.3× faster. With AMX (an Intel Xeon) a
+    step ran ~5% faster fused; float32 and float16 ran as fast or faster fused everywhere
+    measured, and where bfloat16 is converted on the fly the products are unmeasured
+    (docs/benchmarks.md, "Kernels that depend on the CPU"). The products round the scores and
+    the softmax's weights to bfloat16, as the GPU path and transformers' eager attention do;
+    the fused kernel keeps them in float32. Shared rows stay fused: the products would write
+    every chunk query's scores against the whole past."""
     return (
         cache.dim() == 3
         and q.dtype == torch.bfloat16
         and q.shape[0] >= MIN_PRODUCT_QUERIES
+        and cpu.runs_bfloat16()
         and not cpu.has_amx()
     )
 

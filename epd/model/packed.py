@@ -45,12 +45,15 @@ PACKED_DTYPES = (torch.float32, torch.bfloat16)
 MIN_PACKED_LINEAR = 256 * 512
 # oneDNN builds and keeps a kernel for every row count a packed weight meets, 0.5-1.6 MiB each,
 # up to 1024 of them: products run packed only for the few rows of a decode step, their counts
-# rounded up, so a process meets at most 15 counts per weight shape (docs/benchmarks.md).
+# rounded up, so a process meets at most 15 counts per weight shape (docs/benchmarks.md); where
+# float32 products of any count run packed (`packs_many_rows`), 14 more up to 512 rows and 8 a
+# doubling past it, as many as bfloat16's plain products meet (`bucket`).
 MAX_PACKED_ROWS, ROW_STEP = 64, 8
 # An expert's products in bfloat16 run packed up to this many rows, padded past MAX_PACKED_ROWS
 # to a multiple of ROW_BUCKET (6 more kernels per shape): a prompt's ~T·k/E rows per expert ran
 # 25-30% faster so than from the plain weight, a 240-token prefill ~7% (docs/benchmarks.md). In
-# float32 the plain weight was as fast, and the prefill slower packed.
+# float32 on an Intel CPU the plain weight was as fast, and the prefill slower packed (elsewhere
+# MKL is slow: `packs_many_rows`).
 MAX_PACKED_EXPERT_ROWS = 256
 # Up to this many rows, every expert runs at once when at least half have rows (`mix`); past
 # it the products the tokens do not need cost more than the calls it saves. Only in bfloat16:

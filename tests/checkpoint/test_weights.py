@@ -187,12 +187,12 @@ def test_dtype_is_an_option_and_routing_stays_float32(tiny_checkpoint):
 def test_auto_dtype_is_the_checkpoints_own_where_the_device_runs_it(
     monkeypatch, device, stored, bf16_cpu, expected
 ):
-    monkeypatch.setattr(weights, "cpu_runs_bfloat16", lambda: bf16_cpu)
+    monkeypatch.setattr(weights.cpu, "runs_bfloat16", lambda: bf16_cpu)
     assert weights.default_dtype(torch.device(device), stored) == expected
 
 
 def test_auto_reads_the_dtype_config_json_names(tiny_checkpoint, tmp_path, monkeypatch):
-    monkeypatch.setattr(weights, "cpu_runs_bfloat16", lambda: True)
+    monkeypatch.setattr(weights.cpu, "runs_bfloat16", lambda: True)
     ckpt = shutil.copytree(tiny_checkpoint, tmp_path / "c")
     config = json.loads((ckpt / "config.json").read_text())
     config["torch_dtype"] = "bfloat16"  # as Kimi-VL's; the tensors stay float32 in the files

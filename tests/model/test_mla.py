@@ -48,16 +48,23 @@ def test_the_fused_kernel_equals_the_two_products_over_shared_rows(dtype, tolera
         (torch.bfloat16, MIN_PRODUCT_QUERIES, False),
         (torch.bfloat16, 16, False),
         (torch.float32, 16, True),
+        (torch.float16, 16, True),
     ],
 )
-@pytest.mark.parametrize("amx", [False, True])
+@pytest.mark.parametrize(
+    ("amx", "native_bfloat16"),
+    [(False, True), (True, True), (False, False)],
+    ids=["avx512-bf16", "amx", "bf16-converted"],
+)
 def test_a_cpu_decode_step_attends_through_the_faster_kernel_for_its_dtype_and_batch(
-    monkeypatch, amx, dtype, queries, fused
+    monkeypatch, amx, native_bfloat16, dtype, queries, fused
 ):
-    """bfloat16 steps of a few requests or more take the two products without AMX; one
-    request, float32, AMX and shared rows the fused kernel (`products_win_on_cpu`)."""
+    """bfloat16 steps of a few requests or more take the two products where the CPU runs
+    bfloat16 natively without AMX; one request, float32, float16, AMX, a CPU that converts
+    bfloat16, and shared rows the fused kernel (`products_win_on_cpu`)."""
     monkeypatch.setattr(mla.cpu, "has_amx", lambda: amx)
-    fused = fused or amx
+    monkeypatch.setattr(mla.cpu, "runs_bfloat16", lambda: native_bfloat16)
+    fused = fused or amx or not native_bfloat16
     attention = bfloat16_attention().to(dtype)
     generator = torch.Generator().manual_seed(3)
     q = torch.randn(queries, 4, 40, generator=generator).to(dtype)

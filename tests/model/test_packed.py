@@ -299,7 +299,7 @@ def test_packed_linear_equals_the_plain_one(bias, dtype, tolerance):
     plain = linear_of(bias, dtype=dtype)
     onednn = PackedLinear.of(plain)
     assert onednn.packed is not None
-    # Decode's rows, a count rounded up (15 → 16), more than run packed (100), none at all.
+    # Decode's rows, a count rounded up (15 → 16), more than decode's (100), none at all.
     for shape in [(1,), (16,), (3, 5), (100,), (0,)]:
         x = torch.randn(*shape, plain.in_features).to(dtype)
         bias = None if plain.bias is None else plain.bias.float()
@@ -399,7 +399,7 @@ def test_a_process_meets_few_row_counts_per_packed_weight(monkeypatch, slow_blas
 @torch.inference_mode()
 def test_experts_with_many_or_rounded_rows_equal_a_plain_loop():
     moe = pack_for_cpu(moe_of(experts_of()))
-    ids = torch.tensor([[0, 2]] * 13 + [[1, 3]] * 70)  # 13 rows (run as 16); 70 (run plain)
+    ids = torch.tensor([[0, 2]] * 13 + [[1, 3]] * 70)  # 13 rows (run as 16); 70 (past decode's)
     x, weights = torch.randn(83, 16), torch.rand(83, 2)
     want = reference_routed(experts_of(), x, weights, ids)
     assert rel_err(moe.routed(x, weights, ids), want) <= 1e-6
