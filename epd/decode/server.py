@@ -97,7 +97,7 @@ class DecodeServer:
         try:
             added = self.scheduler.add(handoff)
         except Exception as e:  # a bad hand-off fails its own request, never the server
-            self.refused_handoffs.log(f"the hand-off of {request_id}: {e}"[:500])
+            self.refused_handoffs.log(f"the hand-off of {request_id}: {e}")
             code = REFUSALS.get(type(e), "bad_handoff")
             why = cut(f"decode refused the request: {e}")
             self.outbox.send(reply_to, Failure(request_id, code, why))

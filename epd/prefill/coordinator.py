@@ -172,7 +172,7 @@ class Coordinator:
                 if message is not None:
                     self.route(message)
             except Exception as e:  # one message (or a socket's hiccup) must not end the reading
-                self.inbox.refusals.log(f"reading a message failed: {type(e).__name__}: {e}"[:500])
+                self.inbox.refusals.log(f"reading a message failed: {type(e).__name__}: {e}")
             del message  # an unclaimed payload must not stay alive until the next one comes
             # A queued message makes arecv return at once, without yielding: let the API and
             # the peer watch run between messages, or a flood would starve them.

@@ -35,6 +35,7 @@ QUEUED_BYTES = 1 << 30  # ...and fewer where messages may be large: at most ~thi
 HANDSHAKE_MS = 5000
 HEARTBEAT_MS, HEARTBEAT_TIMEOUT_MS = 1000, int(STALL_TIMEOUT_S * 1000)
 REFUSALS_LOGGED_PER_S = 10
+MAX_PROBLEM_CHARS = 500  # of a refusal's text, logged
 
 
 class Refusals:
@@ -45,6 +46,8 @@ class Refusals:
         self.second, self.in_second = 0, 0
 
     def log(self, problem: str) -> None:
+        """Count one refusal; log it, cut to MAX_PROBLEM_CHARS (a peer may write the text),
+        unless this second's few were logged already."""
         self.total += 1
         second = int(time.monotonic())
         if second != self.second:
@@ -53,7 +56,7 @@ class Refusals:
             self.second, self.in_second = second, 0
         self.in_second += 1
         if self.in_second <= REFUSALS_LOGGED_PER_S:
-            log.error("refused a message: %s", problem)
+            log.error("refused a message: %s", problem[:MAX_PROBLEM_CHARS])
 
 
 def queued_messages(max_frame_bytes: int) -> int:
@@ -105,7 +108,7 @@ class Inbox:
             self.refusals.log(str(e))
         except Exception as e:  # a decoder bug must not take the receiving loop down with it
             # counted and rate-limited as any refusal: a peer could send it again and again
-            self.refusals.log(f"a message that failed to decode: {type(e).__name__}: {e}"[:500])
+            self.refusals.log(f"a message that failed to decode: {type(e).__name__}: {e}")
         return None
 
     def recv(self, timeout_ms: int) -> Message | None:
