@@ -15,15 +15,17 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.bias import causal_lower_right
 
-from epd.model import cpu
+from epd.model.attention import (
+    causal_products,
+    fused_latent_attention,
+    latent_attention,
+    products_win_on_cpu,
+    prompt_products_win,
+)
 from epd.model.config import TextConfig
 from epd.model.latent_cache import DecodeBatch
 from epd.model.norm import RMSNorm
 from epd.model.rope import rotate
-
-# From this many queries over their own rows, bfloat16 attention runs as two batched products on
-# a CPU (`products_win_on_cpu`).
-MIN_PRODUCT_QUERIES = 4
 
 
 class MLAttention(nn.Module):
@@ -134,13 +136,16 @@ class MLAttention(nn.Module):
         self, q_nope: torch.Tensor, q_pe: torch.Tensor, rows: torch.Tensor
     ) -> torch.Tensor:
         """Queries (T, H, ·) over the last T of rows (P + T, rank + rope), keys and values
-        expanded per head by kv_b_proj for a fused attention kernel → (T, H, v)."""
+        expanded per head by kv_b_proj (`causal_products` or a fused kernel) → (T, H, v)."""
         q = torch.cat((q_nope, q_pe), dim=-1)  # (T, H, nope + rope)
         c_kv, k_pe = rows.split([self.rank, self.rope], dim=-1)
         k_nope, v = (
             self.kv_b_proj(c_kv).unflatten(-1, (self.heads, -1)).split([self.nope, self.v_dim], -1)
         )
         k = torch.cat((k_nope, k_pe[:, None, :].expand(-1, self.heads, -1)), dim=-1)
+        if prompt_products_win(q, k.shape[0]):  # (H, ·, ·) each, rows contiguous per head
+            q, k, v = (t.transpose(0, 1).contiguous() for t in (q, k, v))
+            return causal_products(q, k, v, self.scale).transpose(0, 1)
         # Fused attention kernels want one head size for q, k and v: pad v (v_dim < nope + rope)
         # with zeros and drop the padding after. Shapes (1, H, T, ·), the 4-D form they take.
         v = F.pad(v, (0, max(0, q.shape[-1] - self.v_dim)))
@@ -230,53 +235,3 @@ class MLAttention(nn.Module):
         # and do not split a long cache across blocks; two batched products spread it.
         # (Unmeasured: no GPU has been lent. docs/benchmarks.md)
         return latent_attention(q, cache, visible, self.scale)
-
-
-def products_win_on_cpu(q: torch.Tensor, cache: torch.Tensor) -> bool:
-    """Whether, on a CPU, two batched products beat the fused kernel for queries (N, H, L)
-    over each one's own rows (N, K, L): in bfloat16 from MIN_PRODUCT_QUERIES queries up, on a
-    CPU that multiplies bfloat16 natively without AMX (AVX512-BF16). There (an AMD EPYC, zen 5;
-    8 heads, 160-wide rows) the fused kernel took 1.6-2.9× the products' time at N 16-64,
-    0.85-2.5× at N 4 (slower only for short caches), and whole steps ran 5% faster at batch 4
-    and 14-20% at 16-64; at one query it was 1.4-2.3× faster. With AMX (an Intel Xeon) a
-    step ran ~5% faster fused; float32 and float16 ran as fast or faster fused everywhere
-    measured, and where bfloat16 is converted on the fly the products are unmeasured
-    (docs/benchmarks.md, "Kernels that depend on the CPU"). The products round the scores and
-    the softmax's weights to bfloat16, as the GPU path and transformers' eager attention do;
-    the fused kernel keeps them in float32. Shared rows stay fused: the products would write
-    every chunk query's scores against the whole past."""
-    return (
-        cache.dim() == 3
-        and q.dtype == torch.bfloat16
-        and q.shape[0] >= MIN_PRODUCT_QUERIES
-        and cpu.runs_bfloat16()
-        and not cpu.has_amx()
-    )
-
-
-def latent_attention(
-    q: torch.Tensor, cache: torch.Tensor, visible: torch.Tensor, scale: float
-) -> torch.Tensor:
-    """`MLAttention.attend_latent` as two batched products: scores (N, H, K), then values."""
-    scores = torch.matmul(q * scale, cache.mT)  # (N, H, K)
-    scores.masked_fill_(~visible[:, None, :], float("-inf"))
-    weights = scores.softmax(-1, dtype=torch.float32).to(cache.dtype)
-    return torch.matmul(weights, cache)
-
-
-def fused_latent_attention(
-    q: torch.Tensor, cache: torch.Tensor, visible: torch.Tensor, scale: float
-) -> torch.Tensor:
-    """`MLAttention.attend_latent` in one fused kernel, never writing the (N, H, K) scores:
-    on a CPU a decode step's attention ran 4-5% faster this way (docs/benchmarks.md)."""
-    n, heads = q.shape[:2]
-    if cache.dim() == 2:  # shared: all N·H query rows in one batch
-        q, cache = q.flatten(0, 1)[None], cache[None]  # (1, N·H, L), (1, K, L)
-        visible = visible.repeat_interleave(heads, dim=0)[None]  # (1, N·H, K)
-    else:
-        visible = visible[:, None, :]  # (N, 1, K): every head of a query alike
-    # One "head" whose H (or N·H) query positions share the keys (4-D, as the kernels take).
-    out = F.scaled_dot_product_attention(
-        q[:, None], cache[:, None], cache[:, None], visible[:, None], scale=scale
-    )
-    return out[:, 0].reshape(n, heads, -1)

@@ -1,43 +1,15 @@
 import pytest
 import torch
 
-from epd.model import mla
-from epd.model.config import TextConfig
-from epd.model.mla import (
+from epd.model import attention as kernels
+from epd.model.attention import (
     MIN_PRODUCT_QUERIES,
-    MLAttention,
     fused_latent_attention,
     latent_attention,
 )
-
-# Kimi-VL's latent rows: kv_lora_rank 512 + qk_rope_head_dim 64; 16 heads.
-HEADS, WIDTH = 16, 576
-
-
-@pytest.mark.parametrize(("dtype", "tolerance"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-def test_the_fused_kernel_equals_the_two_products_over_each_querys_own_rows(dtype, tolerance):
-    generator = torch.Generator().manual_seed(0)
-    q = torch.randn(5, HEADS, WIDTH, generator=generator).to(dtype)
-    cache = torch.randn(5, 300, WIDTH, generator=generator).to(dtype)
-    lengths = torch.tensor([1, 17, 150, 299, 300])  # a decode step: each its own length
-    visible = torch.arange(300)[None, :] < lengths[:, None]
-    fused = fused_latent_attention(q, cache, visible, 0.05)
-    products = latent_attention(q, cache, visible, 0.05)
-    assert fused.shape == products.shape == (5, HEADS, WIDTH)
-    torch.testing.assert_close(fused.float(), products.float(), atol=tolerance, rtol=tolerance)
-
-
-@pytest.mark.parametrize(("dtype", "tolerance"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-def test_the_fused_kernel_equals_the_two_products_over_shared_rows(dtype, tolerance):
-    """A chunk of 7 new tokens after a past of 93: query i sees the past and new rows to i."""
-    generator = torch.Generator().manual_seed(1)
-    q = torch.randn(7, HEADS, WIDTH, generator=generator).to(dtype)
-    rows = torch.randn(100, WIDTH, generator=generator).to(dtype)
-    visible = torch.ones(7, 100, dtype=torch.bool).tril(100 - 7)
-    fused = fused_latent_attention(q, rows, visible, 0.05)
-    products = latent_attention(q, rows, visible, 0.05)
-    assert fused.shape == products.shape == (7, HEADS, WIDTH)
-    torch.testing.assert_close(fused.float(), products.float(), atol=tolerance, rtol=tolerance)
+from epd.model.config import TextConfig
+from epd.model.mla import MLAttention
+from epd.model.rope import rotor, text_angles
 
 
 @pytest.mark.parametrize(
@@ -62,8 +34,8 @@ def test_a_cpu_decode_step_attends_through_the_faster_kernel_for_its_dtype_and_b
     """bfloat16 steps of a few requests or more take the two products where the CPU runs
     bfloat16 natively without AMX; one request, float32, float16, AMX, a CPU that converts
     bfloat16, and shared rows the fused kernel (`products_win_on_cpu`)."""
-    monkeypatch.setattr(mla.cpu, "has_amx", lambda: amx)
-    monkeypatch.setattr(mla.cpu, "runs_bfloat16", lambda: native_bfloat16)
+    monkeypatch.setattr(kernels.cpu, "has_amx", lambda: amx)
+    monkeypatch.setattr(kernels.cpu, "runs_bfloat16", lambda: native_bfloat16)
     fused = fused or amx or not native_bfloat16
     attention = bfloat16_attention().to(dtype)
     generator = torch.Generator().manual_seed(3)
@@ -150,3 +122,22 @@ def test_gradients_reach_kv_b_proj_through_the_absorbed_products():
     attention.through_latent(*decode_inputs(attention)).float().sum().backward()
     assert attention.kv_b_proj.weight.grad is not None
     assert attention.kv_b_proj.weight.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("products", [False, True], ids=["fused", "products"])
+def test_a_prompt_attends_alike_through_either_kernel_whole_and_in_chunks(monkeypatch, products):
+    """Two prompts packed, the second also prefilled in two chunks, its second after a past:
+    each kernel (`prompt_products_win`) gives what float32 gives, to bfloat16's precision."""
+    monkeypatch.setattr("epd.model.mla.prompt_products_win", lambda q, keys: products)
+    attention = bfloat16_attention()
+    generator = torch.Generator().manual_seed(4)
+    x = torch.randn(200, 64, generator=generator).bfloat16()
+    angles = rotor(text_angles(torch.cat((torch.arange(60), torch.arange(140))), 8, 10000.0))
+    with torch.inference_mode():
+        out, rows = attention.prefill(x, angles, lengths=[60, 140])
+        first, past = attention.prefill(x[60:150], angles[60:150])
+        second, _ = attention.prefill(x[150:], angles[150:], pasts=[past])
+        exact, _ = attention.float().prefill(x.float(), angles, lengths=[60, 140])
+    assert out.shape == (200, 64) and rows.shape == (200, 40)
+    torch.testing.assert_close(out.float(), exact, atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(torch.cat((first, second)), out[60:], atol=3e-2, rtol=3e-2)

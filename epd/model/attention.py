@@ -1,0 +1,104 @@
+"""Attention kernels, and which one is fastest on this CPU for a given dtype and shape.
+
+Torch's fused CPU attention keeps scores in float32 and never writes them out. On a CPU that
+multiplies bfloat16 natively but has no AMX (AVX512-BF16, as an AMD EPYC of zen 5), batched
+products ran faster for decode's many queries and for prompts; with AMX (an Intel Xeon), in
+float32 and float16, and where bfloat16 is converted on the fly, the fused kernel stays
+(docs/benchmarks.md, "Kernels that depend on the CPU"). The products round the scores and the
+softmax's weights to bfloat16, as the GPU path and transformers' eager attention do.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from epd.model import cpu
+
+# From this many queries over their own rows, bfloat16 decode attention runs as two batched
+# products on such a CPU (`products_win_on_cpu`).
+MIN_PRODUCT_QUERIES = 4
+# A prompt's attention runs as products in blocks of this many queries, up to this many keys
+# (`prompt_products_win`): a block's float32 scores, heads × 128 × keys, stay a few MiB (32 MiB
+# for Kimi-VL's 16 heads at 4096 keys), and past 4096 the fused kernel had caught up.
+PROMPT_BLOCK_QUERIES = 128
+MAX_PROMPT_PRODUCT_KEYS = 4096
+
+
+def bfloat16_products_win(dtype: torch.dtype) -> bool:
+    """Whether this CPU multiplies `dtype` as bfloat16 natively and without AMX: where the
+    products beat the fused kernel."""
+    return dtype == torch.bfloat16 and cpu.runs_bfloat16() and not cpu.has_amx()
+
+
+def products_win_on_cpu(q: torch.Tensor, cache: torch.Tensor) -> bool:
+    """Whether, on a CPU, two batched products beat the fused kernel for queries (N, H, L)
+    over each one's own rows (N, K, L): in bfloat16 from MIN_PRODUCT_QUERIES queries up
+    (`bfloat16_products_win`). There (an AMD EPYC, zen 5; 8 heads, 160-wide rows) the fused
+    kernel took 1.6-2.9× the products' time at N 16-64, 0.85-2.5× at N 4 (slower only for
+    short caches), and whole steps ran 5% faster at batch 4 and 14-20% at 16-64; at one query
+    it was 1.4-2.3× faster. With AMX (an Intel Xeon) a step ran ~5% faster fused. Shared rows
+    stay fused: the products would write every chunk query's scores against the whole past."""
+    return cache.dim() == 3 and q.shape[0] >= MIN_PRODUCT_QUERIES and bfloat16_products_win(q.dtype)
+
+
+def prompt_products_win(q: torch.Tensor, keys: int) -> bool:
+    """Whether a prompt's queries (T, H, d) over `keys` rows run faster as `causal_products`
+    than fused on this CPU: bfloat16 (`bfloat16_products_win`) and up to
+    MAX_PROMPT_PRODUCT_KEYS. On an AMD EPYC (zen 5), one thread, the fused kernel took 2.3-2.9×
+    the blocked products' time at 128-1024 tokens (8 heads of 96; 2.5-2.8× at Kimi-VL's 16 of
+    192) and 1.1-1.3× at 4096."""
+    return q.is_cpu and keys <= MAX_PROMPT_PRODUCT_KEYS and bfloat16_products_win(q.dtype)
+
+
+def causal_products(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Causal attention as batched products: q (H, T, d) over k (H, K, d) and v (H, K, dv),
+    the T queries the last T of the K rows (query i sees rows up to K - T + i) → (H, T, dv).
+
+    A block of PROMPT_BLOCK_QUERIES queries at a time, each over the rows it can see: the
+    block's scores stay in the core's cache, and the rows past the block are never scored
+    (whole prompts' scores at once ran slower, and by as much as 1.7× from run to run).
+    """
+    queries, past = q.shape[1], k.shape[1] - q.shape[1]
+    out = q.new_empty(*q.shape[:2], v.shape[-1])
+    for start in range(0, queries, PROMPT_BLOCK_QUERIES):
+        end = min(queries, start + PROMPT_BLOCK_QUERIES)
+        seen = past + end  # rows up to the block's last query
+        scores = torch.matmul(q[:, start:end] * scale, k[:, :seen].mT)  # (H, b, seen)
+        hidden = torch.ones(end - start, seen, dtype=torch.bool, device=q.device)
+        scores.masked_fill_(hidden.triu(past + start + 1), float("-inf"))
+        weights = scores.softmax(-1, dtype=torch.float32).to(v.dtype)
+        out[:, start:end] = torch.matmul(weights, v[:, :seen])
+    return out
+
+
+def latent_attention(
+    q: torch.Tensor, cache: torch.Tensor, visible: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Multi-query attention of q (N, H, L) over latent rows (N, K, L), each query n its own,
+    or (K, L), shared, where visible (N, K), as two batched products: scores (N, H, K), then
+    values → (N, H, L)."""
+    scores = torch.matmul(q * scale, cache.mT)  # (N, H, K)
+    scores.masked_fill_(~visible[:, None, :], float("-inf"))
+    weights = scores.softmax(-1, dtype=torch.float32).to(cache.dtype)
+    return torch.matmul(weights, cache)
+
+
+def fused_latent_attention(
+    q: torch.Tensor, cache: torch.Tensor, visible: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """`latent_attention` in one fused kernel, never writing the (N, H, K) scores: on a CPU a
+    decode step's attention ran 4-5% faster this way (docs/benchmarks.md)."""
+    n, heads = q.shape[:2]
+    if cache.dim() == 2:  # shared: all N·H query rows in one batch
+        q, cache = q.flatten(0, 1)[None], cache[None]  # (1, N·H, L), (1, K, L)
+        visible = visible.repeat_interleave(heads, dim=0)[None]  # (1, N·H, K)
+    else:
+        visible = visible[:, None, :]  # (N, 1, K): every head of a query alike
+    # One "head" whose H (or N·H) query positions share the keys (4-D, as the kernels take).
+    out = F.scaled_dot_product_attention(
+        q[:, None], cache[:, None], cache[:, None], visible[:, None], scale=scale
+    )
+    return out[:, 0].reshape(n, heads, -1)

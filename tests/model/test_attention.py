@@ -1,0 +1,93 @@
+import pytest
+import torch
+import torch.nn.functional as F
+
+from epd.model import attention
+from epd.model.attention import (
+    MAX_PROMPT_PRODUCT_KEYS,
+    PROMPT_BLOCK_QUERIES,
+    causal_products,
+    fused_latent_attention,
+    latent_attention,
+    prompt_products_win,
+)
+
+# Kimi-VL's latent rows: kv_lora_rank 512 + qk_rope_head_dim 64; 16 heads.
+HEADS, WIDTH = 16, 576
+
+
+@pytest.mark.parametrize(("dtype", "tolerance"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_the_fused_kernel_equals_the_two_products_over_each_querys_own_rows(dtype, tolerance):
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(5, HEADS, WIDTH, generator=generator).to(dtype)
+    cache = torch.randn(5, 300, WIDTH, generator=generator).to(dtype)
+    lengths = torch.tensor([1, 17, 150, 299, 300])  # a decode step: each its own length
+    visible = torch.arange(300)[None, :] < lengths[:, None]
+    fused = fused_latent_attention(q, cache, visible, 0.05)
+    products = latent_attention(q, cache, visible, 0.05)
+    assert fused.shape == products.shape == (5, HEADS, WIDTH)
+    torch.testing.assert_close(fused.float(), products.float(), atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize(("dtype", "tolerance"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_the_fused_kernel_equals_the_two_products_over_shared_rows(dtype, tolerance):
+    """A chunk of 7 new tokens after a past of 93: query i sees the past and new rows to i."""
+    generator = torch.Generator().manual_seed(1)
+    q = torch.randn(7, HEADS, WIDTH, generator=generator).to(dtype)
+    rows = torch.randn(100, WIDTH, generator=generator).to(dtype)
+    visible = torch.ones(7, 100, dtype=torch.bool).tril(100 - 7)
+    fused = fused_latent_attention(q, rows, visible, 0.05)
+    products = latent_attention(q, rows, visible, 0.05)
+    assert fused.shape == products.shape == (7, HEADS, WIDTH)
+    torch.testing.assert_close(fused.float(), products.float(), atol=tolerance, rtol=tolerance)
+
+
+def reference_causal(q, k, v, scale):
+    """Straightforward float32 attention, query i seeing rows up to K - T + i."""
+    q, k, v = q.float(), k.float(), v.float()
+    queries, rows = q.shape[1], k.shape[1]
+    scores = q @ k.mT * scale  # (H, T, K)
+    seen = torch.arange(rows)[None, :] <= torch.arange(rows - queries, rows)[:, None]
+    return scores.masked_fill(~seen, float("-inf")).softmax(-1) @ v
+
+
+@pytest.mark.parametrize("queries", [1, PROMPT_BLOCK_QUERIES, 2 * PROMPT_BLOCK_QUERIES + 45])
+@pytest.mark.parametrize("past", [0, 37])
+@pytest.mark.parametrize(("dtype", "tolerance"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_causal_products_equal_plain_causal_attention(queries, past, dtype, tolerance):
+    """Blocks of queries, the last one short, after a past or none; values narrower than keys."""
+    generator = torch.Generator().manual_seed(queries + past)
+    q = torch.randn(3, queries, 24, generator=generator).to(dtype)
+    k = torch.randn(3, past + queries, 24, generator=generator).to(dtype)
+    v = torch.randn(3, past + queries, 16, generator=generator).to(dtype)
+    out = causal_products(q, k, v, 0.2)
+    assert out.shape == (3, queries, 16) and out.dtype == dtype
+    expected = reference_causal(q, k, v, 0.2)
+    torch.testing.assert_close(out.float(), expected, atol=tolerance, rtol=tolerance)
+
+
+def test_causal_products_match_the_fused_kernel_they_replace():
+    generator = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 4, 300, 32, generator=generator).bfloat16() for _ in range(3))
+    fused = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.1)[0]
+    torch.testing.assert_close(causal_products(q[0], k[0], v[0], 0.1), fused, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "keys", "amx", "native_bfloat16", "wins"),
+    [
+        (torch.bfloat16, 240, False, True, True),
+        (torch.bfloat16, MAX_PROMPT_PRODUCT_KEYS, False, True, True),
+        (torch.bfloat16, MAX_PROMPT_PRODUCT_KEYS + 1, False, True, False),
+        (torch.bfloat16, 240, True, True, False),
+        (torch.bfloat16, 240, False, False, False),
+        (torch.float32, 240, False, True, False),
+        (torch.float16, 240, False, True, False),
+    ],
+)
+def test_prompts_take_the_products_only_where_they_were_measured_faster(
+    monkeypatch, dtype, keys, amx, native_bfloat16, wins
+):
+    monkeypatch.setattr(attention.cpu, "has_amx", lambda: amx)
+    monkeypatch.setattr(attention.cpu, "runs_bfloat16", lambda: native_bfloat16)
+    assert prompt_products_win(torch.zeros(8, 2, 4, dtype=dtype), keys) is wins
