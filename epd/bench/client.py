@@ -1,4 +1,8 @@
-"""One streamed chat request, timed: when it started, when each token arrived, what it cost."""
+"""One streamed chat request, timed: when it started, when each token arrived, what it cost.
+
+aiohttp, as vLLM's and SGLang's benchmarks use: the client shares the machine's cores with the
+server it times, and it read a stream for about half httpx's CPU (docs/benchmarks.md).
+"""
 
 from __future__ import annotations
 
@@ -8,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
+import aiohttp
 
 
 @dataclass
@@ -29,7 +33,7 @@ class Timing:
 
 
 async def stream(
-    client: httpx.AsyncClient, url: str, body: dict[str, Any], origin: float, limit_s: float
+    client: aiohttp.ClientSession, url: str, body: dict[str, Any], origin: float, limit_s: float
 ) -> Timing:
     """POST a streaming chat request and time its chunks; errors are recorded, not raised.
 
@@ -41,7 +45,7 @@ async def stream(
             await receive(client, url, body, origin, timing)
     except TimeoutError:
         timing.error = f"no answer within {limit_s}s"
-    except (httpx.HTTPError, ValueError) as e:  # ValueError: a line that is not JSON
+    except (aiohttp.ClientError, ValueError) as e:  # ValueError: a line that is not JSON
         timing.error = f"{type(e).__name__}: {e}"
     if timing.error:
         return timing
@@ -54,15 +58,15 @@ async def stream(
 
 
 async def receive(
-    client: httpx.AsyncClient, url: str, body: dict[str, Any], origin: float, timing: Timing
+    client: aiohttp.ClientSession, url: str, body: dict[str, Any], origin: float, timing: Timing
 ) -> None:
-    async with client.stream("POST", url, json=body) as response:
-        if response.status_code != 200:
-            text = (await response.aread()).decode(errors="replace")
-            timing.error = f"HTTP {response.status_code}: {text[:200]}"
+    async with client.post(url, json=body) as response:
+        if response.status != 200:
+            text = (await response.read()).decode(errors="replace")
+            timing.error = f"HTTP {response.status}: {text[:200]}"
             return
-        async for line in response.aiter_lines():
-            read(line, timing, time.perf_counter() - origin)
+        async for line in response.content:  # SSE lines, each up to the read buffer
+            read(line.decode(errors="replace"), timing, time.perf_counter() - origin)
 
 
 def read(line: str, timing: Timing, now: float) -> None:

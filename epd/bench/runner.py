@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-import httpx
+import aiohttp
 from tqdm import tqdm
 
 from epd.bench.client import Timing, stream
@@ -19,17 +19,16 @@ from epd.bench.metrics import Summary, summarise, table
 from epd.bench.workload import bodies
 
 
-async def served_model(client: httpx.AsyncClient, base_url: str) -> str:
+async def served_model(client: aiohttp.ClientSession, base_url: str) -> str:
     try:
-        response = await client.get(f"{base_url}/models")
-        response.raise_for_status()
-        return str(response.json()["data"][0]["id"])
-    except (httpx.HTTPError, ValueError, KeyError, IndexError) as e:
+        async with client.get(f"{base_url}/models", raise_for_status=True) as response:
+            return str((await response.json(content_type=None))["data"][0]["id"])
+    except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, IndexError) as e:
         raise ValueError(f"cannot list {base_url}/models ({e}): name the model with --model") from e
 
 
 async def closed_loop(
-    client: httpx.AsyncClient,
+    client: aiohttp.ClientSession,
     url: str,
     requests: list[dict[str, Any]],
     workers: int,
@@ -49,7 +48,7 @@ async def closed_loop(
 
 
 async def poisson(
-    client: httpx.AsyncClient,
+    client: aiohttp.ClientSession,
     url: str,
     requests: list[dict[str, Any]],
     config: BenchConfig,
@@ -73,9 +72,13 @@ async def poisson(
 
 
 async def run(config: BenchConfig) -> tuple[Summary, list[Timing], str]:
-    timeout = httpx.Timeout(config.timeout_s, connect=30.0)
+    # Each request's whole time is bounded by `stream`; here connecting and each read.
+    timeout = aiohttp.ClientTimeout(sock_connect=30.0, sock_read=config.timeout_s)
     headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
-    async with httpx.AsyncClient(timeout=timeout, headers=headers, limits=httpx.Limits()) as client:
+    connector = aiohttp.TCPConnector(limit=0)  # as many connections as requests in flight
+    async with aiohttp.ClientSession(
+        timeout=timeout, headers=headers, connector=connector
+    ) as client:
         model = config.model or await served_model(client, config.base_url)
         url = f"{config.base_url}/chat/completions"
         if config.warmup:
