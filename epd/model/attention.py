@@ -23,6 +23,8 @@ MIN_PRODUCT_QUERIES = 4
 # for Kimi-VL's 16 heads at 4096 keys), and past 4096 the fused kernel had caught up.
 PROMPT_BLOCK_QUERIES = 128
 MAX_PROMPT_PRODUCT_KEYS = 4096
+# A block's queries and the rows it scores, padded to multiples of these (`causal_products`).
+QUERY_STEP, ROW_STEP = 32, 64
 
 
 def bfloat16_products_win(dtype: torch.dtype) -> bool:
@@ -59,19 +61,40 @@ def causal_products(
 
     A block of PROMPT_BLOCK_QUERIES queries at a time, each over the rows it can see: the
     block's scores stay in the core's cache, and the rows past the block are never scored
-    (whole prompts' scores at once ran slower, and by as much as 1.7× from run to run).
+    (whole prompts' scores at once ran slower, and by as much as 1.7× from run to run). The
+    blocks' queries are padded to a multiple of QUERY_STEP and their rows to one of ROW_STEP
+    (zeros, never seen by a real query): oneDNN builds a kernel for each shape it meets, and
+    prompts of every length would fill its cache, a long-running server's forwards slowing
+    as they evict one another's kernels.
     """
     queries, past = q.shape[1], k.shape[1] - q.shape[1]
+    rows = round_up(k.shape[1], ROW_STEP)
+    k, v = padded(k, rows), padded(v, rows)  # (H, rows, ·)
     out = q.new_empty(*q.shape[:2], v.shape[-1])
     for start in range(0, queries, PROMPT_BLOCK_QUERIES):
         end = min(queries, start + PROMPT_BLOCK_QUERIES)
-        seen = past + end  # rows up to the block's last query
-        scores = torch.matmul(q[:, start:end] * scale, k[:, :seen].mT)  # (H, b, seen)
-        hidden = torch.ones(end - start, seen, dtype=torch.bool, device=q.device)
+        size = round_up(end - start, QUERY_STEP)
+        seen = min(rows, round_up(past + start + size, ROW_STEP))  # past the block's last query
+        block = padded(q[:, start:end], size) * scale  # (H, size, d)
+        scores = torch.matmul(block, k[:, :seen].mT)  # (H, size, seen)
+        hidden = torch.ones(size, seen, dtype=torch.bool, device=q.device)
         scores.masked_fill_(hidden.triu(past + start + 1), float("-inf"))
         weights = scores.softmax(-1, dtype=torch.float32).to(v.dtype)
-        out[:, start:end] = torch.matmul(weights, v[:, :seen])
+        out[:, start:end] = torch.matmul(weights, v[:, :seen])[:, : end - start]
     return out
+
+
+def padded(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """x (H, R, ·) with zero rows after its own up to `rows`, contiguous."""
+    if x.shape[1] == rows and x.is_contiguous():
+        return x
+    out = x.new_zeros(x.shape[0], rows, x.shape[2])
+    out[:, : x.shape[1]] = x
+    return out
+
+
+def round_up(n: int, step: int) -> int:
+    return -(-n // step) * step
 
 
 def latent_attention(

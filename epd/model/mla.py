@@ -143,8 +143,8 @@ class MLAttention(nn.Module):
             self.kv_b_proj(c_kv).unflatten(-1, (self.heads, -1)).split([self.nope, self.v_dim], -1)
         )
         k = torch.cat((k_nope, k_pe[:, None, :].expand(-1, self.heads, -1)), dim=-1)
-        if prompt_products_win(q, k.shape[0]):  # (H, ·, ·) each, rows contiguous per head
-            q, k, v = (t.transpose(0, 1).contiguous() for t in (q, k, v))
+        if prompt_products_win(q, k.shape[0]):  # (H, ·, ·) each
+            q, k, v = (t.transpose(0, 1) for t in (q, k, v))
             return causal_products(q, k, v, self.scale).transpose(0, 1)
         # Fused attention kernels want one head size for q, k and v: pad v (v_dim < nope + rope)
         # with zeros and drop the padding after. Shapes (1, H, T, ·), the 4-D form they take.

@@ -91,3 +91,26 @@ def test_prompts_take_the_products_only_where_they_were_measured_faster(
     monkeypatch.setattr(attention.cpu, "has_amx", lambda: amx)
     monkeypatch.setattr(attention.cpu, "runs_bfloat16", lambda: native_bfloat16)
     assert prompt_products_win(torch.zeros(8, 2, 4, dtype=dtype), keys) is wins
+
+
+def test_causal_products_meet_few_shapes_whatever_the_prompts_length(monkeypatch):
+    """oneDNN builds a kernel per shape: blocks of queries and the rows they score come in
+    steps, so prompts of 300 lengths, after a past or not, meet a handful of shapes."""
+    shapes = set()
+    matmul = torch.matmul
+
+    def recorded(a, b):
+        shapes.add((tuple(a.shape), tuple(b.shape)))
+        return matmul(a, b)
+
+    monkeypatch.setattr(attention.torch, "matmul", recorded)
+    for queries in range(1, 301):
+        for past in (0, 45):
+            q = torch.zeros(2, queries, 8)
+            causal_products(
+                q, torch.zeros(2, past + queries, 8), torch.zeros(2, past + queries, 4), 1.0
+            )
+    blocks = {a[1] for a, b in shapes if b[1] == 8}  # the scores' products: (H, size, d)
+    rows = {b[2] for a, b in shapes if b[1] == 8}  # (H, d, seen)
+    assert blocks == {32, 64, 96, 128}
+    assert all(r % 64 == 0 for r in rows) and len(rows) <= 6
