@@ -9,7 +9,8 @@ grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo /.whl/ >> .git/info/excl
 rm -rf .whl
 packages=(pyzmq msgspec fastapi starlette pydantic pydantic_core annotated-types annotated-doc
   typing-inspection typing_extensions opentelemetry-api uvicorn prometheus_client
-  httpx httpcore h11 anyio sniffio idna certifi)
+  httpx httpcore h11 anyio sniffio idna certifi
+  aiohttp aiohappyeyeballs aiosignal attrs frozenlist multidict propcache yarl)
 pinned=()
 for name in "${packages[@]}"; do
   pinned+=("$(.venv/bin/pip freeze 2>/dev/null | grep -i "^${name}==")")

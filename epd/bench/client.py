@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+from aiohttp.http_exceptions import HttpProcessingError
 
 
 @dataclass
@@ -43,10 +44,12 @@ async def stream(
     try:
         async with asyncio.timeout(limit_s):
             await receive(client, url, body, origin, timing)
+    # First: aiohttp's own timeouts (connecting, reading) are TimeoutErrors too. A line past
+    # the read buffer is an HttpProcessingError; a line that is not JSON a ValueError.
+    except (aiohttp.ClientError, HttpProcessingError, ValueError) as e:
+        timing.error = f"{type(e).__name__}: {e}"
     except TimeoutError:
         timing.error = f"no answer within {limit_s}s"
-    except (aiohttp.ClientError, ValueError) as e:  # ValueError: a line that is not JSON
-        timing.error = f"{type(e).__name__}: {e}"
     if timing.error:
         return timing
     timing.end = time.perf_counter() - origin

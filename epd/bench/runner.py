@@ -23,7 +23,7 @@ async def served_model(client: aiohttp.ClientSession, base_url: str) -> str:
     try:
         async with client.get(f"{base_url}/models", raise_for_status=True) as response:
             return str((await response.json(content_type=None))["data"][0]["id"])
-    except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, IndexError) as e:
+    except (aiohttp.ClientError, TimeoutError, ValueError, TypeError, KeyError, IndexError) as e:
         raise ValueError(f"cannot list {base_url}/models ({e}): name the model with --model") from e
 
 
@@ -75,9 +75,10 @@ async def run(config: BenchConfig) -> tuple[Summary, list[Timing], str]:
     # Each request's whole time is bounded by `stream`; here connecting and each read.
     timeout = aiohttp.ClientTimeout(sock_connect=30.0, sock_read=config.timeout_s)
     headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
-    connector = aiohttp.TCPConnector(limit=0)  # as many connections as requests in flight
+    # A connection per request in flight, up to 100 where nothing bounds them (httpx's cap).
+    connector = aiohttp.TCPConnector(limit=config.concurrency or 100)
     async with aiohttp.ClientSession(
-        timeout=timeout, headers=headers, connector=connector
+        timeout=timeout, headers=headers, connector=connector, trust_env=True
     ) as client:
         model = config.model or await served_model(client, config.base_url)
         url = f"{config.base_url}/chat/completions"
