@@ -19,8 +19,10 @@ from epd.model import cpu
 # products on such a CPU (`products_win_on_cpu`).
 MIN_PRODUCT_QUERIES = 4
 # A prompt's attention runs as products in blocks of this many queries, up to this many keys
-# (`prompt_products_win`): a block's float32 scores, heads × 128 × keys, stay a few MiB (32 MiB
-# for Kimi-VL's 16 heads at 4096 keys), and past 4096 the fused kernel had caught up.
+# (`prompt_products_win`). A block's scores, heads × 128 × keys, take 6 bytes each (bfloat16,
+# then the softmax in float32): 1.5 MiB for the small model's 8 heads at 256 keys, 48 MiB for
+# Kimi-VL's 16 at 4096. At 4096 the blocks gained only 1.1×; beyond, unmeasured, the fused
+# kernel runs, which writes no scores.
 PROMPT_BLOCK_QUERIES = 128
 MAX_PROMPT_PRODUCT_KEYS = 4096
 # A block's queries and the rows it scores, padded to multiples of these (`causal_products`).
@@ -47,9 +49,9 @@ def products_win_on_cpu(q: torch.Tensor, cache: torch.Tensor) -> bool:
 def prompt_products_win(q: torch.Tensor, keys: int) -> bool:
     """Whether a prompt's queries (T, H, d) over `keys` rows run faster as `causal_products`
     than fused on this CPU: bfloat16 (`bfloat16_products_win`) and up to
-    MAX_PROMPT_PRODUCT_KEYS. On an AMD EPYC (zen 5), one thread, the fused kernel took 2.3-2.9×
-    the blocked products' time at 128-1024 tokens (8 heads of 96; 2.5-2.8× at Kimi-VL's 16 of
-    192) and 1.1-1.3× at 4096."""
+    MAX_PROMPT_PRODUCT_KEYS. On an AMD EPYC (zen 5), one thread, the fused kernel took 1.8-2.9×
+    the blocked products' time at 128-2048 tokens (8 heads of 96; 2.2-2.5× at Kimi-VL's 16 of
+    192, 240-2048 tokens) and 1.1× at 4096."""
     return q.is_cpu and keys <= MAX_PROMPT_PRODUCT_KEYS and bfloat16_products_win(q.dtype)
 
 
@@ -59,8 +61,8 @@ def causal_products(
     """Causal attention as batched products: q (H, T, d) over k (H, K, d) and v (H, K, dv),
     the T queries the last T of the K rows (query i sees rows up to K - T + i) → (H, T, dv).
 
-    A block of PROMPT_BLOCK_QUERIES queries at a time, each over the rows it can see: the
-    block's scores stay in the core's cache, and the rows past the block are never scored
+    A block of PROMPT_BLOCK_QUERIES queries at a time, each over the rows it can see: a short
+    prompt's block's scores stay in the core's cache, and the rows past the block are never scored
     (whole prompts' scores at once ran slower, and by as much as 1.7× from run to run). The
     blocks' queries are padded to a multiple of QUERY_STEP and their rows to one of ROW_STEP
     (zeros, never seen by a real query): oneDNN builds a kernel for each shape it meets, and
@@ -68,6 +70,8 @@ def causal_products(
     as they evict one another's kernels.
     """
     queries, past = q.shape[1], k.shape[1] - q.shape[1]
+    if past < 0:
+        raise ValueError(f"{queries} queries over {k.shape[1]} rows: they are the last of them")
     rows = round_up(k.shape[1], ROW_STEP)
     k, v = padded(k, rows), padded(v, rows)  # (H, rows, ·)
     out = q.new_empty(*q.shape[:2], v.shape[-1])

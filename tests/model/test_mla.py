@@ -128,7 +128,9 @@ def test_gradients_reach_kv_b_proj_through_the_absorbed_products():
 def test_a_prompt_attends_alike_through_either_kernel_whole_and_in_chunks(monkeypatch, products):
     """Two prompts packed, the second also prefilled in two chunks, its second after a past:
     each kernel (`prompt_products_win`) gives what float32 gives, to bfloat16's precision."""
-    monkeypatch.setattr("epd.model.mla.prompt_products_win", lambda q, keys: products)
+    monkeypatch.setattr(  # float32, the reference, stays fused
+        "epd.model.mla.prompt_products_win", lambda q, keys: products and q.dtype == torch.bfloat16
+    )
     attention = bfloat16_attention()
     generator = torch.Generator().manual_seed(4)
     x = torch.randn(200, 64, generator=generator).bfloat16()
