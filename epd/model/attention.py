@@ -19,10 +19,10 @@ from epd.model import cpu
 # products on such a CPU (`products_win_on_cpu`).
 MIN_PRODUCT_QUERIES = 4
 # A prompt's attention runs as products in blocks of this many queries, up to this many keys
-# (`prompt_products_win`). A block's scores, heads × 128 × keys, take 6 bytes each (bfloat16,
-# then the softmax in float32): 1.5 MiB for the small model's 8 heads at 256 keys, 48 MiB for
-# Kimi-VL's 16 at 4096. At 4096 the blocks gained only 1.1×; beyond, unmeasured, the fused
-# kernel runs, which writes no scores.
+# (`prompt_products_win`). A block's scores, heads × 128 × keys, take up to 8 bytes each (in
+# bfloat16, their softmax in float32, its bfloat16 copy): 2 MiB for the small model's 8 heads
+# at 256 keys, 64 MiB for Kimi-VL's 16 at 4096. At 4096 the blocks gained only 1.1×; beyond,
+# unmeasured, the fused kernel runs, which writes no scores.
 PROMPT_BLOCK_QUERIES = 128
 MAX_PROMPT_PRODUCT_KEYS = 4096
 # A block's queries and the rows it scores, padded to multiples of these (`causal_products`).
@@ -61,8 +61,8 @@ def causal_products(
     """Causal attention as batched products: q (H, T, d) over k (H, K, d) and v (H, K, dv),
     the T queries the last T of the K rows (query i sees rows up to K - T + i) → (H, T, dv).
 
-    A block of PROMPT_BLOCK_QUERIES queries at a time, each over the rows it can see: a short
-    prompt's block's scores stay in the core's cache, and the rows past the block are never scored
+    A block of PROMPT_BLOCK_QUERIES queries at a time, each over the rows it can see: the rows
+    past the block are never scored, and a short prompt's scores stay in the core's cache
     (whole prompts' scores at once ran slower, and by as much as 1.7× from run to run). The
     blocks' queries are padded to a multiple of QUERY_STEP and their rows to one of ROW_STEP
     (zeros, never seen by a real query): oneDNN builds a kernel for each shape it meets, and
