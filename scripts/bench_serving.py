@@ -8,9 +8,10 @@ then `transformers serve` on the same language model (exported as a DeepSeek-V3 
 it has no Kimi-VL, so text only) at 1 and 16, then the one-process path (`LocalPipeline`) one
 request at a time, all three in --dtype (default float32). Then, as a noisy machine's speed
 drifts between runs minutes apart, epd's 16-stream against 1-stream ratio again from --rounds
-(default 3) pairs of runs back to back, and the time to first token at one request, served and
-through the one-process path, on the same prompts taken in turn while the server idles. Every
-run's JSON lands in --out; the summary table is printed as Markdown for docs/benchmarks.md.
+(default 3) pairs of runs back to back, with the CPU each role (and the client) spent per request
+at 16 streams, and the time to first token at one request, served and through the one-process
+path, on the same prompts taken in turn while the server idles. Every run's JSON lands in
+--out; the summary table is printed as Markdown for docs/benchmarks.md.
 Not a test: it takes about twenty minutes on two cores.
 """
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import subprocess
@@ -101,9 +103,9 @@ def requests_for(concurrency: int, per_stream: int = PER_STREAM) -> int:
 
 def epd_runs(
     checkpoint: Path, out: Path, quick: bool, dtype: str, rounds: int
-) -> tuple[dict[str, dict[str, Any]], list[float], dict[str, float]]:
-    """epd's runs by name, its 16-stream against 1-stream ratio in each of `rounds` pairs, and
-    its time to first token at one request beside the one-process path's."""
+) -> tuple[dict[str, dict[str, Any]], list[dict[str, float]], dict[str, dict[str, float]]]:
+    """epd's runs by name, its 16-stream against 1-stream ratio and CPU budget in each of
+    `rounds` pairs, and its time to first token at one request beside the one-process path's."""
     url = "http://127.0.0.1:8300/v1"
     command = [sys.executable, "-m", "epd.cli", "serve", "--model", str(checkpoint)]
     command += ["--dtype", dtype]
@@ -111,7 +113,7 @@ def epd_runs(
     server = start(command, url, out / "epd.log")
     try:
         runs = text_runs(url, out, quick) | image_runs(url, out)
-        scaling = scaling_rounds(url, out, rounds)
+        scaling = scaling_rounds(url, out, rounds, server)
         return runs, scaling, ttft_pairs(url, checkpoint, dtype, TTFT_PAIRS)
     finally:
         stop(server)
@@ -140,16 +142,71 @@ def text_runs(url: str, out: Path, quick: bool) -> dict[str, dict[str, Any]]:
     return runs
 
 
-def scaling_rounds(url: str, out: Path, rounds: int) -> list[float]:
-    """Output tokens/s at 16 streams over that at 1, from runs back to back, once per round."""
-    ratios = []
+def scaling_rounds(
+    url: str, out: Path, rounds: int, server: subprocess.Popen[bytes]
+) -> list[dict[str, float]]:
+    """Output tokens/s at 16 streams over that at 1, from runs back to back, once per round,
+    and what the 16 streams cost the machine (`cpu_budget`)."""
+    results = []
     for r in range(1, rounds + 1):
-        one, many = (
-            bench(url, out, f"epd-round{r}-c{c}", label="epd", concurrency=c, requests=n, **TEXT)
-            for c, n in ((1, requests_for(1)), (16, requests_for(16)))
+        one = bench(
+            url,
+            out,
+            f"epd-round{r}-c1",
+            label="epd",
+            concurrency=1,
+            requests=requests_for(1),
+            **TEXT,
         )
-        ratios.append(many["output_throughput"] / one["output_throughput"])
-    return ratios
+        before = roles_cpu_s(server)
+        many = bench(
+            url,
+            out,
+            f"epd-round{r}-c16",
+            label="epd",
+            concurrency=16,
+            requests=requests_for(16),
+            **TEXT,
+        )
+        used = {role: s - before.get(role, 0.0) for role, s in roles_cpu_s(server).items()}
+        ratio = many["output_throughput"] / one["output_throughput"]
+        results.append({"ratio": ratio} | cpu_budget(used, many, one))
+    return results
+
+
+def roles_cpu_s(server: subprocess.Popen[bytes]) -> dict[str, float]:
+    """CPU seconds so far of each process `epd serve` started, by role (Linux's /proc)."""
+    seconds = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text, command = stat.read_text(), (stat.parent / "cmdline").read_bytes().split(b"\0")
+        except OSError:  # it ended meanwhile
+            continue
+        fields = text[text.rfind(")") + 2 :].split()  # after the name, which may hold spaces
+        if int(fields[1]) == server.pid and b"epd.cli" in command[:-1]:
+            role = command[command.index(b"epd.cli") + 1].decode()
+            seconds[role] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return seconds
+
+
+def cpu_budget(
+    used: dict[str, float], many: dict[str, Any], one: dict[str, Any]
+) -> dict[str, float]:
+    """Milliseconds of CPU per request at 16 streams, by role and for the client; the cores
+    they kept busy; and the most output that cost allows on this machine's cores, as a
+    multiple of one stream's (`cap`): while the cores are full, 16 streams give no more."""
+    served = many["completed"] + many["failed"] + BenchConfig().warmup  # the roles served them
+    budget = {f"{role}_ms": 1000 * s / served for role, s in sorted(used.items())}
+    budget["client_ms"] = 1000 * many["client_cpu_s"] / max(1, many["completed"])
+    total_s = sum(budget.values()) / 1000
+    tokens = many["output_throughput"] / many["request_throughput"]  # per request
+    cores = len(os.sched_getaffinity(0))
+    return budget | {
+        "total_ms": 1000 * total_s,
+        "busy_cores": total_s * many["request_throughput"],
+        "cores": cores,
+        "cap": cores / total_s * tokens / one["output_throughput"],
+    }
 
 
 def ttft_pairs(url: str, checkpoint: Path, dtype: str, count: int) -> dict[str, dict[str, float]]:
@@ -326,6 +383,26 @@ def table(runs: dict[str, dict[str, Any]], local: dict[str, float]) -> str:
     return "\n".join(lines)
 
 
+def rounds_table(rounds: list[dict[str, float]]) -> str:
+    """16 streams against 1, round by round and their median, with where the cores went."""
+    roles = [k for k in rounds[0] if k.endswith("_ms") and k != "total_ms"]
+    columns = ["ratio", *roles, "total_ms", "busy_cores", "cap"]
+    names = ["16 ÷ 1", *(f"{k[:-3]} ms" for k in roles), "CPU ms", "cores busy", "cores allow"]
+    lines = [
+        "\n16 streams against 1, back to back; CPU per request at 16 streams:\n",
+        "| round | " + " | ".join(names) + " |",
+        "|---" * (len(names) + 1) + "|",
+    ]
+    for name, row in [*((str(i), r) for i, r in enumerate(rounds, 1)), ("median", None)]:
+        values = [row[c] if row else statistics.median(r[c] for r in rounds) for c in columns]
+        shown = [
+            f"{v:.2f}" if c in ("ratio", "busy_cores", "cap") else f"{v:.1f}"
+            for c, v in zip(columns, values, strict=True)
+        ]
+        lines.append(f"| {name} | " + " | ".join(shown) + " |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("bench-results"))
@@ -335,16 +412,14 @@ def main() -> None:
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     checkpoint = make_checkpoint(args.out / "small", "small")
-    runs, ratios, ttft = epd_runs(checkpoint, args.out, args.quick, args.dtype, args.rounds)
+    runs, rounds, ttft = epd_runs(checkpoint, args.out, args.quick, args.dtype, args.rounds)
     runs |= transformers_runs(checkpoint, args.out, args.dtype)
     local = local_run(checkpoint, args.dtype)
-    summary = {"runs": runs, "local": local, "ratios_16_to_1": ratios, "ttft_in_turn": ttft}
+    summary = {"runs": runs, "local": local, "rounds_16_to_1": rounds, "ttft_in_turn": ttft}
     (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
     print(table(runs, local))
-    if ratios:
-        shown = ", ".join(f"{r:.2f}" for r in ratios)
-        median = statistics.median(ratios)
-        print(f"\n16 streams against 1, back to back: {shown}; median {median:.2f}")
+    if rounds:
+        print(rounds_table(rounds))
     for which, group in ttft.items():
         served, alone = group["served_ms"], group["local_ms"]
         print(

@@ -2,7 +2,8 @@
 
 TTFT is the time to the first chunk with text; TPOT a request's time per output token after
 the first, (end - first token) / (tokens - 1); ITL every gap between chunks, pooled over
-requests. Goodput counts the requests per second that met the TTFT and TPOT targets.
+requests. Goodput counts the requests per second that met the TTFT and TPOT targets. The
+client's own CPU time is there too: a client on the server's machine takes cores from it.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ class Summary:
     tpot_ms: dict[str, float]
     itl_ms: dict[str, float]
     e2e_ms: dict[str, float]
+    client_cpu_s: float = 0.0  # this process's CPU seconds over the timed requests
 
 
 def spread(values: Sequence[float]) -> dict[str, float]:
@@ -102,4 +104,5 @@ def table(summary: Summary) -> str:
     ):
         values = "  ".join(f"{k} {v:.1f}" for k, v in stats.items())
         lines.append(f"{name + ' (ms)':<28}{values}")
+    lines.append(f"{'client CPU (s)':<28}{summary.client_cpu_s:.2f}")
     return "\n".join(lines)

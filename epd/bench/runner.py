@@ -88,14 +88,16 @@ async def run(config: BenchConfig) -> tuple[Summary, list[Timing], str]:
                 *(stream(client, url, b, time.perf_counter(), config.timeout_s) for b in warm)
             )
         requests = bodies(config, model, config.requests)
+        cpu_s = time.process_time()
         with tqdm(total=len(requests), desc="requests", unit="req") as bar:
             if config.rate:
                 timings = await poisson(client, url, requests, config, bar)
             else:
                 workers = config.concurrency or 1
                 timings = await closed_loop(client, url, requests, workers, config.timeout_s, bar)
+        cpu_s = time.process_time() - cpu_s
     summary = summarise(timings, config.goodput_ttft_ms, config.goodput_tpot_ms)
-    return summary, timings, model
+    return dataclasses.replace(summary, client_cpu_s=cpu_s), timings, model
 
 
 def save(

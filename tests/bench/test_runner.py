@@ -7,7 +7,9 @@ import pytest
 from tqdm import tqdm
 
 from epd.bench import runner
+from epd.bench.client import Timing
 from epd.bench.config import BenchConfig
+from epd.bench.metrics import table
 
 
 def most_in_flight(monkeypatch, **settings) -> int:
@@ -48,3 +50,22 @@ def test_concurrency_bounds_requests_in_flight(monkeypatch, settings, most):
 def test_a_negative_concurrency_is_refused():
     with pytest.raises(ValueError, match="concurrency=-1: must not be negative"):
         BenchConfig(concurrency=-1)
+
+
+def test_a_run_counts_the_clients_cpu_over_the_timed_requests_only(monkeypatch):
+    """A client on the server's machine takes cores from it: the run says how much CPU it took
+    over the requests it timed, the warm-up left out."""
+    clock = 0.0
+
+    async def stream(client, url, body, origin, limit_s):
+        nonlocal clock
+        clock += 1.0  # each request costs the client one CPU second
+        return Timing(start=0.0, first_token=0.1, end=0.2, chunks=[0.1], output_tokens=1)
+
+    monkeypatch.setattr(runner, "stream", stream)
+    monkeypatch.setattr(runner.time, "process_time", lambda: clock)
+    config = BenchConfig(model="m", requests=5, warmup=2, concurrency=2)
+    summary, timings, _ = asyncio.run(runner.run(config))
+    assert summary.completed == len(timings) == 5
+    assert summary.client_cpu_s == 5.0
+    assert "client CPU (s)" in table(summary)
