@@ -149,29 +149,26 @@ def scaling_rounds(
     and what the 16 streams cost the machine (`cpu_budget`)."""
     results = []
     for r in range(1, rounds + 1):
-        one = bench(
-            url,
-            out,
-            f"epd-round{r}-c1",
-            label="epd",
-            concurrency=1,
-            requests=requests_for(1),
-            **TEXT,
-        )
+        one = round_run(url, out, r, 1)
         before = roles_cpu_s(server)
-        many = bench(
-            url,
-            out,
-            f"epd-round{r}-c16",
-            label="epd",
-            concurrency=16,
-            requests=requests_for(16),
-            **TEXT,
-        )
+        many = round_run(url, out, r, 16)
         used = {role: s - before.get(role, 0.0) for role, s in roles_cpu_s(server).items()}
         ratio = many["output_throughput"] / one["output_throughput"]
         results.append({"ratio": ratio} | cpu_budget(used, many, one))
     return results
+
+
+def round_run(url: str, out: Path, round_: int, concurrency: int) -> dict[str, Any]:
+    name = f"epd-round{round_}-c{concurrency}"
+    return bench(
+        url,
+        out,
+        name,
+        label="epd",
+        concurrency=concurrency,
+        requests=requests_for(concurrency),
+        **TEXT,
+    )
 
 
 def roles_cpu_s(server: subprocess.Popen[bytes]) -> dict[str, float]:
