@@ -13,7 +13,7 @@ import pytest
 
 from epd.config.reference import reference
 
-from .e2e.stack import free_base
+from .e2e.stack import Process, free_base
 
 ROOT = Path(__file__).parents[1]
 README = (ROOT / "README.md").read_text()
@@ -121,30 +121,28 @@ def test_local_launch_commands(make_serve):
     try:
         for line in block("launch-local").strip().splitlines():
             script = re.search(r"scripts/(launch_\w+)\.sh", line)[1]
-            env = os.environ | ports[script] | {"EPD_PYTHON": sys.executable}
-            process = subprocess.Popen(
-                ["bash", "-c", line],
-                cwd=ROOT,
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-            processes.append(process)
-            seen = []
-            for output in process.stdout:
-                seen.append(output)
-                if " ready " in output:
-                    break
-            assert process.poll() is None, f"{script} exited:\n{''.join(seen[-30:])}"
+            env = ports[script] | {"EPD_PYTHON": sys.executable}
+            launched = Process(ready=" ready ", env=env, command=["bash", "-c", line], cwd=ROOT)
+            processes.append(launched)  # before waiting, so that `finally` stops it either way
+            launched.wait_ready()
         result = subprocess.run(
             ["bash", "-c", with_port(block("curl-text"), base + 20)], capture_output=True, text=True
         )
+        assert result.returncode == 0 and result.stdout, explain(result, processes)
         assert json.loads(result.stdout)["usage"]["completion_tokens"] >= 1
     finally:
         for process in processes:
-            process.terminate()
-            process.wait(30)
+            process.stop()
+
+
+def explain(result: subprocess.CompletedProcess[str], processes: list[Process]) -> str:
+    """Why a command got no answer: its own error, and what each process printed last."""
+    tails = (
+        f"--- {p.popen.args[-1]} ({'running' if p.popen.poll() is None else p.popen.returncode})"
+        f"\n{''.join(list(p.lines)[-30:])}"
+        for p in processes
+    )
+    return "\n".join([f"exit {result.returncode}: {result.stderr}", *tails])
 
 
 def test_python_structured_output_example(make_serve):

@@ -37,22 +37,45 @@ def ports_free(*ports: int) -> bool:
     return True
 
 
+def ephemeral_start() -> int:
+    """The lowest port the kernel hands to client sockets that connect without a bind."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
 def free_base() -> int:
-    """N such that N..N+2, N+10, N+12 and the API port N+20 are all free."""
+    """N such that N..N+2, N+10, N+12 and the API port N+20 are all free.
+
+    N lies below the kernel's ephemeral range where it can: a port in that range may be taken by
+    any connecting socket (ZeroMQ's reconnects among them, or a socket connected to itself)
+    between this check and the server's bind.
+    """
+    top = ephemeral_start() - 50
     while True:
-        base = random.randrange(20000, 60000, 50)
+        base = random.randrange(20000, top if top > 25000 else 60000, 50)
         if ports_free(base, base + 1, base + 2, base + 10, base + 12, base + 20):
             return base
 
 
 class Process:
-    """A running `python -m epd.cli ...`, its output collected, stopped with SIGTERM."""
+    """A running `python -m epd.cli ARGS` (or `command`), its output collected, stopped with
+    SIGTERM."""
 
-    def __init__(self, *args: str, ready: str, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        *args: str,
+        ready: str,
+        env: dict[str, str] | None = None,
+        command: list[str] | None = None,
+        cwd: Path | None = None,
+    ) -> None:
         self.lines: deque[str] = deque(maxlen=2000)
         self.ready = threading.Event()
         self.popen = subprocess.Popen(
-            [sys.executable, "-m", "epd.cli", *args],
+            command or [sys.executable, "-m", "epd.cli", *args],
+            cwd=cwd,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
