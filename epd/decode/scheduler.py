@@ -26,7 +26,7 @@ from functools import cached_property
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from epd.generation.finite import finite_rows
+from epd.generation.finite import finite_rows, overflows
 from epd.generation.grammar import GrammarError, Grammars
 from epd.generation.logits import NoTokenAllowed, adjust, require_a_token
 from epd.generation.sampling import restore_generator, sample_batch
@@ -141,10 +141,8 @@ class Scheduler:
                 f"{self.pool.max_tokens} tokens (--max-kv-tokens)"
             )
         dtype = self.lm.lm_head.weight.dtype
-        if handoff.cache.dtype != dtype and handoff.cache.numel():  # a narrower dtype here
-            largest = float(handoff.cache.abs().amax())  # finite: the message checked
-            if largest > torch.finfo(dtype).max:
-                raise ValueError(f"KV cache values up to {largest:.3g} overflow decode's {dtype}")
+        if (largest := overflows(handoff.cache, dtype)) is not None:  # finite: the message checked
+            raise ValueError(f"KV cache values up to {largest:.3g} overflow decode's {dtype}")
         if handoff.request_id in self:
             raise ValueError(f"request {handoff.request_id} is already decoding")
         if handoff.sampling.n > self.max_waiting:  # never: it is no use coming back later

@@ -25,3 +25,12 @@ def all_finite(tensor: torch.Tensor) -> bool:
 def finite_rows(logits: torch.Tensor) -> list[bool]:
     """Whether each row of logits (B, vocab) holds no NaN and no ±inf."""
     return (logits.amax(-1).isfinite() & logits.amin(-1).isfinite()).tolist()
+
+
+def overflows(tensor: torch.Tensor, dtype: torch.dtype) -> float | None:
+    """The largest magnitude in a finite `tensor` when a cast to `dtype` would turn it into
+    ±inf (a float32 peer's values sent to a float16 model); None when they all fit."""
+    if tensor.dtype == dtype or tensor.numel() == 0 or not dtype.is_floating_point:
+        return None
+    largest = float(tensor.abs().amax())
+    return largest if largest > torch.finfo(dtype).max else None

@@ -22,6 +22,7 @@ from typing import TypeVar
 import torch
 
 from epd.config.roles import PrefillConfig
+from epd.generation.finite import overflows
 from epd.generation.sampling import Scored
 from epd.multimodal.grids import kimi_vl_grids
 from epd.prefill.batcher import PrefillBatcher, token_budget
@@ -291,8 +292,10 @@ class Coordinator:
         self.metrics.images.inc(len(keys))
         self.metrics.image_cache_hits.inc(len(rows))
         if missing:
-            payloads = await self.encode_images(request, missing)
-            encoded = check_payloads(request, missing, payloads, self.engine.lm.config.hidden_size)
+            payloads, lm = await self.encode_images(request, missing), self.engine.lm
+            encoded = check_payloads(
+                request, missing, payloads, lm.config.hidden_size, lm.lm_head.weight.dtype
+            )
             for index, image_rows in zip(missing, encoded, strict=True):
                 self.images.put(keys[index], image_rows)
                 rows[index] = image_rows
@@ -448,12 +451,17 @@ def split(count: int, workers: int) -> list[tuple[int, int]]:
 
 
 def check_payloads(
-    request: PreparedRequest, indices: list[int], payloads: list[ImageEmbeddings], hidden: int
+    request: PreparedRequest,
+    indices: list[int],
+    payloads: list[ImageEmbeddings],
+    hidden: int,
+    dtype: torch.dtype,
 ) -> list[torch.Tensor]:
     """Each image's rows (tokens, hidden), refusing payloads whose grids or rows disagree with
-    the placeholders expanded for the images at `indices`, or whose rows are not `hidden`
-    wide (they would be cached by the images' hashes, and fail each later request for those
-    images too)."""
+    the placeholders expanded for the images at `indices`, whose rows are not `hidden` wide, or
+    whose values a cast to the model's `dtype` would turn into ±inf. Each payload must hold its
+    own images' rows: a short one must not borrow the next one's. (Unchecked rows would be
+    cached by the images' hashes, and fail or mislead each later request for those images.)"""
     try:
         grids = tuple(grid for p in payloads for grid in kimi_vl_grids(p.grids))
     except ValueError as e:  # e.g. an odd side, which the 2×2 merge cannot take
@@ -461,12 +469,20 @@ def check_payloads(
     expected = tuple(request.grids[i] for i in indices)
     if grids != expected:
         raise Internal(f"encode returned grids {list(grids)} for images of grids {list(expected)}")
-    if wrong := [p.embeddings.shape[1] for p in payloads if p.embeddings.shape[1] != hidden]:
-        raise Internal(f"encode returned embeddings {wrong[0]} wide, not the model's {hidden}")
-    embeddings = torch.cat([p.embeddings for p in payloads])
-    slots = [request.image_tokens[i] for i in indices]
-    if embeddings.shape[0] != sum(slots):
-        raise Internal(
-            f"encode returned {embeddings.shape[0]} embedding rows for {sum(slots)} image slots"
-        )
-    return list(embeddings.split(slots))
+    rows: list[torch.Tensor] = []
+    for payload in payloads:
+        embeddings = payload.embeddings  # (Σ tokens of its images, hidden)
+        mine = indices[len(rows) : len(rows) + len(payload.grids)]  # its images, in order
+        slots = [request.image_tokens[i] for i in mine]
+        if embeddings.shape[1] != hidden:
+            raise Internal(
+                f"encode returned embeddings {embeddings.shape[1]} wide, not the model's {hidden}"
+            )
+        if embeddings.shape[0] != sum(slots):
+            raise Internal(
+                f"encode returned {embeddings.shape[0]} embedding rows for {sum(slots)} image slots"
+            )
+        if (largest := overflows(embeddings, dtype)) is not None:  # finite: the message checked
+            raise Internal(f"encode returned embeddings up to {largest:.3g}, past {dtype}'s range")
+        rows.extend(embeddings.split(slots))
+    return rows

@@ -59,6 +59,7 @@ def test_split_images_over_encoders():
         (torch.zeros(8, 7), "embeddings 7 wide, not the model's 16"),
         (torch.zeros(9, 16), "9 embedding rows for 8 image slots"),
         (torch.zeros(8, 16), "unusable grids"),  # with the grid (3, 5) below
+        (torch.full((8, 16), 7e4), "embeddings up to 7e+04, past torch.float16's range"),
     ],
 )
 def test_image_payloads_must_fit_the_slots_and_the_model(rows, problem):
@@ -68,10 +69,25 @@ def test_image_payloads_must_fit_the_slots_and_the_model(rows, problem):
     grid = (3, 5) if problem == "unusable grids" else (4, 8)
     payload = ImageEmbeddings("r", 0, (grid,), rows)
     if problem is None:
-        assert check_payloads(request, [0], [payload], 16)[0].shape == (8, 16)
+        assert check_payloads(request, [0], [payload], 16, torch.float16)[0].shape == (8, 16)
     else:
         with pytest.raises(PrefillError, match=re.escape(problem)):
-            check_payloads(request, [0], [payload], 16)
+            check_payloads(request, [0], [payload], 16, torch.float16)
+
+
+def test_each_payload_holds_its_own_images_rows():
+    """Two encoders' parts whose rows add up but do not match each part's own images: image
+    0 must not take a row of image 1 (and be cached by its hash so)."""
+    request = PreparedRequest(
+        "r", [1] * 8, [b"a", b"b"], ((4, 4), (4, 4)), (4, 4), SamplingParams(4)
+    )
+    short = ImageEmbeddings("r", 0, ((4, 4),), torch.zeros(1, 16))
+    long = ImageEmbeddings("r", 1, ((4, 4),), torch.ones(7, 16))
+    with pytest.raises(PrefillError, match="1 embedding rows for 4 image slots"):
+        check_payloads(request, [0, 1], [short, long], 16, torch.float32)
+    parts = [ImageEmbeddings("r", i, ((4, 4),), torch.full((4, 16), float(i))) for i in (0, 1)]
+    rows = check_payloads(request, [0, 1], parts, 16, torch.float32)
+    assert [r.unique().tolist() for r in rows] == [[0.0], [1.0]]
 
 
 def test_within_raises_the_given_error_on_time():
