@@ -7,6 +7,7 @@ import logging
 import time
 from collections.abc import Callable
 
+import torch
 import zmq
 
 from epd.checkpoint.config import load_processor_config
@@ -63,9 +64,20 @@ def encode_prepared(
         log.warning("a batch of %d encode requests failed; trying each alone", len(ready))
         return [encode_prepared(encoder, [one])[0] for one in ready]
     return [
-        ImageEmbeddings(request.request_id, request.part_index, prepared.grids, embeddings)
+        reply(request, prepared, embeddings)
         for (request, prepared), embeddings in zip(ready, rows, strict=True)
     ]
+
+
+def reply(
+    request: EncodeRequest, prepared: Prepared, embeddings: torch.Tensor
+) -> ImageEmbeddings | Failure:
+    """The request's embeddings (its tokens, hidden), or a Failure when the message refuses
+    them (an overflow to inf or NaN in this request's images): its batch's others go on."""
+    try:
+        return ImageEmbeddings(request.request_id, request.part_index, prepared.grids, embeddings)
+    except ValueError as e:
+        return failure(request, e)
 
 
 def handle(

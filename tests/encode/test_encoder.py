@@ -99,3 +99,31 @@ def test_a_batch_that_fails_is_tried_request_by_request(encoder, monkeypatch):
     red, blue = encode_prepared(encoder, ready)
     assert isinstance(red, ImageEmbeddings) and red.request_id == "r0"
     assert isinstance(blue, Failure) and blue.code == "internal" and "out of memory" in blue.message
+
+
+def test_rows_that_overflowed_fail_their_request_alone(encoder, monkeypatch):
+    """A NaN or inf in one request's rows (an overflow in a low-precision tower) is refused by
+    its message; the others batched with it still get theirs."""
+    from epd.encode.server import encode_prepared, prepare
+
+    requests = [
+        EncodeRequest(
+            f"r{i}", 0, (encoded(Image.new("RGB", (56, 56), c), "PNG"),), (0,), "tcp://x:1"
+        )
+        for i, c in enumerate(["red", "blue", "green"])
+    ]
+    ready = [(r, prepare(encoder, r)) for r in requests]
+    forward = encoder.forward
+
+    def overflows_on_blue(batch):
+        rows = [row.clone() for row in forward(batch)]  # (tokens, hidden) per request
+        for row, prepared in zip(rows, batch, strict=True):
+            if prepared is ready[1][1]:
+                row[0, 0] = float("inf")
+        return rows
+
+    monkeypatch.setattr(encoder, "forward", overflows_on_blue)
+    red, blue, green = encode_prepared(encoder, ready)
+    assert isinstance(red, ImageEmbeddings) and isinstance(green, ImageEmbeddings)
+    assert isinstance(blue, Failure) and blue.request_id == "r1" and blue.code == "internal"
+    assert "NaN or infinite" in blue.message
