@@ -19,8 +19,9 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from epd.api.errors import APIError, overloaded
+from epd.wire.limits import ID_CHARS
 
-REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")  # what may be echoed into a header and logs
+REQUEST_ID = re.compile(f"[{ID_CHARS}]{{1,128}}")  # what may be echoed into a header and logs
 
 
 class RequestIds:

@@ -9,6 +9,7 @@ here and when one is decoded.
 
 from __future__ import annotations
 
+import re
 from typing import Annotated
 
 import torch
@@ -22,12 +23,16 @@ MAX_ID_CHARS = 256  # request ids, error codes
 MAX_ADDRESS_CHARS = 512  # ZeroMQ addresses
 MAX_ITEMS = 256  # images per request, grids per payload, tokens per delta
 
+ID_CHARS = "A-Za-z0-9._:-"  # ids go into log lines and headers: no spaces, no line breaks
 Id = Annotated[str, Meta(max_length=MAX_ID_CHARS)]
 Address = Annotated[str, Meta(max_length=MAX_ADDRESS_CHARS)]
 
 
 def check_id(value: str, name: str) -> None:
-    require(0 < len(value) <= MAX_ID_CHARS, f"{name} must be 1 to {MAX_ID_CHARS} characters")
+    require(
+        re.fullmatch(f"[{ID_CHARS}]{{1,{MAX_ID_CHARS}}}", value) is not None,
+        f"{name} must be 1 to {MAX_ID_CHARS} of the characters {ID_CHARS}",
+    )
 
 
 def check_address(value: str, name: str, optional: bool = False) -> None:

@@ -13,6 +13,7 @@ from epd.generation.params import SamplingParams, TokenLogprob
 from epd.wire.codec import WireError, decode, encode
 from epd.wire.messages import (
     EncodeRequest,
+    Failure,
     ImageEmbeddings,
     KVHandoff,
     TokenDelta,
@@ -123,6 +124,8 @@ def test_embeddings_holding_nan_are_refused():
         ({"reply_to": "http://example.com"}, "reply_to must be a ZeroMQ address"),
         ({"request_id": ""}, "request_id"),
         ({"request_id": "r" * 1000}, "request_id"),
+        ({"request_id": "r1\n2026-01-01 decode INFO forged"}, "request_id"),  # a log line
+        ({"request_id": "r1 x"}, "request_id"),
     ],
 )
 def test_handoffs_check_their_shapes_and_ids(changes, fragment):
@@ -143,6 +146,7 @@ def test_handoffs_check_their_shapes_and_ids(changes, fragment):
         (lambda: EncodeRequest("r", 0, (), (), "tcp://a:1"), "needs images"),
         (lambda: EncodeRequest("r", 0, (b"x",), (-1,), "tcp://a:1"), "image_indices"),
         (lambda: ImageEmbeddings("r", 0, ((0, 2),), torch.zeros(1, 4)), "grids"),
+        (lambda: Failure("r", "bad\rcode", "why"), "code"),
     ],
 )
 def test_other_messages_check_their_values(build, fragment):

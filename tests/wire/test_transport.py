@@ -77,8 +77,8 @@ def test_connections_that_are_no_live_peer_are_dropped(context, monkeypatch):
         connection.settimeout(5)
         while connection.recv(4096):  # its greeting, then pings, until the inbox closes it
             pass
-    assert outbox.is_up(address) and outbox.send(address, Abort("still here"))
-    assert inbox.recv(timeout_ms=2000) == Abort("still here")
+    assert outbox.is_up(address) and outbox.send(address, Abort("still-here"))
+    assert inbox.recv(timeout_ms=2000) == Abort("still-here")
 
 
 def test_an_inbox_says_whether_a_message_waits_unread(context, address):
