@@ -20,6 +20,7 @@ from epd.generation.params import SamplingParams
 from epd.generation.transcript import Output
 from epd.prefill import coordinator as coordinator_module
 from epd.prefill.coordinator import (
+    DISOWNED_PER_S,
     Coordinator,
     EncodeWait,
     Stream,
@@ -382,3 +383,27 @@ def test_tokens_for_a_request_prefill_does_not_hold_make_decode_drop_it(tiny_che
 
     sent, queued = asyncio.run(main())
     assert sent == [(d, Abort("ghost")) for d in config.decoders] and queued == 1
+
+
+def test_a_flood_of_forged_tokens_is_not_amplified_into_aborts(tiny_checkpoint, tmp_path):
+    """Deltas for ever-new ids cost the sender 22 bytes each: prefill asks decoders to drop
+    at most DISOWNED_PER_S of them a second and refuses the rest, so the queue that carries
+    its real hand-offs is not filled with Aborts."""
+    config = ipc_config(tiny_checkpoint, tmp_path)
+    service = build_service(config)
+
+    async def main():
+        coordinator = Coordinator(config, service.engine, 64, service.watchdog)
+        sent = []
+        coordinator.outbox.send = lambda peer, message: sent.append((peer, message)) or True
+        refused = coordinator.inbox.refusals.total
+        for i in range(5000):
+            coordinator.route(TokenDelta(f"forged-{i}", (7,), "", completion_tokens=1))
+        refused = coordinator.inbox.refusals.total - refused
+        await coordinator.stop()
+        return sent, refused
+
+    sent, refused = asyncio.run(main())
+    aborted = len(sent) // len(config.decoders)
+    assert 0 < aborted <= 2 * DISOWNED_PER_S  # the loop may cross one second's boundary
+    assert refused == 5000 - aborted
