@@ -362,48 +362,46 @@ def test_a_lost_decoders_last_words_come_before_the_loss(tiny_checkpoint, tmp_pa
     assert asyncio.run(main()) == ["decode stopped before it finished", lost, "finished", lost]
 
 
-def test_tokens_for_a_request_prefill_does_not_hold_make_decode_drop_it(tiny_checkpoint, tmp_path):
-    """A hand-off made in this prefill's name by someone else (or a request whose client
-    left) holds decode's room until told: its first tokens here ask every decoder, once, to
-    drop it; the tokens of a request prefill holds go to it."""
-    config = ipc_config(tiny_checkpoint, tmp_path)
+def route_deltas(
+    checkpoint, tmp_path, deltas: list[TokenDelta], streams: tuple[Stream, ...] = ()
+) -> tuple[tuple[str, ...], list, int]:
+    """A coordinator holding `streams` routes `deltas`: its decoders, what it sent them, and
+    how many messages it refused."""
+    config = ipc_config(checkpoint, tmp_path)
     service = build_service(config)
 
     async def main():
         coordinator = Coordinator(config, service.engine, 64, service.watchdog)
         sent = []
         coordinator.outbox.send = lambda peer, message: sent.append((peer, message)) or True
-        ours = Stream("ours", "decoder", choices=1)
-        coordinator.streams["ours"] = ours
-        for _ in range(3):
-            coordinator.route(TokenDelta("ghost", (7,), "", completion_tokens=1))
-        coordinator.route(TokenDelta("ours", (7,), "a", completion_tokens=1))
+        coordinator.streams |= {stream.request_id: stream for stream in streams}
+        refused = coordinator.inbox.refusals.total
+        for delta in deltas:
+            coordinator.route(delta)
+        refused = coordinator.inbox.refusals.total - refused
         await coordinator.stop()
-        return sent, ours.queue.qsize()
+        return sent, refused
 
-    sent, queued = asyncio.run(main())
-    assert sent == [(d, Abort("ghost")) for d in config.decoders] and queued == 1
+    return config.decoders, *asyncio.run(main())
+
+
+def test_tokens_for_a_request_prefill_does_not_hold_make_decode_drop_it(tiny_checkpoint, tmp_path):
+    """A hand-off made in this prefill's name by someone else (or a request whose client
+    left) holds decode's room until told: its first tokens here ask every decoder, once, to
+    drop it; the tokens of a request prefill holds go to it."""
+    ours = Stream("ours", "decoder", choices=1)
+    ghost = [TokenDelta("ghost", (7,), "", completion_tokens=1)] * 3
+    deltas = [*ghost, TokenDelta("ours", (7,), "a", completion_tokens=1)]
+    decoders, sent, _ = route_deltas(tiny_checkpoint, tmp_path, deltas, (ours,))
+    assert sent == [(d, Abort("ghost")) for d in decoders] and ours.queue.qsize() == 1
 
 
 def test_a_flood_of_forged_tokens_is_not_amplified_into_aborts(tiny_checkpoint, tmp_path):
     """Deltas for ever-new ids cost the sender 22 bytes each: prefill asks decoders to drop
     at most DISOWNED_PER_S of them a second and refuses the rest, so the queue that carries
     its real hand-offs is not filled with Aborts."""
-    config = ipc_config(tiny_checkpoint, tmp_path)
-    service = build_service(config)
-
-    async def main():
-        coordinator = Coordinator(config, service.engine, 64, service.watchdog)
-        sent = []
-        coordinator.outbox.send = lambda peer, message: sent.append((peer, message)) or True
-        refused = coordinator.inbox.refusals.total
-        for i in range(5000):
-            coordinator.route(TokenDelta(f"forged-{i}", (7,), "", completion_tokens=1))
-        refused = coordinator.inbox.refusals.total - refused
-        await coordinator.stop()
-        return sent, refused
-
-    sent, refused = asyncio.run(main())
-    aborted = len(sent) // len(config.decoders)
+    deltas = [TokenDelta(f"forged-{i}", (7,), "", completion_tokens=1) for i in range(5000)]
+    decoders, sent, refused = route_deltas(tiny_checkpoint, tmp_path, deltas)
+    aborted = len(sent) // len(decoders)
     assert 0 < aborted <= 2 * DISOWNED_PER_S  # the loop may cross one second's boundary
     assert refused == 5000 - aborted
