@@ -38,9 +38,9 @@ class Lenient(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
-class ImageURL(Strict):
+class ImageURL(Lenient):  # clients add keys of their own, e.g. LiteLLM's format
     url: str
-    detail: Literal["auto", "low", "high"] | None = None
+    detail: Literal["auto", "low", "high", "original"] | None = None  # all read at full size
 
 
 class TextPart(Lenient):  # clients add keys of their own, e.g. cache_control (vLLM ignores them)
@@ -72,9 +72,20 @@ class FunctionSpec(Lenient):
 
     @field_validator("parameters", mode="before")
     @classmethod
-    def null_is_none(cls, value: Any) -> Any:
-        """`parameters: null`, as the openai SDK dumps a function without them, takes none."""
-        return {"type": "object", "properties": {}} if value is None else value
+    def an_object(cls, value: Any) -> Any:
+        """A call's arguments are a JSON object, as OpenAI's always are: `parameters: null`
+        (as the openai SDK dumps a function without them) takes none, a schema without a type
+        (`{}` among them) is one for an object, and a schema of any other type is refused."""
+        if value is None:
+            return {"type": "object", "properties": {}}
+        if isinstance(value, dict) and "type" not in value:
+            return {"type": "object", **value}
+        if isinstance(value, dict) and value["type"] != "object":
+            raise ValueError(
+                f"a function's parameters must be a JSON schema of type object, not "
+                f"{str(value['type'])[:40]!r}: its arguments are a JSON object"
+            )
+        return value
 
 
 class Tool(Lenient):
@@ -131,6 +142,11 @@ class ChatMessage(Lenient):
 
 class StreamOptions(Lenient):
     include_usage: bool = False
+
+    @field_validator("include_usage", mode="before")
+    @classmethod
+    def null_is_false(cls, value: Any) -> Any:
+        return False if value is None else value  # vLLM takes null here as unset
 
 
 class JsonSchema(Lenient):

@@ -89,3 +89,30 @@ def test_a_function_dumped_by_the_sdk_with_null_parameters_takes_none():
     function = FunctionDefinition(name="ping").model_dump()  # {"parameters": None, ...}
     tool = Tool.model_validate({"type": "function", "function": function})
     assert tool.function.parameters == {"type": "object", "properties": {}}
+
+
+@pytest.mark.parametrize(
+    "parameters,schema",
+    [
+        ({}, {"type": "object"}),  # the usual spelling of "no arguments"
+        ({"properties": {"a": {"type": "boolean"}}}, {"type": "object", "properties": {"a": {}}}),
+        ({"type": "object", "properties": {}}, {"type": "object", "properties": {}}),
+    ],
+)
+def test_a_function_without_a_type_takes_an_object(parameters, schema):
+    """Arguments are a JSON object, as OpenAI's always are: a forced call to a function whose
+    parameters give no type must not be sampled as `1` or `"x"`."""
+    tool = Tool.model_validate(
+        {"type": "function", "function": {"name": "f", "parameters": parameters}}
+    )
+    assert tool.function.parameters["type"] == "object"
+    assert tool.function.parameters.keys() == schema.keys()
+    assert ForcedTools((tool,), name="f").schema()["type"] == "object"
+
+
+@pytest.mark.parametrize("kind", ["string", "array", ["object", "null"]])
+def test_a_function_whose_arguments_are_not_an_object_is_refused(kind):
+    with pytest.raises(ValueError, match="a JSON schema of type object"):
+        Tool.model_validate(
+            {"type": "function", "function": {"name": "f", "parameters": {"type": kind}}}
+        )

@@ -1,0 +1,23 @@
+"""What the chat schema takes from ordinary clients, beyond the fields it reads."""
+
+from epd.api.schema import parse_request
+
+IMAGE = "data:image/png;base64,iVBORw0KGgo="  # parsed here, not decoded
+
+
+def chat(**fields):
+    return {"model": "m", "messages": [{"role": "user", "content": "hi"}], **fields}
+
+
+def test_image_parts_take_any_detail_the_sdk_knows_and_keys_of_their_own():
+    """openai's SDK lists "original"; LiteLLM adds `format`: vLLM takes both, so do we."""
+    for extra in ({"detail": "original"}, {"detail": "low"}, {"format": "image/png", "uuid": "x"}):
+        part = {"type": "image_url", "image_url": {"url": IMAGE, **extra}}
+        request = parse_request(chat(messages=[{"role": "user", "content": [part]}]))
+        assert request.messages[0].content[0].image_url.url == IMAGE
+
+
+def test_a_null_include_usage_is_unset():
+    request = parse_request(chat(stream=True, stream_options={"include_usage": None}))
+    assert request.include_usage is False
+    assert parse_request(chat(stream=True, stream_options={"include_usage": True})).include_usage
