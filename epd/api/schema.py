@@ -649,10 +649,18 @@ def _as_api_error(error: ValidationError) -> APIError:
     first = max(problems, key=lambda p: len(p["loc"]))
     if len(first["loc"]) == len(problems[0]["loc"]):
         first = problems[0]
-    param = ".".join(str(p) for p in first["loc"] if not _union_form(p))
+    loc = first["loc"]
+    param = ".".join(str(p) for i, p in enumerate(loc) if not _union_form(p) and not _tag(loc, i))
     if not param:  # a check across several fields
         return bad_request(f"invalid request: {first['msg']}")
     return bad_request(f"invalid {param}: {first['msg']}", param=param)
+
+
+def _tag(loc: tuple[int | str, ...], i: int) -> bool:
+    """Whether loc[i] is the tag of an item of a list of tagged unions (a content part's
+    `type`), which pydantic puts in the location of a problem inside the item: "content.0.text
+    .text" would name the part's `text` twice."""
+    return i >= 2 and isinstance(loc[i - 1], int) and "tagged-union[" in str(loc[i - 2])
 
 
 def _union_form(part: int | str) -> bool:

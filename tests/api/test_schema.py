@@ -1,5 +1,8 @@
 """What the chat schema takes from ordinary clients, beyond the fields it reads."""
 
+import pytest
+
+from epd.api.errors import APIError
 from epd.api.schema import parse_request
 
 IMAGE = "data:image/png;base64,iVBORw0KGgo="  # parsed here, not decoded
@@ -21,3 +24,19 @@ def test_a_null_include_usage_is_unset():
     request = parse_request(chat(stream=True, stream_options={"include_usage": None}))
     assert request.include_usage is False
     assert parse_request(chat(stream=True, stream_options={"include_usage": True})).include_usage
+
+
+def test_a_problem_in_a_content_part_names_the_parameter_once():
+    """pydantic puts a part's `type` in the location: "content.0.text.text" is not a field."""
+    cases = [
+        ({"type": "text", "text": 5}, "messages.0.content.0.text"),
+        (
+            {"type": "image_url", "image_url": {"url": IMAGE, "detail": "x"}},
+            "messages.0.content.0.image_url.detail",
+        ),
+        ({"type": "image_url"}, "messages.0.content.0.image_url"),
+    ]
+    for part, param in cases:
+        with pytest.raises(APIError) as error:
+            parse_request(chat(messages=[{"role": "user", "content": [part]}]))
+        assert error.value.status == 400 and error.value.param == param
