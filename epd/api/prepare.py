@@ -305,7 +305,7 @@ class PromptBuilder:
                 400,
                 f"the prompt has {prompt_tokens} tokens (images included) and asks for "
                 f"{asked or 1} more, over the context length of {self.context_length}",
-                param="max_tokens",
+                param=request.asked_tokens_param,
                 code="context_length_exceeded",
             )
         default_max = int(self.defaults.get("max_tokens", self.default_max_tokens))

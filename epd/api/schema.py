@@ -351,6 +351,11 @@ class GenerationRequest(BaseModel):
         return self.max_tokens
 
     @property
+    def asked_tokens_param(self) -> str:
+        """The field `asked_tokens` came from, for errors to name."""
+        return "max_tokens"
+
+    @property
     def wants_logprobs(self) -> bool:
         return False
 
@@ -446,6 +451,10 @@ class ChatCompletionRequest(GenerationRequest):
     @property
     def asked_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+    @property
+    def asked_tokens_param(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens else "max_tokens"
 
     @property
     def named_tool(self) -> str | None:

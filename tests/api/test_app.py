@@ -707,3 +707,11 @@ def test_an_unforeseen_error_is_a_json_500_and_the_connection_lives_on(
 
 def test_a_client_that_left_mid_body_is_not_a_server_error():
     assert as_api_error(ClientDisconnect()).status == 499
+
+
+@pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens"])
+def test_too_many_tokens_asked_names_the_field_the_client_sent(client, field):
+    response = chat(client, messages=USER, **{field: 2**70})
+    error = response.json()["error"]
+    assert response.status_code == 400 and error["code"] == "context_length_exceeded"
+    assert error["param"] == field
