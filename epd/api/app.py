@@ -34,7 +34,7 @@ from epd.api.middleware import (
 )
 from epd.api.prepare import PromptBuilder, check_grammar, check_scored
 from epd.api.responses import Echo, Reply, TextReply, prompt_logprobs_json
-from epd.api.responses_api import ResponseReply, parse_responses
+from epd.api.responses_api import ResponseReply, named_as_responses, parse_responses
 from epd.api.schema import (
     ChatCompletionRequest,
     DetokenizeRequest,
@@ -269,7 +269,10 @@ def create_app(service: Service, on_started: Callable[[], Any] | None = None) ->
         asked, chat = await read_body(request, parse_responses)  # both off the loop if large
         service.served(asked)
         with service.queue_slot():
-            reply, deltas, images = await start_chat(service, chat, request)
+            try:
+                reply, deltas, images = await start_chat(service, chat, request)
+            except APIError as e:  # e.g. the context length, from the chat fields it became
+                raise named_as_responses(e) from None
         response = ResponseReply(
             reply.request_id,
             reply.model,

@@ -208,7 +208,30 @@ def parse_responses(body: Any) -> tuple[ResponsesRequest, ChatCompletionRequest]
     if (refused := request.refused()) is not None:
         param, why = refused
         raise bad_request(why, param=param, code="unsupported_parameter")
-    return request, parse_request(request.chat_body())
+    try:
+        return request, parse_request(request.chat_body())
+    except APIError as e:
+        raise named_as_responses(e) from None
+
+
+# The chat fields a response's own fields become (`chat_body`), as its errors must name them;
+# the longest first, as a format's json_schema fields sit in text.format itself.
+RESPONSES_NAMES = (
+    ("response_format.json_schema", "text.format"),
+    ("response_format", "text.format"),
+    ("max_tokens", "max_output_tokens"),
+)
+
+
+def named_as_responses(error: APIError) -> APIError:
+    """A chat request's error, naming the field of the response request it came from."""
+    param = error.param or ""
+    for chat, ours in RESPONSES_NAMES:
+        if param == chat or param.startswith(chat + "."):
+            named = ours + param.removeprefix(chat)
+            error.message, error.param = error.message.replace(param, named, 1), named
+            break
+    return error
 
 
 @dataclass

@@ -715,3 +715,13 @@ def test_too_many_tokens_asked_names_the_field_the_client_sent(client, field):
     error = response.json()["error"]
     assert response.status_code == 400 and error["code"] == "context_length_exceeded"
     assert error["param"] == field
+
+
+def test_a_responses_error_names_the_responses_field(client):
+    """/v1/responses becomes a chat request: its errors must name the fields the client sent."""
+    response = client.post(
+        "/v1/responses", json={"model": "tiny", "input": "hi", "max_output_tokens": 2**40}
+    )
+    error = response.json()["error"]
+    assert response.status_code == 400 and error["code"] == "context_length_exceeded"
+    assert error["param"] == "max_output_tokens" and "max_tokens" not in error["message"]

@@ -133,3 +133,20 @@ def test_an_error_midway_is_the_apis_event_and_raises_in_the_sdk():
     (body,) = events(chunk)
     assert EVENT.validate_python(body).message == "decode died"
     assert body["error"]["message"] == "decode died"  # what the openai SDK raises on
+
+
+@pytest.mark.parametrize(
+    "chat,ours",
+    [
+        ("max_tokens", "max_output_tokens"),
+        ("response_format", "text.format"),
+        ("response_format.json_schema.name", "text.format.name"),  # a format's fields are flat
+        ("messages.0", "messages.0"),  # no field of its own to name
+    ],
+)
+def test_a_chat_error_names_the_responses_field(chat, ours):
+    from epd.api.errors import bad_request
+    from epd.api.responses_api import named_as_responses
+
+    error = named_as_responses(bad_request(f"invalid {chat}: why", param=chat))
+    assert (error.param, error.message) == (ours, f"invalid {ours}: why")
