@@ -272,7 +272,7 @@ def create_app(service: Service, on_started: Callable[[], Any] | None = None) ->
             try:
                 reply, deltas, images = await start_chat(service, chat, request)
             except APIError as e:  # e.g. the context length, from the chat fields it became
-                raise named_as_responses(e) from None
+                raise named_as_responses(e, asked) from None
         response = ResponseReply(
             reply.request_id,
             reply.model,

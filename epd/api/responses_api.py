@@ -13,6 +13,7 @@ ignores it).
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
@@ -211,7 +212,7 @@ def parse_responses(body: Any) -> tuple[ResponsesRequest, ChatCompletionRequest]
     try:
         return request, parse_request(request.chat_body())
     except APIError as e:
-        raise named_as_responses(e) from None
+        raise named_as_responses(e, request) from None
 
 
 # The chat fields a response's own fields become (`chat_body`), as its errors must name them;
@@ -223,14 +224,23 @@ RESPONSES_NAMES = (
 )
 
 
-def named_as_responses(error: APIError) -> APIError:
-    """A chat request's error, naming the field of the response request it came from."""
-    param = error.param or ""
+def named_as_responses(error: APIError, request: ResponsesRequest) -> APIError:
+    """A chat request's error, naming the field of the response request it came from: the
+    chat's messages are `instructions` (if any), then `input`'s items, or `input` itself when
+    it is a string."""
+    param, named = error.param or "", ""
     for chat, ours in RESPONSES_NAMES:
         if param == chat or param.startswith(chat + "."):
             named = ours + param.removeprefix(chat)
-            error.message, error.param = error.message.replace(param, named, 1), named
             break
+    if message := re.fullmatch(r"messages\.(\d+)(\..*)?", param):
+        index = int(message[1]) - (1 if request.instructions else 0)
+        if index < 0 or isinstance(request.input, str):
+            named = "instructions" if index < 0 else "input"
+        else:
+            named = f"input.{index}{message[2] or ''}"
+    if named:
+        error.message, error.param = error.message.replace(param, named, 1), named
     return error
 
 

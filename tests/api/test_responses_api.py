@@ -135,18 +135,27 @@ def test_an_error_midway_is_the_apis_event_and_raises_in_the_sdk():
     assert body["error"]["message"] == "decode died"  # what the openai SDK raises on
 
 
+ITEMS = [{"role": "user", "content": [{"type": "input_text", "text": "hi"}]}]
+PART = "input.0.content.0.text"
+
+
 @pytest.mark.parametrize(
-    "chat,ours",
+    "chat,body,ours",
     [
-        ("max_tokens", "max_output_tokens"),
-        ("response_format", "text.format"),
-        ("response_format.json_schema.name", "text.format.name"),  # a format's fields are flat
-        ("messages.0", "messages.0"),  # no field of its own to name
+        ("max_tokens", {"input": "hi"}, "max_output_tokens"),
+        ("response_format", {"input": "hi"}, "text.format"),
+        ("response_format.json_schema.name", {"input": "hi"}, "text.format.name"),  # flat
+        ("messages.0", {"input": "hi"}, "input"),
+        ("messages.0", {"input": "hi", "instructions": "be brief"}, "instructions"),
+        ("messages.1.content.0.text", {"input": ITEMS, "instructions": "x"}, PART),
+        ("messages.0.role", {"input": ITEMS}, "input.0.role"),
+        ("model", {"input": "hi"}, "model"),  # the same field in both
     ],
 )
-def test_a_chat_error_names_the_responses_field(chat, ours):
+def test_a_chat_error_names_the_responses_field(chat, body, ours):
     from epd.api.errors import bad_request
     from epd.api.responses_api import named_as_responses
 
-    error = named_as_responses(bad_request(f"invalid {chat}: why", param=chat))
+    request, _ = parse_responses({"model": "m", **body})
+    error = named_as_responses(bad_request(f"invalid {chat}: why", param=chat), request)
     assert (error.param, error.message) == (ours, f"invalid {ours}: why")
