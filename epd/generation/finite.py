@@ -30,7 +30,8 @@ def finite_rows(logits: torch.Tensor) -> list[bool]:
 def overflows(tensor: torch.Tensor, dtype: torch.dtype) -> float | None:
     """The largest magnitude in a finite `tensor` when a cast to `dtype` would turn it into
     ±inf (a float32 peer's values sent to a float16 model); None when they all fit."""
-    if tensor.dtype == dtype or tensor.numel() == 0 or not dtype.is_floating_point:
-        return None
-    largest = float(tensor.abs().amax())
+    if tensor.numel() == 0 or torch.finfo(tensor.dtype).max <= torch.finfo(dtype).max:
+        return None  # nothing to read, or a cast that widens (bfloat16 to float32)
+    least, greatest = torch.aminmax(tensor)  # one pass, no copy (as `all_finite`)
+    largest = max(-float(least), float(greatest))
     return largest if largest > torch.finfo(dtype).max else None

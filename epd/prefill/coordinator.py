@@ -52,7 +52,7 @@ from epd.wire.messages import (
     TokenDelta,
 )
 from epd.wire.outbox import Outbox
-from epd.wire.transport import Inbox, async_context
+from epd.wire.transport import Inbox, PerSecond, async_context
 
 log = logging.getLogger(__name__)
 PEER_POLL_S = 0.02
@@ -132,7 +132,7 @@ class Coordinator:
         self.waits: dict[tuple[str, int], EncodeWait] = {}  # images being encoded
         self.streams: dict[str, Stream] = {}  # requests handed to decode, not finished
         self.disowned: OrderedDict[str, None] = OrderedDict()  # unknown requests aborted (LRU)
-        self.disowning = (0, 0)  # (this second, requests disowned in it): see DISOWNED_PER_S
+        self.disowning = PerSecond(DISOWNED_PER_S)
         budget = token_budget(config.max_prefill_tokens, engine.device)
         self.batcher = PrefillBatcher(
             engine,
@@ -207,11 +207,7 @@ class Coordinator:
         DISOWNED_PER_S such requests a second, the tokens are only refused."""
         if request_id in self.disowned:
             return
-        second, count = self.disowning
-        now = int(time.monotonic())
-        count = count + 1 if now == second else 1
-        self.disowning = (now, count)
-        if count > DISOWNED_PER_S:
+        if not self.disowning.take():
             self.inbox.refusals.log(f"tokens for {request_id}, not a request of this prefill")
             return
         self.disowned[request_id] = None

@@ -24,13 +24,14 @@ MAX_ADDRESS_CHARS = 512  # ZeroMQ addresses
 MAX_ITEMS = 256  # images per request, grids per payload, tokens per delta
 
 ID_CHARS = "A-Za-z0-9._:-"  # ids go into log lines and headers: no spaces, no line breaks
+ID = re.compile(f"[{ID_CHARS}]{{1,{MAX_ID_CHARS}}}")  # checked on every message: compiled once
 Id = Annotated[str, Meta(max_length=MAX_ID_CHARS)]
 Address = Annotated[str, Meta(max_length=MAX_ADDRESS_CHARS)]
 
 
 def check_id(value: str, name: str) -> None:
     require(
-        re.fullmatch(f"[{ID_CHARS}]{{1,{MAX_ID_CHARS}}}", value) is not None,
+        ID.fullmatch(value) is not None,
         f"{name} must be 1 to {MAX_ID_CHARS} of the characters {ID_CHARS}",
     )
 

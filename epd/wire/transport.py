@@ -38,25 +38,41 @@ REFUSALS_LOGGED_PER_S = 10
 MAX_PROBLEM_CHARS = 500  # of a refusal's text, logged
 
 
+class PerSecond:
+    """Lets at most `limit` events a second through: a flood of messages must not become a
+    flood of what they cause (log lines, Aborts)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.second, self.count = 0, 0
+
+    def take(self) -> bool:
+        """Count one event: whether it is within this second's limit."""
+        second = int(time.monotonic())
+        if second != self.second:
+            self.second, self.count = second, 0
+        self.count += 1
+        return self.count <= self.limit
+
+
 class Refusals:
     """Counts refused messages and logs a few a second, so a flood cannot fill the disk."""
 
     def __init__(self) -> None:
-        self.total = 0
-        self.second, self.in_second = 0, 0
+        self.total, self.unlogged = 0, 0
+        self.logged = PerSecond(REFUSALS_LOGGED_PER_S)
 
     def log(self, problem: str) -> None:
         """Count one refusal; log it, cut to MAX_PROBLEM_CHARS (a peer may write the text),
-        unless this second's few were logged already."""
+        unless this second's few were logged already (those are counted in the next line)."""
         self.total += 1
-        second = int(time.monotonic())
-        if second != self.second:
-            if self.in_second > REFUSALS_LOGGED_PER_S:
-                log.error("refused %d more messages", self.in_second - REFUSALS_LOGGED_PER_S)
-            self.second, self.in_second = second, 0
-        self.in_second += 1
-        if self.in_second <= REFUSALS_LOGGED_PER_S:
-            log.error("refused a message: %s", problem[:MAX_PROBLEM_CHARS])
+        if not self.logged.take():
+            self.unlogged += 1
+            return
+        if self.unlogged:
+            log.error("refused %d more messages", self.unlogged)
+            self.unlogged = 0
+        log.error("refused a message: %s", problem[:MAX_PROBLEM_CHARS])
 
 
 def queued_messages(max_frame_bytes: int) -> int:
