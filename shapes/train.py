@@ -27,12 +27,12 @@ from tqdm import tqdm
 from epd.checkpoint.config import load_processor_config
 from epd.checkpoint.synthetic import (
     Sizes,
-    build_tokenizer,
     init_weights,
     make_config,
     save_sharded,
     write_side_files,
 )
+from epd.checkpoint.synthetic_tokenizer import build_tokenizer, vocabulary, write_fast
 from epd.checkpoint.tokenizer import load_tokenizer
 from epd.model.config import VisionConfig
 from epd.model.kimi_vl import KimiVL
@@ -79,7 +79,8 @@ class Trainer:
         assert placeholder is not None
         self.config = make_config(SIZES, raw_tokenizer.get_vocab_size(), placeholder, None)
         if write_files:
-            write_side_files(out, self.config, raw_tokenizer)
+            write_fast(out, raw_tokenizer, self.config.text.max_position_embeddings)
+            write_side_files(out, self.config, vocabulary(raw_tokenizer))
         data_parallel.barrier()  # the files are written before any worker reads them
         self.out, self.seed, self.first_stage = out, seed, first_stage
         self.tokenizer = load_tokenizer(out)

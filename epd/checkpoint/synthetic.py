@@ -1,9 +1,10 @@
 """`epd make-checkpoint`: random Kimi-VL checkpoints in the real Hugging Face layout.
 
-The weights are random but everything else is real: sharded safetensors with an index, the
-kimi_vl config, preprocessor and generation configs, and a byte-level BPE tokenizer carrying
-Kimi's special tokens and chat template. Tests and benchmarks load them with the same code that
-loads the real model.
+The weights are random but everything else is real: safetensors (sharded with an index, or one
+file), the kimi_vl config, preprocessor and generation configs, and a tokenizer carrying Kimi's
+special tokens and chat template in any of the layouts real checkpoints ship
+(`synthetic_tokenizer.py`). Tests and benchmarks load them with the same code that loads the
+real model; `published.py` makes them in the likeness of Kimi-VL's own checkpoints.
 """
 
 from __future__ import annotations
@@ -16,13 +17,11 @@ from typing import Any
 
 import torch
 from safetensors.torch import save_file
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from epd.checkpoint.tokenizer import SPECIAL_TOKENS
+from epd.checkpoint.synthetic_tokenizer import Vocabulary, dump, write_tokenizer
 from epd.model.config import KimiVLConfig, TextConfig, VisionConfig
 from epd.model.kimi_vl import KimiVL
 
-CHAT_TEMPLATE = (Path(__file__).parent / "chat_template.jinja").read_text().strip()
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
@@ -92,31 +91,6 @@ TEXT_DEFAULTS = dict(
     norm_topk_prob=True,
 )
 
-CORPUS = """
-the a an is are what which how many colour color shape image picture photo in on of and
-red green blue yellow purple orange black white grey gray circle square triangle star
-one two three four five six first second third last there this that it show shows see
-you can describe answer question please tell me who where when why hello world yes no
-"""
-
-
-def build_tokenizer(vocab_size: int, corpus: list[str] | None = None) -> Tokenizer:
-    """A byte-level BPE trained on `corpus` (default: a fixed word list), then Kimi's special
-    tokens at the end."""
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size - len(SPECIAL_TOKENS),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    words = CORPUS.split()
-    sentences = corpus or [" ".join(words[i:] + words[:i]) for i in range(len(words))]
-    tokenizer.train_from_iterator(sentences, trainer)
-    tokenizer.add_special_tokens(list(SPECIAL_TOKENS))
-    return tokenizer
-
 
 def make_config(
     sizes: Sizes, vocab_size: int, placeholder_id: int, q_lora_rank: int | None
@@ -137,6 +111,12 @@ def init_weights(model: KimiVL, generator: torch.Generator) -> None:
 
 
 def save_sharded(state: dict[str, torch.Tensor], out: Path, shards: int) -> None:
+    """`shards` files and their index; one shard is `model.safetensors` alone, as small
+    checkpoints ship."""
+    if shards == 1:
+        whole = {n: t.contiguous().cpu() for n, t in state.items()}
+        save_file(whole, out / "model.safetensors", metadata={"format": "pt"})
+        return
     names = list(state)
     per_shard = math.ceil(len(names) / shards)
     weight_map, total = {}, 0
@@ -151,7 +131,7 @@ def save_sharded(state: dict[str, torch.Tensor], out: Path, shards: int) -> None
 
 
 def config_json(
-    config: KimiVLConfig, tokenizer: Tokenizer, dtype: torch.dtype = torch.float32
+    config: KimiVLConfig, vocab: Vocabulary, dtype: torch.dtype = torch.float32
 ) -> dict[str, Any]:
     text = asdict(config.text) | {
         "model_type": "deepseek_v3",
@@ -160,9 +140,9 @@ def config_json(
         "hidden_act": "silu",
         "rope_scaling": None,
         "attention_bias": False,
-        "bos_token_id": tokenizer.token_to_id("[BOS]"),
-        "eos_token_id": tokenizer.token_to_id("[EOS]"),
-        "pad_token_id": tokenizer.token_to_id("[PAD]"),
+        "bos_token_id": vocab.ids["[BOS]"],
+        "eos_token_id": vocab.ids["[EOS]"],
+        "pad_token_id": vocab.ids["[PAD]"],
         "tie_word_embeddings": False,
     }
     return {
@@ -177,44 +157,71 @@ def config_json(
 
 
 def write_side_files(
-    out: Path, config: KimiVLConfig, tokenizer: Tokenizer, dtype: torch.dtype = torch.float32
+    out: Path, config: KimiVLConfig, vocab: Vocabulary, dtype: torch.dtype = torch.float32
 ) -> None:
-    def dump(name: str, value: dict[str, Any]) -> None:
-        (out / name).write_text(json.dumps(value, indent=2) + "\n")
+    """config.json, and the image processor's and generation's configs."""
+    dump(out / "config.json", config_json(config, vocab, dtype))
+    write_processor_config(out, config.vision.patch_size, config.vision.merge_kernel_size)
+    write_generation_config(out, vocab)
 
-    dump("config.json", config_json(config, tokenizer, dtype))
-    dump(
-        "preprocessor_config.json",
-        {
-            "image_processor_type": "KimiVLImageProcessor",
-            "patch_size": config.vision.patch_size,
-            "pad_input": True,
-            "in_token_limit": 4096,
-            "merge_kernel_size": list(config.vision.merge_kernel_size),
-            "image_mean": list(CLIP_MEAN),
-            "image_std": list(CLIP_STD),
-        },
-    )
-    dump(
-        "generation_config.json",
-        {
-            "eos_token_id": [tokenizer.token_to_id("[EOS]"), tokenizer.token_to_id("<|im_end|>")],
-            "bos_token_id": tokenizer.token_to_id("[BOS]"),
-            "pad_token_id": tokenizer.token_to_id("[PAD]"),
-        },
-    )
-    tokenizer.save(str(out / "tokenizer.json"))
-    dump(
-        "tokenizer_config.json",
-        {
-            "tokenizer_class": "PreTrainedTokenizerFast",
-            "bos_token": "[BOS]",
-            "eos_token": "[EOS]",
-            "pad_token": "[PAD]",
-            "model_max_length": config.text.max_position_embeddings,
-            "chat_template": CHAT_TEMPLATE,
-        },
-    )
+
+def write_processor_config(
+    out: Path, patch_size: int, merge: tuple[int, int], in_token_limit: int = 4096
+) -> None:
+    processor = {
+        "image_processor_type": "KimiVLImageProcessor",
+        "patch_size": patch_size,
+        "pad_input": True,
+        "in_token_limit": in_token_limit,
+        "merge_kernel_size": list(merge),
+        "image_mean": list(CLIP_MEAN),
+        "image_std": list(CLIP_STD),
+    }
+    dump(out / "preprocessor_config.json", processor)
+
+
+def write_generation_config(out: Path, vocab: Vocabulary) -> None:
+    ids = vocab.ids
+    generation = {
+        "eos_token_id": [ids["[EOS]"], ids["<|im_end|>"]],
+        "bos_token_id": ids["[BOS]"],
+        "pad_token_id": ids["[PAD]"],
+    }
+    dump(out / "generation_config.json", generation)
+
+
+def write_weights(
+    out: Path,
+    config: KimiVLConfig,
+    seed: int = 0,
+    shards: int = 2,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+    inv_freq: bool = False,
+) -> None:
+    """Random weights for `config` in `dtype` (`init_weights`); `shards` files, or as many as
+    4 GiB pieces of the whole, each with an equal number of tensors. `inv_freq` adds each
+    layer's `rotary_emb.inv_freq` buffer, as some real checkpoints hold (a loader skips it)."""
+    generator = torch.Generator(device).manual_seed(seed)
+    with torch.device("meta"):
+        model = KimiVL(config).to(dtype)
+    model = model.to_empty(device=device)  # only now is memory taken, in the target dtype
+    with torch.no_grad():
+        init_weights(model, generator)
+    state = model.state_dict()
+    if inv_freq:
+        state |= rotary_buffers(config.text)
+    size = sum(t.numel() * t.element_size() for t in state.values())
+    save_sharded(state, out, max(shards, math.ceil(size / (4 << 30))))
+
+
+def rotary_buffers(text: TextConfig) -> dict[str, torch.Tensor]:
+    """Each layer's RoPE frequencies, under the name DeepSeek's modelling code saved them."""
+    dim = text.qk_rope_head_dim
+    inv_freq = 1.0 / text.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    prefix = "language_model.model.layers"
+    names = (f"{prefix}.{i}.self_attn.rotary_emb.inv_freq" for i in range(text.num_hidden_layers))
+    return {name: inv_freq.clone() for name in names}
 
 
 def make_checkpoint(
@@ -226,28 +233,22 @@ def make_checkpoint(
     shards: int = 2,
     dtype: torch.dtype = torch.float32,
     device: str = "cpu",
+    tokenizer: str = "appended",
+    inv_freq: bool = False,
 ) -> Path:
     """Write a random checkpoint of `preset` size into `out` and return its path.
 
-    `device` is where the weights are drawn (a GPU draws billions in seconds); there are as
-    many shards as 4 GiB pieces of the whole (each takes an equal number of tensors).
+    `device` is where the weights are drawn (a GPU draws billions in seconds); `tokenizer` is
+    the tokenizer's layout (`synthetic_tokenizer.LAYOUTS`); `shards` 1 writes one
+    `model.safetensors`; `inv_freq` adds the RoPE buffers some checkpoints hold.
     """
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer(vocab_size)
-    placeholder = tokenizer.token_to_id("<|media_pad|>")
-    assert placeholder is not None
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; expected one of {sorted(PRESETS)}")
-    config = make_config(PRESETS[preset], tokenizer.get_vocab_size(), placeholder, q_lora_rank)
-    generator = torch.Generator(device).manual_seed(seed)
-    with torch.device("meta"):
-        model = KimiVL(config).to(dtype)
-    model = model.to_empty(device=device)  # only now is memory taken, in the target dtype
-    with torch.no_grad():
-        init_weights(model, generator)
-    state = model.state_dict()
-    size = sum(t.numel() * t.element_size() for t in state.values())
-    save_sharded(state, out, max(shards, math.ceil(size / (4 << 30))))
-    write_side_files(out, config, tokenizer, dtype)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    max_length = int(TEXT_DEFAULTS["max_position_embeddings"])
+    vocab = write_tokenizer(out, tokenizer, vocab_size, max_length)
+    config = make_config(PRESETS[preset], vocab.size, vocab.ids["<|media_pad|>"], q_lora_rank)
+    write_weights(out, config, seed, shards, dtype, device, inv_freq)
+    write_side_files(out, config, vocab, dtype)
     return out
