@@ -26,6 +26,7 @@ from epd.checkpoint.config import (
 from epd.generation.grammar import (
     GrammarError,
     Grammars,
+    GrammarUnavailable,
     choice_grammar,
     json_schema_grammar,
     lark_grammar,
@@ -468,5 +469,7 @@ def check_grammar(engine: HasGrammars, sampling: SamplingParams) -> None:
         return
     try:
         engine.grammars.check(sampling.grammar)
+    except GrammarUnavailable as e:
+        raise bad_request(str(e), code="structured_outputs_unavailable") from None
     except GrammarError as e:
         raise bad_request(f"structured output: {e}", code="invalid_grammar") from None

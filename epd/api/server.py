@@ -46,6 +46,7 @@ def build_service(config: PrefillConfig) -> Service:
     ).language_model
     eos_ids = stop_token_ids(config.model, tokenizer)
     engine = PrefillEngine(lm, tokenizer, builder.placeholder_id, eos_ids)
+    engine.grammars  # noqa: B018  # built now (or found unavailable), not at the first grammar
     return Service(
         config, config.model_name, builder, engine, Watchdog(config.watchdog_s, PREFILL_ACTIVITIES)
     )

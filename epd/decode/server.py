@@ -10,7 +10,6 @@ without a word.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 
@@ -24,7 +23,6 @@ from epd.config.roles import DecodeConfig
 from epd.decode.metrics import DecodeMetrics
 from epd.decode.scheduler import Busy, Scheduler, TooLarge
 from epd.dtypes import model_dtype
-from epd.generation.grammar import GrammarError
 from epd.generation.sequence import Sequence
 from epd.generation.transcript import Output
 from epd.runtime.role import run_role
@@ -231,8 +229,7 @@ def load_scheduler(config: DecodeConfig) -> Scheduler:
         config.max_kv_tokens,
         preallocate=torch.device(config.device).type == "cuda",  # a GPU of its own: take it now
     )
-    with contextlib.suppress(GrammarError):  # built now, not on the loop at the first grammar
-        scheduler.grammars  # noqa: B018
+    scheduler.grammars  # noqa: B018  # built now (or found unavailable), not at the first grammar
     return scheduler
 
 

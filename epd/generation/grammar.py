@@ -12,8 +12,8 @@ so a small model cannot loop on whitespace.
 from __future__ import annotations
 
 import copy
-import importlib
 import json
+import logging
 import math
 import secrets
 import threading
@@ -26,6 +26,9 @@ import llguidance.torch
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from epd.checkpoint.tiktoken_files import TiktokenFiles
+
+log = logging.getLogger(__name__)
 COMPACT_JSON = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
 CACHED_GRAMMARS = 256
 # llguidance's own limits, but errors without its parser state: that dump is kilobytes long
@@ -35,6 +38,10 @@ LIMITS = llguidance.LLParserLimits(verbose_errors=False)
 
 class GrammarError(ValueError):
     """A grammar that cannot be used, or output the grammar does not allow."""
+
+
+class GrammarUnavailable(GrammarError):
+    """No grammar can be used: llguidance cannot read this checkpoint's tokenizer."""
 
 
 def json_schema_grammar(schema: dict[str, Any] | bool) -> str:
@@ -62,12 +69,21 @@ def lark_grammar(text: str) -> str:
 
 
 class Grammars:
-    """One process's matchers: its tokenizer seen by llguidance, compiled grammars by text."""
+    """One process's matchers: its tokenizer seen by llguidance, compiled grammars by text.
+
+    Structured outputs are an optional part: where llguidance cannot read the tokenizer, the
+    process says so once and serves everything else, and each grammar asked for is refused with
+    the reason (`GrammarUnavailable`)."""
 
     def __init__(
         self, tokenizer: PreTrainedTokenizerBase, vocab_size: int, eos_ids: Collection[int]
     ) -> None:
-        self.tokenizer = llguidance_tokenizer(tokenizer, vocab_size, sorted(eos_ids))
+        self.unavailable = ""  # why no grammar can be used, if none can
+        try:
+            self.tokenizer = llguidance_tokenizer(tokenizer, vocab_size, sorted(eos_ids))
+        except Exception as e:  # whatever llguidance raises: the part is optional
+            self.unavailable = f"llguidance cannot read this model's tokenizer: {e}"
+            log.warning("structured outputs are unavailable: %s", self.unavailable)
         self.compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
         self.lock = threading.Lock()  # the API checks grammars on its loop, prefill on its thread
 
@@ -88,6 +104,8 @@ class Grammars:
 
     def compile(self, grammar: str) -> llguidance.LLMatcher:
         """The cached matcher at the start of `grammar` (not to be fed tokens: copy it)."""
+        if self.unavailable:
+            raise GrammarUnavailable(f"structured outputs are unavailable: {self.unavailable}")
         with self.lock:
             template = self.compiled.get(grammar)
             if template is None:
@@ -112,39 +130,78 @@ class Grammars:
 def llguidance_tokenizer(
     tokenizer: PreTrainedTokenizerBase, vocab_size: int, eos_ids: list[int]
 ) -> llguidance.LLTokenizer:
-    """The tokenizer as llguidance sees it: a fast (Rust) one, or the tiktoken encoding that
-    Kimi-VL's own tokenizer code wraps (`tokenizer.model`)."""
+    """The tokenizer as llguidance sees it, its special tokens renamed so that no text spells
+    them (`unspellable`): tiktoken's ranks where the checkpoint ships them (read by epd,
+    `tiktoken_files`, or by its own tokenizer code, whose `.model` is a tiktoken encoding),
+    else the fast tokenizer's JSON."""
+    files = getattr(tokenizer, "tiktoken_files", None)
+    encoding: Any = getattr(tokenizer, "model", None)
+    if files is None and type(encoding).__module__.startswith("tiktoken"):
+        files = TiktokenFiles(
+            encoding._mergeable_ranks, encoding._special_tokens, encoding._pat_str
+        )
+    if files is not None:
+        mark = unspellable()
+        return llguidance.LLTokenizer.from_tiktoken(  # type: ignore[attr-defined]
+            encoder=files.ranks,
+            special_tokens={name + mark: i for name, i in files.specials.items()},
+            pattern=files.pattern,
+            eos_token=eos_ids,
+            n_vocab=vocab_size,
+        )
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None:
         return llguidance.LLTokenizer(
             unspellable_specials(backend), n_vocab=vocab_size, eos_token=eos_ids
-        )
-    encoding = getattr(tokenizer, "model", None)
-    if type(encoding).__module__.startswith("tiktoken"):
-        from_tiktoken = importlib.import_module("llguidance.tiktoken")  # needs tiktoken
-        return from_tiktoken.lltokenizer_from_encoding(  # type: ignore[no-any-return]
-            encoding, n_vocab=vocab_size, eos_token=eos_ids
         )
     raise GrammarError(
         f"structured outputs need a fast or a tiktoken tokenizer, not {type(tokenizer).__name__}"
     )
 
 
+def unspellable() -> str:
+    """A suffix no output can spell, for special tokens' names. llguidance tokenises text a
+    grammar forces with its tokenizer, and where the text spells a special token ("<|im_end|>"
+    in a JSON enum), it allowed only that token, then refused it: the text itself could not be
+    written. Special tokens keep their ids (the eos ids still end a grammar); their names lose
+    nothing a grammar of ours refers to."""
+    return f"\x00{secrets.token_hex(8)}"
+
+
 def unspellable_specials(backend: Any) -> str:
-    """The tokenizers library's JSON of `backend` with each special token's text made one no
-    output can spell. llguidance tokenises text a grammar forces with this tokenizer, and where
-    the text spells a special token ("<|im_end|>" in a JSON enum), it allowed only that token,
-    then refused it: the text itself could not be written. Special tokens keep their ids (the
-    eos ids still end a grammar); their names lose nothing a grammar of ours refers to."""
+    """The tokenizers library's JSON of `backend`, each special token renamed (`unspellable`)
+    where it is added and, where it is also in the model's vocabulary under the same id (as
+    `BpeTrainer(special_tokens=...)` writes them), there too: llguidance reads both, and would
+    count a token renamed in one place only twice."""
     backend = copy.copy(backend)
     backend.no_padding()
     backend.no_truncation()
     spec = json.loads(backend.to_str())
-    unspellable = f"\x00{secrets.token_hex(8)}"
+    mark, renamed = unspellable(), {}
     for token in spec.get("added_tokens", ()):
         if token.get("special"):
-            token["content"] += unspellable
+            renamed[token["content"]] = (token["id"], token["content"] + mark)
+            token["content"] += mark
+    model = spec.get("model", {})
+    vocab = model.get("vocab")
+    if isinstance(vocab, dict):  # BPE, WordPiece, WordLevel: text → id
+        inside = {text: new for text, (i, new) in renamed.items() if vocab.get(text) == i}
+        model["vocab"] = {inside.get(text, text): i for text, i in vocab.items()}
+        if model.get("merges"):  # a merge naming a renamed token would no longer load
+            model["merges"] = [renamed_merge(inside, merge) for merge in model["merges"]]
+    elif isinstance(vocab, list):  # Unigram: [text, score], the id is the place
+        for i, entry in enumerate(vocab):
+            if renamed.get(entry[0], (None,))[0] == i:
+                entry[0] = renamed[entry[0]][1]
     return json.dumps(spec)
+
+
+def renamed_merge(inside: dict[str, str], merge: Any) -> Any:
+    """A merge ("a b" or ["a", "b"]) with its renamed tokens' new names."""
+    parts = [
+        inside.get(part, part) for part in (merge.split(" ") if isinstance(merge, str) else merge)
+    ]
+    return " ".join(parts) if isinstance(merge, str) else parts
 
 
 def mask_forbidden(logits: torch.Tensor, rows: list[int], matchers: list[Any]) -> None:

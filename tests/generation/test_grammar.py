@@ -5,6 +5,7 @@ import json
 import re
 
 import jsonschema
+import llguidance
 import pytest
 import torch
 
@@ -13,6 +14,7 @@ from epd.generation.grammar import (
     CACHED_GRAMMARS,
     GrammarError,
     Grammars,
+    GrammarUnavailable,
     advance,
     choice_grammar,
     json_schema_grammar,
@@ -33,9 +35,11 @@ SCHEMA = {
 }
 
 
-@pytest.fixture(scope="module")
-def setup(tiny_checkpoint):
-    tokenizer = load_tokenizer(tiny_checkpoint)
+@pytest.fixture(scope="module", params=["appended", "inside", "tiktoken"])
+def setup(request, checkpoint_in):
+    """Each tokenizer layout: special tokens after the vocabulary, inside it (ids 0-11, which
+    kept decode from starting), and Kimi's tiktoken files (llguidance's tiktoken path)."""
+    tokenizer = load_tokenizer(checkpoint_in(request.param))
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
     return tokenizer, eos, Grammars(tokenizer, len(tokenizer), [eos])
 
@@ -151,6 +155,27 @@ def test_forced_text_that_spells_a_special_token_is_written_as_text(setup, gramm
         text, ids = follow(setup, grammar, seed)
         assert text == expected
         assert not (set(tokenizer.all_special_ids) - {eos}).intersection(ids)
+
+
+def test_the_tiktoken_layout_takes_llguidances_tiktoken_path(checkpoint_in, monkeypatch):
+    calls = []
+    original = llguidance.LLTokenizer.from_tiktoken
+    monkeypatch.setattr(
+        llguidance.LLTokenizer, "from_tiktoken", lambda **kw: calls.append(kw) or original(**kw)
+    )
+    tokenizer = load_tokenizer(checkpoint_in("tiktoken"))
+    Grammars(tokenizer, len(tokenizer), [0]).check(regex_grammar("[a-c]+"))
+    assert len(calls) == 1 and len(calls[0]["encoder"]) == len(tokenizer) - 256
+
+
+def test_a_tokenizer_llguidance_cannot_read_refuses_grammars_with_the_reason(checkpoint_in):
+    """The grammar engine is optional: built or not, the process goes on, and each grammar
+    asked for is refused with why."""
+    tokenizer = load_tokenizer(checkpoint_in("wordpiece"))
+    grammars = Grammars(tokenizer, len(tokenizer), [0])
+    assert "WordPiece" in grammars.unavailable
+    with pytest.raises(GrammarUnavailable, match="structured outputs are unavailable: llguidance"):
+        grammars.matcher(regex_grammar("[a-c]+"))
 
 
 def test_a_grammar_names_special_tokens_by_id(setup):
