@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from epd.checkpoint.tokenizer import decode_text
+from epd.checkpoint.tokenizer import decode_text, token_bytes
 from epd.generation.params import (
     MIN_LOGPROB,
     SamplingParams,
@@ -155,9 +155,9 @@ def score_tokens(
     best_values: list[list[float]] = [[] for _ in tokens]
     best_ids: list[list[int]] = [[] for _ in tokens]
     if top:
-        best = logits.topk(top)  # (N, top)
-        best_values = (best.values - norm).clamp(MIN_LOGPROB, 0.0).tolist()
-        best_ids = best.indices.tolist()
+        values, indices = likeliest(logits, top)  # (N, top) each
+        best_values = (values - norm).clamp(MIN_LOGPROB, 0.0).tolist()
+        best_ids = indices.tolist()
     return [
         Scored(token, value, rank, tuple(zip(indices, values, strict=True)))
         for token, value, rank, values, indices in zip(
@@ -166,14 +166,35 @@ def score_tokens(
     ]
 
 
+def likeliest(logits: torch.Tensor, top: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The `top` largest logits of each row (N, vocab) and their ids, (N, top) each, the largest
+    first and, among equal logits, the lowest id first: the order greedy sampling (an argmax,
+    which takes the first) picks them in. topk orders ties as it likes."""
+    best = logits.topk(top)
+    ids, by_id = best.indices.sort(-1)
+    values, order = best.values.gather(1, by_id).sort(dim=-1, descending=True, stable=True)
+    ids = ids.gather(1, order)
+    # Where more logits than `top` equal the last one kept, topk may have left out lower ids.
+    last = values[:, -1:]  # (N, 1)
+    for row in ((logits >= last).sum(-1) > top).nonzero().flatten().tolist():
+        candidates = (logits[row] >= last[row]).nonzero().flatten()  # ascending ids
+        kept, order = logits[row, candidates].sort(descending=True, stable=True)
+        values[row], ids[row] = kept[:top], candidates[order[:top]]
+    return values, ids
+
+
 def spelled(
     scored: Scored, tokenizer: PreTrainedTokenizerBase, top: int | None = None
 ) -> TokenLogprob:
-    """A score as OpenAI's logprobs spell it, each token as its text; with its `top`
-    likeliest alternatives (default: all it has)."""
-    alternatives = []
-    for index, value in scored.top[:top]:
-        piece = decode_text(tokenizer, [index])
-        alternatives.append(TopLogprob(piece, value, tuple(piece.encode())))
-    piece = decode_text(tokenizer, [scored.token_id])
-    return TokenLogprob(piece, scored.logprob, tuple(piece.encode()), tuple(alternatives))
+    """A score as OpenAI's logprobs spell it, each token as its text and its own bytes (which
+    may end inside a character, where the text has U+FFFD); with its `top` likeliest
+    alternatives (default: all it has)."""
+    alternatives = [
+        TopLogprob(decode_text(tokenizer, [index]), value, tuple(token_bytes(tokenizer, index)))
+        for index, value in scored.top[:top]
+    ]
+    token = scored.token_id
+    bytes_ = tuple(token_bytes(tokenizer, token))
+    return TokenLogprob(
+        decode_text(tokenizer, [token]), scored.logprob, bytes_, tuple(alternatives)
+    )

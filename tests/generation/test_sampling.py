@@ -7,6 +7,7 @@ from epd.generation.sampling import (
     restore_generator,
     sample,
     sample_batch,
+    score_tokens,
     token_logprob,
     token_logprobs,
 )
@@ -151,3 +152,17 @@ def test_logprobs_of_many_rows_are_each_rows_and_the_best_equals_itself(tiny_che
     assert rows == [token_logprob(logits[i], t, 2, tokenizer) for i, t in enumerate(tokens)]
     for row, token, likeliest in zip(rows, tokens, best, strict=True):
         assert (row.logprob == row.top_logprobs[0].logprob) == (token == likeliest)
+
+
+def test_tied_logits_are_listed_as_greedy_picks_them():
+    """With exactly tied logits greedy takes the lowest id; top_logprobs list it first too,
+    and the lowest ids among those tied at the cut."""
+    logits = torch.full((2, 50), -5.0)
+    logits[0, [7, 3, 40]] = 2.0  # three tied at the top
+    logits[1, 9] = 3.0
+    logits[1, [30, 12, 20, 41]] = 1.0  # four tied below it, two of them cut
+    (first, second) = score_tokens(logits, [3, 9], top=3)
+    greedy_params = [SamplingParams(max_tokens=1, temperature=0)] * 2
+    greedy = sample_batch(logits, greedy_params, [make_generator(0)] * 2)
+    assert [t for t, _ in first.top] == [3, 7, 40] and greedy[0] == 3
+    assert [t for t, _ in second.top] == [9, 12, 20] and greedy[1] == 9
