@@ -25,11 +25,24 @@ def meminfo_available() -> int | None:
     return None
 
 
+# cgroup v2's files, then v1's (under its memory controller): the limit, and what is used.
+CGROUP_FILES = (
+    ("memory.max", "memory.current"),
+    ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes"),
+)
+NO_LIMIT = 1 << 60  # v1 says "no limit" with the largest page-aligned 64-bit count
+
+
 def cgroup_room(root: Path = Path("/sys/fs/cgroup")) -> int | None:
-    """cgroup v2's memory.max less memory.current; None without a limit."""
-    try:
-        limit = (root / "memory.max").read_text().strip()
-        used = int((root / "memory.current").read_text())
-        return None if limit == "max" else max(0, int(limit) - used)
-    except (OSError, ValueError):  # no cgroup v2 here, or a file it does not write
-        return None
+    """A container's memory limit less what it uses, from cgroup v2 or v1; None without a
+    limit (or where neither can be read)."""
+    for limit_file, used_file in CGROUP_FILES:
+        try:
+            limit = (root / limit_file).read_text().strip()
+            used = int((root / used_file).read_text())
+        except (OSError, ValueError):  # not this version, or a file it does not write
+            continue
+        if limit.isdigit() and int(limit) < NO_LIMIT:
+            return max(0, int(limit) - used)
+        return None  # "max" (v2) or v1's no-limit value
+    return None

@@ -20,3 +20,14 @@ def test_available_memory_is_the_least_of_what_is_known(monkeypatch):
     assert memory.available_memory() == 1000
     monkeypatch.setattr(memory, "meminfo_available", lambda: None)
     assert memory.available_memory() == 0  # unknown
+
+
+def test_a_cgroup_v1_limit_counts_too(tmp_path):
+    """Docker on cgroup v1 hosts writes memory.limit_in_bytes and memory.usage_in_bytes."""
+    v1 = tmp_path / "memory"
+    v1.mkdir()
+    (v1 / "memory.usage_in_bytes").write_text("400\n")
+    (v1 / "memory.limit_in_bytes").write_text("9223372036854771712\n")  # v1's "no limit"
+    assert memory.cgroup_room(tmp_path) is None
+    (v1 / "memory.limit_in_bytes").write_text("1000\n")
+    assert memory.cgroup_room(tmp_path) == 600
