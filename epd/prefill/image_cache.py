@@ -7,10 +7,13 @@ recently used out first under a byte budget; hits and misses are counted for GET
 from __future__ import annotations
 
 import hashlib
+import logging
 from collections import OrderedDict
 from collections.abc import Sequence
 
 import torch
+
+log = logging.getLogger(__name__)
 
 
 def digests(images: Sequence[bytes]) -> list[str]:
@@ -33,14 +36,21 @@ class ImageCache:
         return rows
 
     def put(self, digest: str, rows: torch.Tensor) -> None:
-        """Keep an image's rows (copied: a received frame may hold other images too)."""
+        """Keep an image's rows (copied: a received frame may hold other images too). The cache
+        is optional: a copy that cannot be made (no memory left) is not kept, and the request
+        goes on with its rows."""
         size = rows.nbytes
         if size > self.max_bytes or digest in self.entries:
+            return
+        try:
+            copy = rows.clone()
+        except (RuntimeError, MemoryError) as e:
+            log.warning("image cache: %d bytes not kept: %s", size, e)
             return
         while self.bytes + size > self.max_bytes:
             _, dropped = self.entries.popitem(last=False)
             self.bytes -= dropped.nbytes
-        self.entries[digest] = rows.clone()
+        self.entries[digest] = copy
         self.bytes += size
 
     def status(self) -> dict[str, object]:

@@ -502,3 +502,27 @@ def test_float32_prompts_run_packed_where_mkl_takes_its_slow_kernels(monkeypatch
         assert not packed.packs_many_rows(torch.bfloat16)  # oneDNN runs those products anyway
     finally:
         packed.blas_is_slow_here.cache_clear()
+
+
+@torch.inference_mode()
+def test_a_copy_that_cannot_be_made_leaves_its_module_plain(tmp_path, monkeypatch, caplog):
+    """Packed copies are optional: one oneDNN cannot make (a missing kernel, no memory) is
+    skipped with one warning, and the model loads and gives the same results."""
+    make_checkpoint(tmp_path, "tiny", seed=0)
+    monkeypatch.setattr(packed, "MIN_PACKED_LINEAR", 1)
+    plain = load_model(tmp_path, role="language")
+    x = torch.randn(5, plain.config.text.hidden_size)
+
+    def broken(self):
+        raise RuntimeError("no oneDNN kernel for this")
+
+    monkeypatch.setattr(PackedExperts, "pack", broken)
+    model = load_model(tmp_path, role="language")
+    layers = model.language_model.model.layers
+    assert all(
+        type(layer.mlp.experts) is Experts for layer in layers if hasattr(layer.mlp, "experts")
+    )
+    assert isinstance(layers[0].self_attn.o_proj, PackedLinear)  # the others are still packed
+    assert "could not be made" in caplog.text and "no oneDNN kernel" in caplog.text
+    for a, b in zip(plain.language_model.model.layers, layers, strict=True):
+        torch.testing.assert_close(a.mlp(x), b.mlp(x))

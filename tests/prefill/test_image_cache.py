@@ -29,3 +29,15 @@ def test_too_large_for_the_budget_is_not_kept_and_a_kept_copy_is_its_own():
     cache.put(key, frame)
     frame += 1  # the received frame's memory is not the cache's
     assert torch.equal(cache.get(key), rows(1))
+
+
+class Unclonable(torch.Tensor):
+    def clone(self, *args, **kwargs):
+        raise RuntimeError("DefaultCPUAllocator: not enough memory")
+
+
+def test_a_copy_that_cannot_be_made_is_not_kept_and_nothing_fails(caplog):
+    cache = ImageCache(max_bytes=3 * 16)
+    (key,) = digests([b"x"])
+    cache.put(key, rows(1).as_subclass(Unclonable))
+    assert cache.get(key) is None and cache.bytes == 0 and "not kept" in caplog.text
