@@ -82,8 +82,9 @@ class LocalPipeline:
         device: str = "cpu",
         dtype: torch.dtype | None = None,
         allowed_media_domains: tuple[str, ...] = (),
+        cpu_weight_copies: bool = True,
     ) -> None:
-        model = load_model(checkpoint, "all", device, dtype)
+        model = load_model(checkpoint, "all", device, dtype, cpu_weight_copies)
         tokenizer = load_tokenizer(checkpoint)
         # The API's default limits, and the hosts image URLs may name as in `epd prefill`.
         self.limits = PrefillConfig(

@@ -42,7 +42,12 @@ def build_service(config: PrefillConfig) -> Service:
     )
     # On a thread that ends, so that the forward's thread keeps the only OpenMP pool.
     lm = on_passing_thread(
-        load_model, config.model, "language", config.device, model_dtype(config.dtype)
+        load_model,
+        config.model,
+        "language",
+        config.device,
+        model_dtype(config.dtype),
+        config.cpu_weight_copies,
     ).language_model
     eos_ids = stop_token_ids(config.model, tokenizer)
     engine = PrefillEngine(lm, tokenizer, builder.placeholder_id, eos_ids)

@@ -97,11 +97,12 @@ def load_model(
     role: Role = "all",
     device: str | torch.device = "cpu",
     dtype: torch.dtype | None = None,
+    copies: bool = True,
 ) -> KimiVL:
     """Build the role's part of Kimi-VL and fill it from the checkpoint, strictly, for inference
-    (on a CPU the language model's weights are then packed for oneDNN, `epd/model/packed.py`;
-    the vision tower's only where products of many rows gain from it, `packs_many_rows`; in
-    bfloat16 every plain product gets its rows bucketed)."""
+    (on a CPU, with `copies`, the language model's weights are then packed for oneDNN,
+    `epd/model/packed.py`; the vision tower's only where products of many rows gain from it,
+    `packs_many_rows`; in bfloat16 every plain product gets its rows bucketed)."""
     checkpoint, device = Path(checkpoint), torch.device(device)
     config = load_model_config(checkpoint)
     with torch.device("meta"):
@@ -111,7 +112,7 @@ def load_model(
     dtype = dtype or default_dtype(device, stored_dtype(checkpoint))
     state = read_tensors(files, shapes, device, dtype)
     model.load_state_dict(state, strict=True, assign=True)
-    if device.type == "cpu":
+    if device.type == "cpu" and copies:
         # One call, so that all the copies together stay within its memory budget.
         packed = model if packs_many_rows(dtype) else getattr(model, "language_model", None)
         if packed is not None:

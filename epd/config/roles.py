@@ -78,6 +78,12 @@ class ModelOptions(Settings):
         "bfloat16 on CUDA), float32, bfloat16, float16",
     )
     trust_remote_code: bool = option(False, "allow the checkpoint's tokenizer code (real Kimi-VL)")
+    cpu_weight_copies: bool = option(
+        True,
+        "on a CPU, keep copies of the weights laid out for oneDNN (faster products), within "
+        "half the memory free once the weights are read; --no-cpu-weight-copies where roles "
+        "that start together share too little memory",
+    )
     threads: int = option(
         0, "torch threads (0: the machine's cores, 4 on a GPU; epd serve gives each role a share)"
     )

@@ -218,7 +218,13 @@ def largest_frame(checkpoint: str) -> int:
 
 def load_scheduler(config: DecodeConfig) -> Scheduler:
     """The model, tokenizer and limits the config names, as a scheduler."""
-    model = load_model(config.model, "language", config.device, model_dtype(config.dtype))
+    model = load_model(
+        config.model,
+        "language",
+        config.device,
+        model_dtype(config.dtype),
+        config.cpu_weight_copies,
+    )
     tokenizer = load_tokenizer(config.model, config.trust_remote_code)
     eos_ids = stop_token_ids(config.model, tokenizer)
     scheduler = Scheduler(

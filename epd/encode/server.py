@@ -199,7 +199,13 @@ def run(config: EncodeConfig) -> None:
     def build(watchdog: Watchdog) -> EncodeServer:
         prefills = Prefills.parse(config.prefills)  # a bad pattern fails before the model loads
         keys = process_keys(config.zmq_curve_keys)  # so do missing keys
-        model = load_model(config.model, "encode", config.device, model_dtype(config.dtype))
+        model = load_model(
+            config.model,
+            "encode",
+            config.device,
+            model_dtype(config.dtype),
+            config.cpu_weight_copies,
+        )
         processor = ImageProcessor(load_processor_config(config.model))
         encoder = Encoder(model, processor, config.max_image_pixels)
         context: zmq.Context = zmq.Context.instance()

@@ -15,6 +15,7 @@ from epd.model.packed import (
     PackedExperts,
     PackedLinear,
     RowBucketedLinear,
+    Repacked,
     can_pack,
     pack_for_cpu,
 )
@@ -526,3 +527,11 @@ def test_a_copy_that_cannot_be_made_leaves_its_module_plain(tmp_path, monkeypatc
     assert "could not be made" in caplog.text and "no oneDNN kernel" in caplog.text
     for a, b in zip(plain.language_model.model.layers, layers, strict=True):
         torch.testing.assert_close(a.mlp(x), b.mlp(x))
+
+
+def test_copies_can_be_turned_off(tmp_path, monkeypatch):
+    """--no-cpu-weight-copies: roles that load together on one machine keep only the weights."""
+    make_checkpoint(tmp_path, "tiny", seed=0)
+    monkeypatch.setattr(packed, "MIN_PACKED_LINEAR", 1)
+    model = load_model(tmp_path, role="all", copies=False)
+    assert not any(isinstance(m, Repacked) for m in model.modules())
