@@ -83,6 +83,7 @@ class LocalPipeline:
         dtype: torch.dtype | None = None,
         allowed_media_domains: tuple[str, ...] = (),
         cpu_weight_copies: bool = True,
+        reasoning_parser: str = "auto",
     ) -> None:
         model = load_model(checkpoint, "all", device, dtype, cpu_weight_copies)
         tokenizer = load_tokenizer(checkpoint)
@@ -92,7 +93,12 @@ class LocalPipeline:
         )
         limits = self.limits
         self.builder = PromptBuilder.from_checkpoint(
-            checkpoint, tokenizer, limits.default_max_tokens, limits.max_image_pixels, limits.max_n
+            checkpoint,
+            tokenizer,
+            limits.default_max_tokens,
+            limits.max_image_pixels,
+            limits.max_n,
+            reasoning_parser,
         )
         self.encoder = Encoder(model, self.builder.processor, self.builder.max_image_pixels)
         eos_ids = stop_token_ids(checkpoint, tokenizer)

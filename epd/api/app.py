@@ -33,6 +33,7 @@ from epd.api.middleware import (
     request_id,
 )
 from epd.api.prepare import PromptBuilder, check_grammar, check_scored
+from epd.api.reasoning import reasoning_of, split_deltas
 from epd.api.responses import Echo, Reply, TextReply, prompt_logprobs_json
 from epd.api.responses_api import ResponseReply, named_as_responses, parse_responses
 from epd.api.schema import (
@@ -48,6 +49,7 @@ from epd.api.schema import (
 from epd.api.tools import ForcedTools, ToolReply
 from epd.checkpoint.tokenizer import decode_text
 from epd.config.roles import PrefillConfig
+from epd.generation.reasoning import Markers
 from epd.generation.sampling import Scored, spelled
 from epd.prefill.coordinator import Coordinator
 from epd.prefill.engine import PrefillEngine
@@ -280,6 +282,7 @@ def create_app(service: Service, on_started: Callable[[], Any] | None = None) ->
             want_logprobs=False,
             echoed=asked.echoed(),
             response_id="resp_" + reply.request_id.removeprefix("chatcmpl-"),
+            reasoning=reply.reasoning,
         )
         return await respond(service, request, response, deltas, chat, images)
 
@@ -386,7 +389,11 @@ async def start_chat(
     if chat.prompt_logprobs is not None:
         reply.prompt_logprobs = [await prompt_scores(service, started, chat.prompt_logprobs)]
     reply.echo_text = chat.echoed
-    return reply, started.deltas, len(prepared.images)
+    deltas, sampling = started.deltas, prepared.sampling
+    if sampling.reasoning is not None:  # a reasoning model: its text split as it comes
+        reply.reasoning = True
+        deltas = split_deltas(deltas, Markers(*sampling.reasoning), sampling.reasoning_open)
+    return reply, deltas, len(prepared.images)
 
 
 async def prompt_scores(
@@ -585,9 +592,8 @@ async def stream(
     try:
         async for delta in deltas:
             completion_tokens[delta.index] = delta.completion_tokens
-            if (delta.text or delta.logprobs or delta.finish_reason) and (
-                chunk := reply.delta_chunk(delta)
-            ):
+            said = delta.text or reasoning_of(delta) or delta.logprobs or delta.finish_reason
+            if said and (chunk := reply.delta_chunk(delta)):
                 yield chunk
         if usage:
             yield reply.usage_chunk(sum(completion_tokens.values()))

@@ -12,9 +12,11 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import jinja2
+from msgspec.structs import replace
 from transformers import PreTrainedTokenizerBase
 
 from epd.api.errors import APIError, bad_request
+from epd.api.reasoning import markers_for
 from epd.api.schema import ChatCompletionRequest, CompletionRequest, GenerationRequest
 from epd.api.tools import ForcedTools, describe_tools
 from epd.checkpoint.config import (
@@ -23,6 +25,7 @@ from epd.checkpoint.config import (
     load_model_config,
     load_processor_config,
 )
+from epd.checkpoint.tokenizer import decode_text
 from epd.generation.grammar import (
     GrammarError,
     Grammars,
@@ -33,6 +36,7 @@ from epd.generation.grammar import (
     regex_grammar,
 )
 from epd.generation.params import SamplingParams
+from epd.generation.reasoning import Markers, opened
 from epd.multimodal.grids import Grid
 from epd.multimodal.image_processor import ImageProcessor
 from epd.multimodal.images import ImageError, open_image
@@ -75,6 +79,7 @@ class PromptBuilder:
     max_image_pixels: int = 50_000_000
     max_n: int = 16
     defaults: dict[str, float] = field(default_factory=dict)  # generation_config.json's
+    reasoning: Markers | None = None  # a reasoning model's markers (`api/reasoning.py`)
 
     def __post_init__(self) -> None:
         try:  # refuse a checkpoint whose defaults no request could use, at start-up
@@ -94,8 +99,10 @@ class PromptBuilder:
         default_max_tokens: int,
         max_image_pixels: int = 50_000_000,
         max_n: int = 16,
+        reasoning_parser: str = "auto",
     ) -> PromptBuilder:
         config = load_model_config(checkpoint)
+        template = tokenizer.chat_template or ""
         return cls(
             tokenizer=tokenizer,
             processor=ImageProcessor(load_processor_config(checkpoint)),
@@ -106,6 +113,7 @@ class PromptBuilder:
             max_image_pixels=max_image_pixels,
             max_n=max_n,
             defaults=load_generation_config(checkpoint).sampling_defaults,
+            reasoning=markers_for(reasoning_parser, checkpoint, template),
         )
 
     @cached_property
@@ -238,9 +246,24 @@ class PromptBuilder:
             images=images,
             grids=grids,
             image_tokens=tuple(counts),
-            sampling=self.sampling(conversation.request, len(ids)),
+            sampling=self.with_reasoning(self.sampling(conversation.request, len(ids)), ids),
             prompt_logprobs=conversation.request.prompt_logprobs,
         )
+
+    def with_reasoning(self, sampling: SamplingParams, prompt_ids: list[int]) -> SamplingParams:
+        """A chat's sampling with its reasoning model's markers, and whether its prompt already
+        opened the reasoning (in what follows the prompt's last control token)."""
+        if self.reasoning is None:
+            return sampling
+        last = max((i for i, t in enumerate(prompt_ids) if t in self.special_ids), default=-1)
+        tail = decode_text(self.tokenizer, prompt_ids[last + 1 :])
+        markers = (self.reasoning.start, self.reasoning.end)
+        return replace(sampling, reasoning=markers, reasoning_open=opened(self.reasoning, tail))
+
+    @cached_property
+    def special_ids(self) -> frozenset[int]:
+        ids = self.tokenizer.convert_tokens_to_ids(self.special_tokens)
+        return frozenset(ids if isinstance(ids, list) else [ids])
 
     def image_tokens(self, images: list[bytes]) -> tuple[tuple[Grid, ...], list[int]]:
         """Each image's (h, w) grid and the tokens it becomes; a 400 for a bad image."""

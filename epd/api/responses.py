@@ -12,6 +12,7 @@ from typing import Any
 from msgspec.structs import replace
 
 from epd.api.errors import APIError
+from epd.api.reasoning import reasoning_of
 from epd.generation.params import TokenLogprob
 from epd.generation.sampling import Scored
 from epd.wire.messages import TokenDelta
@@ -61,6 +62,7 @@ class Reply:
     # Each prompt's `prompt_logprobs_json`, if the request asked for them (vLLM's extra)
     prompt_logprobs: list[list[dict[str, Any] | None]] = field(default_factory=list)
     echo_text: str = ""  # a chat's `echo`: the text each choice's content begins with
+    reasoning: bool = False  # a reasoning parser splits the text (`ReasonedDelta`s come)
     chunk_object = "chat.completion.chunk"
 
     def usage(self, completion_tokens: int) -> dict[str, int]:
@@ -80,10 +82,7 @@ class Reply:
         choices = [
             {
                 "index": index,
-                "message": {
-                    "role": "assistant",
-                    "content": self.echo_text + "".join(d.text for d in mine),
-                },
+                "message": self.message_of(mine),
                 "logprobs": self.logprobs(mine),
                 "finish_reason": mine[-1].finish_reason,
             }
@@ -101,6 +100,20 @@ class Reply:
         if self.prompt_logprobs:  # vLLM puts a chat's beside its choices
             body["prompt_logprobs"] = self.prompt_logprobs[0]
         return body
+
+    def message_of(self, deltas: list[TokenDelta]) -> dict[str, Any]:
+        """A choice's message; with a reasoning parser, its reasoning beside its content
+        (vLLM's `reasoning`, and `reasoning_content` as clients still read it), null if none."""
+        content = self.echo_text + "".join(d.text for d in deltas)
+        if not self.reasoning:
+            return {"role": "assistant", "content": content}
+        thought = "".join(reasoning_of(d) for d in deltas) or None
+        return {
+            "role": "assistant",
+            "content": content or None,
+            "reasoning": thought,
+            "reasoning_content": thought,
+        }
 
     def opening(self, choices: int) -> list[str]:
         """The chunks a stream starts with: each choice's role."""
@@ -125,6 +138,7 @@ class Reply:
 
     def delta_chunk(self, delta: TokenDelta) -> str:
         content = {"content": delta.text} if delta.text else {}
+        content |= thinking(delta)
         choice = {
             "index": delta.index,
             "delta": content,
@@ -183,6 +197,12 @@ def offsets(tokens: list[str], start: int, length: int) -> list[int]:
         found.append(start + min(spelled, length))
         spelled += len(token)
     return found
+
+
+def thinking(delta: TokenDelta) -> dict[str, str]:
+    """A stream delta's reasoning fields, if it carries reasoning."""
+    thought = reasoning_of(delta)
+    return {"reasoning": thought, "reasoning_content": thought} if thought else {}
 
 
 def by_choice(deltas: list[TokenDelta]) -> list[tuple[int, list[TokenDelta]]]:

@@ -6,8 +6,9 @@ What it needs beyond one stateless turn of text and images is refused by name: t
 conversations (`previous_response_id`, `conversation`), background runs, input items other
 than messages. `text.format` asks for JSON as chat's `response_format` does (json_object, or
 a json_schema whose fields lie flat in the format). `store` is accepted and ignored (nothing is
-kept to be fetched later), and so is `reasoning`, which this model does not do (as vLLM
-ignores it).
+kept to be fetched later), and so is the request's `reasoning` (its effort: a reasoning model
+here reasons as it was trained to, as vLLM ignores it too). A reasoning model's reasoning
+comes as a reasoning item before the message.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from epd.api.errors import APIError, bad_request
+from epd.api.reasoning import reasoning_of
 from epd.api.responses import Reply
 from epd.api.schema import (
     MAX_CHAT_ITEMS,
@@ -247,21 +249,31 @@ def named_as_responses(error: APIError, request: ResponsesRequest) -> APIError:
 @dataclass
 class ResponseReply(Reply):
     """One response object (`response`), or its events streamed: created, the message and its
-    text part opened, the text's deltas, then each closed and the response completed."""
+    text part opened, the text's deltas, then each closed and the response completed. A
+    reasoning model's reasoning comes first as a reasoning item (its text, its deltas)."""
 
     echoed: dict[str, Any] = field(default_factory=dict)  # request fields the response repeats
     response_id: str = field(default_factory=lambda: f"resp_{uuid.uuid4().hex}")
     message_id: str = field(default_factory=lambda: f"msg_{uuid.uuid4().hex}")
+    reasoning_id: str = field(default_factory=lambda: f"rs_{uuid.uuid4().hex}")
     text: str = ""  # streamed so far
+    thought: str = ""  # reasoning streamed so far
+    opened: list[str] = field(default_factory=list)  # the items streamed: reasoning, message
     events: int = 0  # sequence numbers given
 
     def response(
-        self, status: str, text: str | None, output_tokens: int, finish: str | None
+        self,
+        status: str,
+        text: str | None,
+        output_tokens: int,
+        finish: str | None,
+        thought: str = "",
     ) -> dict[str, Any]:
         """The response object; `text` None while nothing is written yet."""
         cut = finish == "length"
         status = "incomplete" if cut and status == "completed" else status
-        output = [] if text is None else [self.message(text, status)]
+        output = [self.reasoning_item(thought, status)] if thought else []
+        output += [] if text is None else [self.message(text, status)]
         return {
             "id": self.response_id,
             "object": "response",
@@ -294,6 +306,16 @@ class ResponseReply(Reply):
             "content": [self.part(text)],
         }
 
+    def reasoning_item(self, thought: str, status: str) -> dict[str, Any]:
+        content = [{"type": "reasoning_text", "text": thought}]
+        return {
+            "type": "reasoning",
+            "id": self.reasoning_id,
+            "status": status,
+            "summary": [],
+            "content": content,
+        }
+
     @staticmethod
     def part(text: str) -> dict[str, Any]:
         return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
@@ -309,8 +331,9 @@ class ResponseReply(Reply):
 
     def completion(self, deltas: list[TokenDelta]) -> dict[str, Any]:
         text = "".join(d.text for d in deltas)
+        thought = "".join(reasoning_of(d) for d in deltas)
         last = deltas[-1]
-        return self.response("completed", text, last.completion_tokens, last.finish_reason)
+        return self.response("completed", text, last.completion_tokens, last.finish_reason, thought)
 
     def event(self, kind: str, **fields: Any) -> str:
         body = {"type": kind, "sequence_number": self.events, **fields}
@@ -319,34 +342,70 @@ class ResponseReply(Reply):
 
     def opening(self, choices: int) -> list[str]:
         started = self.response("in_progress", None, 0, None)
-        where = {"item_id": self.message_id, "output_index": 0, "content_index": 0}
-        return [
+        events = [
             self.event("response.created", response=started),
             self.event("response.in_progress", response=started),
-            self.event(
-                "response.output_item.added", output_index=0, item=self.message("", "in_progress")
-            ),
-            self.event("response.content_part.added", **where, part=self.part("")),
         ]
+        if not self.reasoning:  # the message is the first item; else what comes first opens
+            events.append(self.open_message())
+        return events
+
+    def where(self, item: str) -> dict[str, Any]:
+        """An event's item: its id, its place in the output, its (only) content part."""
+        index = self.opened.index(item)
+        item_id = self.reasoning_id if item == "reasoning" else self.message_id
+        return {"item_id": item_id, "output_index": index, "content_index": 0}
+
+    def open_message(self) -> str:
+        self.opened.append("message")
+        where = self.where("message")
+        added = self.message("", "in_progress")
+        return self.event(
+            "response.output_item.added", output_index=where["output_index"], item=added
+        ) + self.event("response.content_part.added", **where, part=self.part(""))
 
     def delta_chunk(self, delta: TokenDelta) -> str:
-        where = {"item_id": self.message_id, "output_index": 0, "content_index": 0}
-        self.text += delta.text
         events = ""
+        if thought := reasoning_of(delta):
+            if not self.opened:
+                self.opened.append("reasoning")
+                item = self.reasoning_item("", "in_progress")
+                events += self.event("response.output_item.added", output_index=0, item=item)
+            self.thought += thought
+            events += self.event(
+                "response.reasoning_text.delta", **self.where("reasoning"), delta=thought
+            )
+        if (delta.text or delta.finish_reason) and "message" not in self.opened:
+            events += self.close_reasoning() + self.open_message()
+        self.text += delta.text
         if delta.text:  # a finish alone has no text to add
-            events = self.event(
-                "response.output_text.delta", **where, delta=delta.text, logprobs=[]
+            events += self.event(
+                "response.output_text.delta", **self.where("message"), delta=delta.text, logprobs=[]
             )
         if delta.finish_reason is None:
             return events
-        done = self.response("completed", self.text, delta.completion_tokens, delta.finish_reason)
-        message = done["output"][0]
+        done = self.response(
+            "completed", self.text, delta.completion_tokens, delta.finish_reason, self.thought
+        )
+        where = self.where("message")
+        message = done["output"][where["output_index"]]
         return (
             events
             + self.event("response.output_text.done", **where, text=self.text, logprobs=[])
             + self.event("response.content_part.done", **where, part=self.part(self.text))
-            + self.event("response.output_item.done", output_index=0, item=message)
+            + self.event(
+                "response.output_item.done", output_index=where["output_index"], item=message
+            )
             + self.event(f"response.{done['status']}", response=done)
+        )
+
+    def close_reasoning(self) -> str:
+        if "reasoning" not in self.opened:
+            return ""
+        where = self.where("reasoning")
+        item = self.reasoning_item(self.thought, "completed")
+        return self.event("response.reasoning_text.done", **where, text=self.thought) + self.event(
+            "response.output_item.done", output_index=0, item=item
         )
 
     def usage_chunk(self, completion_tokens: int) -> str:

@@ -38,8 +38,15 @@ def build_service(config: PrefillConfig) -> Service:
     process_keys(config.zmq_curve_keys)  # missing keys fail before the model loads
     tokenizer = load_tokenizer(config.model, config.trust_remote_code)
     builder = PromptBuilder.from_checkpoint(
-        config.model, tokenizer, config.default_max_tokens, config.max_image_pixels, config.max_n
+        config.model,
+        tokenizer,
+        config.default_max_tokens,
+        config.max_image_pixels,
+        config.max_n,
+        config.reasoning_parser,
     )
+    if builder.reasoning:
+        log.info("reasoning parser: %s ... %s", builder.reasoning.start, builder.reasoning.end)
     # On a thread that ends, so that the forward's thread keeps the only OpenMP pool.
     lm = on_passing_thread(
         load_model,

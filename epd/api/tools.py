@@ -19,7 +19,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from epd.api.responses import Reply
+from epd.api.responses import Reply, thinking
 from epd.api.schema import ChatCompletionRequest, Tool
 from epd.wire.messages import TokenDelta
 
@@ -109,14 +109,21 @@ class ToolReply(Reply):
     def completion(self, deltas: list[TokenDelta]) -> dict[str, Any]:
         body = super().completion(deltas)
         for choice in body["choices"]:
-            text = choice["message"]["content"]
-            choice["message"], choice["finish_reason"] = self.message(text, choice["finish_reason"])
+            said = choice["message"]
+            message, choice["finish_reason"] = self.message(
+                said["content"] or "", choice["finish_reason"]
+            )
+            choice["message"] = message | {k: v for k, v in said.items() if "reasoning" in k}
         return body
 
     def delta_chunk(self, delta: TokenDelta) -> str:
         """Named: the call's header once, then pieces of its arguments as they come. Required:
         the whole list of calls when the choice ends (it is one JSON array until then)."""
         index = delta.index
+        thought = thinking(delta)
+        if thought and not delta.text and delta.finish_reason is None:  # the calls come after
+            choice = {"index": index, "delta": thought, "logprobs": self.logprobs([delta])}
+            return self.chunk([choice | {"finish_reason": None}])
         self.texts[index] = self.texts.get(index, "") + delta.text
         self.held.setdefault(index, []).append(delta)
         finish = delta.finish_reason
@@ -131,8 +138,9 @@ class ToolReply(Reply):
             content = {"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]}
         elif finish is not None:  # cut short: what there is, as text
             content = {"content": self.texts[index]}
-        else:
+        elif not thought:
             return ""  # a list of calls is not a call until it is complete
+        content |= thought
         listed = "tool_calls" in content and finish == "stop" and not self.forced.name
         reason = "tool_calls" if listed else finish
         logprobs = self.logprobs(self.held.pop(index))

@@ -154,6 +154,12 @@ def token_bytes(tokenizer: PreTrainedTokenizerBase, token_id: int) -> bytes:
     return decode_text(tokenizer, [token_id]).encode()
 
 
+def vocabulary_bytes(tokenizer: PreTrainedTokenizerBase, size: int) -> list[bytes]:
+    """`token_bytes` of every id below `size` (b"" for ids the tokenizer lacks), at once."""
+    known = min(size, len(tokenizer))
+    return [token_bytes(tokenizer, i) for i in range(known)] + [b""] * (size - known)
+
+
 BYTE_VALUES = {c: b for b, c in enumerate(byte_alphabet())}
 
 

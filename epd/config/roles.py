@@ -17,6 +17,7 @@ from epd.dtypes import MODEL_DTYPES
 DTYPE_CHOICES = ("auto", *MODEL_DTYPES)
 ADDRESS_SCHEMES = ("tcp://", "ipc://", "inproc://")
 LOG_LEVELS = ("debug", "info", "warning", "error")
+REASONING_PARSERS = ("auto", "none", "kimi_vl")
 AUTOMATIC = ("threads", "batch_patches", "max_prefill_tokens", "max_kv_tokens")  # 0: by device
 
 
@@ -48,6 +49,8 @@ def _check_value(name: str, value: Any) -> str | None:
         return "must be at least 1"
     if name == "log_level" and value.lower() not in ("", *LOG_LEVELS):
         return f"must be one of {', '.join(LOG_LEVELS)}"
+    if name == "reasoning_parser" and value not in REASONING_PARSERS:
+        return f"must be one of {', '.join(REASONING_PARSERS)}"
     if name == "log_format" and value not in ("text", "json"):
         return "must be text or json"
     addresses = value if isinstance(value, tuple) else (value,)
@@ -174,6 +177,13 @@ class PrefillConfig(ModelOptions):
     max_images: int = option(16, "most images in one request")
     default_max_tokens: int = option(1024, "max_tokens when a request gives none")
     max_n: int = option(16, "most choices (n) one request may ask for, up to 128")
+    reasoning_parser: str = option(
+        "auto",
+        "kimi_vl: chat replies give the reasoning between ◁think▷ and ◁/think▷ as `reasoning` "
+        "beside `content`, and structured outputs apply to the answer (vLLM's flag); none: "
+        "all is content; auto: kimi_vl for a thinking checkpoint (its chat template names "
+        "◁think▷, or its name is a -Thinking model's)",
+    )
     max_prefill_tokens: int = option(
         0,
         "prompt tokens prefilled in one forward: waiting prompts fill it, one that does not fit "

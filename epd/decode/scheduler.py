@@ -29,6 +29,7 @@ from transformers import PreTrainedTokenizerBase
 from epd.generation.finite import finite_rows, overflows
 from epd.generation.grammar import GrammarError, Grammars
 from epd.generation.logits import NoTokenAllowed, adjust, require_a_token
+from epd.generation.reasoning import gate
 from epd.generation.sampling import restore_generator, sample_batch
 from epd.generation.sequence import Sequence
 from epd.generation.transcript import Output
@@ -174,7 +175,6 @@ class Scheduler:
             generators = [restore_generator(state) for state in handoff.rng_states]
         except RuntimeError as e:
             raise ValueError(f"unusable sampler state: {e}") from None
-        grammar = handoff.sampling.grammar
         # Waiting caches stay where they arrived (host memory, from the wire); the pool's
         # budget bounds the device's.
         cache = handoff.cache.to(dtype=self.lm.lm_head.weight.dtype)
@@ -188,7 +188,7 @@ class Scheduler:
                 self.tokenizer,
                 self.eos_ids,
                 handoff.prompt_ids,
-                self.grammars.matcher(grammar) if grammar else None,  # GrammarError: refused
+                gate(self.grammars, handoff.sampling),  # GrammarError: refused
                 index,
             )
             first = handoff.first_tokens[index], handoff.first_logprobs[index]

@@ -19,6 +19,7 @@ import secrets
 import threading
 from collections import OrderedDict
 from collections.abc import Collection, Sequence
+from functools import cached_property
 from typing import Any
 
 import llguidance
@@ -27,6 +28,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from epd.checkpoint.tiktoken_files import TiktokenFiles
+from epd.checkpoint.tokenizer import vocabulary_bytes
 
 log = logging.getLogger(__name__)
 COMPACT_JSON = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
@@ -86,6 +88,28 @@ class Grammars:
             log.warning("structured outputs are unavailable: %s", self.unavailable)
         self.compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
         self.lock = threading.Lock()  # the API checks grammars on its loop, prefill on its thread
+        self.hf_tokenizer, self.vocab_size = tokenizer, vocab_size
+        self.markers: dict[bytes, list[int]] = {}  # `marker_tokens`, by the marker's rest
+
+    @cached_property
+    def vocabulary_bytes(self) -> list[bytes]:
+        return vocabulary_bytes(self.hf_tokenizer, self.vocab_size)
+
+    def token_bytes(self, token: int) -> bytes:
+        return self.vocabulary_bytes[token]
+
+    def marker_tokens(self, rest: bytes) -> list[int]:
+        """The tokens a reply may write where `rest` is what is left of a marker it began:
+        those whose bytes begin `rest`, or begin with it (made once per `rest`)."""
+        with self.lock:
+            found = self.markers.get(rest)
+            if found is None:
+                found = self.markers[rest] = [
+                    i
+                    for i, data in enumerate(self.vocabulary_bytes)
+                    if data and (rest.startswith(data) or data.startswith(rest))
+                ]
+            return found
 
     def check(self, grammar: str) -> None:
         """Raise GrammarError naming the problem if `grammar` cannot be used."""
@@ -204,13 +228,22 @@ def renamed_merge(inside: dict[str, str], merge: Any) -> Any:
     return " ".join(parts) if isinstance(merge, str) else parts
 
 
-def mask_forbidden(logits: torch.Tensor, rows: list[int], matchers: list[Any]) -> None:
-    """Set, in place, the logits (B, vocab) of tokens each matcher forbids to -inf.
+def mask_forbidden(
+    logits: torch.Tensor,
+    rows: list[int],
+    matchers: list[Any],
+    also_allowed: Sequence[Sequence[int]] = (),
+) -> None:
+    """Set, in place, the logits (B, vocab) of tokens each row's matcher forbids to -inf; a
+    row's `also_allowed` tokens are allowed besides (a row without a matcher: only those).
 
     Raises GrammarError for a matcher that failed (a lexer limit, say): its mask would allow
     only a stop token, and the output would end there, short of what the grammar asks for."""
     bitmask = llguidance.torch.allocate_token_bitmask(len(rows), logits.shape[-1])  # (n, words)
+    bitmask.zero_()
     for i, matcher in enumerate(matchers):
+        if matcher is None:
+            continue
         llguidance.torch.fill_next_token_bitmask(matcher, bitmask, i)
         if matcher.is_error():
             raise GrammarError(f"the grammar failed: {matcher.get_error()}")
@@ -218,6 +251,9 @@ def mask_forbidden(logits: torch.Tensor, rows: list[int], matchers: list[Any]) -
     bits = torch.arange(32, dtype=torch.int32, device=logits.device)
     words = bitmask.to(logits.device)[:, :, None]  # (n, words, 1): bit j of word w is token 32w+j
     allowed = ((words >> bits) & 1).bool().flatten(1)[:, : logits.shape[-1]]  # (n, vocab)
+    for i, extra in enumerate(also_allowed):
+        if extra:
+            allowed[i, torch.tensor(extra, device=logits.device)] = True
     logits[index] = logits[index].masked_fill(~allowed, -math.inf)
 
 

@@ -37,7 +37,9 @@ class History(Protocol):
     @property
     def tokens(self) -> Sequence[int]: ...  # generated so far
     @property
-    def matcher(self) -> Any: ...  # the grammar's llguidance matcher, or None
+    def matcher(self) -> Any: ...  # the grammar's llguidance matcher where it applies, or None
+    @property
+    def also_allowed(self) -> Sequence[int]: ...  # allowed besides the grammar's tokens
 
 
 def adjust(logits: torch.Tensor, rows: Sequence[History], eos_ids: Collection[int]) -> torch.Tensor:
@@ -48,8 +50,10 @@ def adjust(logits: torch.Tensor, rows: Sequence[History], eos_ids: Collection[in
     penalise(logits, rows)
     add_biases(logits, rows)
     ban_early_stops(logits, rows, eos_ids)
-    if constrained := [i for i, row in enumerate(rows) if row.matcher is not None]:
-        mask_forbidden(logits, constrained, [rows[i].matcher for i in constrained])
+    if constrained := [i for i, row in enumerate(rows) if constrained_row(row)]:
+        picked = [rows[i] for i in constrained]
+        matchers, also = [r.matcher for r in picked], [r.also_allowed for r in picked]
+        mask_forbidden(logits, constrained, matchers, also)
     return logits
 
 
@@ -70,8 +74,12 @@ def asks_for_controls(row: History) -> bool:
         sampling.penalised
         or bool(sampling.logit_bias)
         or len(row.tokens) < sampling.min_tokens
-        or row.matcher is not None
+        or constrained_row(row)
     )
+
+
+def constrained_row(row: History) -> bool:
+    return row.matcher is not None or bool(row.also_allowed)
 
 
 def penalise(logits: torch.Tensor, rows: Sequence[History]) -> None:

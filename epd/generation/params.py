@@ -37,6 +37,8 @@ REPETITION_PENALTY_RANGE = (0.01, 100.0)  # dividing by less could overflow floa
 MAX_CHOICES = 128  # n: choices of one request
 MAX_GRAMMAR_CHARS = 24 * 1024  # in UTF-8 bytes too: a hand-off's header stays under 64 KiB
 GrammarText = Annotated[str, Meta(max_length=MAX_GRAMMAR_CHARS)]
+MAX_MARKER_CHARS = 32  # a reasoning model's marker ("◁think▷")
+Marker = Annotated[str, Meta(min_length=1, max_length=MAX_MARKER_CHARS)]
 LogitBias = Annotated[tuple[tuple[int, float], ...], Meta(max_length=MAX_LOGIT_BIAS)]
 StopTokenIds = Annotated[tuple[int, ...], Meta(max_length=MAX_STOP_TOKEN_IDS)]
 
@@ -79,6 +81,10 @@ class SamplingParams(Record, frozen=True):
     grammar: GrammarText = ""  # llguidance grammar the reply must follow ("": none)
     n: int = 1  # choices, each sampled on its own from the same prompt
     include_stop_str: bool = False  # keep the stop string (or stop token's text) that ended it
+    # A reasoning model's start and end markers: its grammar applies to the answer after its
+    # reasoning (`reasoning.Gate`); `reasoning_open`: the prompt already opened the reasoning.
+    reasoning: tuple[Marker, Marker] | None = None
+    reasoning_open: bool = False
 
     def choice_seed(self, index: int) -> int | None:
         """Choice `index`'s seed: the request's for the first, then the next ones (a seeded
@@ -142,6 +148,16 @@ class SamplingParams(Record, frozen=True):
         )
         require(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids must be ≥ 0")
         require(1 <= self.n <= MAX_CHOICES, f"n must be 1 to {MAX_CHOICES}, not {self.n}")
+        require(
+            self.reasoning is None
+            or (
+                len(self.reasoning) == 2
+                and all(0 < len(m) <= MAX_MARKER_CHARS for m in self.reasoning)
+                and self.reasoning[0] != self.reasoning[1]
+            ),
+            "reasoning takes a start and an end marker, different, of 1 to "
+            f"{MAX_MARKER_CHARS} characters",
+        )
         size = len(self.grammar.encode())
         require(
             size <= MAX_GRAMMAR_CHARS,

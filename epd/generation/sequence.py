@@ -4,12 +4,12 @@ its cache and sampler. Shared by decode and tests; where its outputs go is decod
 from __future__ import annotations
 
 from collections.abc import Collection
-from typing import Any
 
 import torch
 from transformers import PreTrainedTokenizerBase
 
 from epd.generation.params import SamplingParams, TokenLogprob
+from epd.generation.reasoning import Gate
 from epd.generation.sampling import token_logprob
 from epd.generation.transcript import Transcript
 from epd.model.latent_cache import LatentCache
@@ -26,10 +26,10 @@ class Sequence(Transcript):
         tokenizer: PreTrainedTokenizerBase,
         eos_ids: Collection[int],
         prompt_ids: torch.Tensor,
-        matcher: Any = None,
+        grammar: Gate | None = None,
         index: int = 0,
     ) -> None:
-        super().__init__(sampling, tokenizer, eos_ids, prompt_ids, matcher)
+        super().__init__(sampling, tokenizer, eos_ids, prompt_ids, grammar)
         self.request_id, self.index = request_id, index  # index: the choice (n > 1)
         self.generator, self.cache = generator, cache
 

@@ -16,7 +16,7 @@ outputs: prefill says what the first token gives (and the client has it at once)
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,9 +24,9 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from epd.generation.detokenizer import Detokenizer
-from epd.generation.grammar import advance
 from epd.generation.logits import presence
 from epd.generation.params import FinishReason, SamplingParams, TokenLogprob
+from epd.generation.reasoning import Gate
 from epd.generation.stops import StopScanner
 
 
@@ -48,18 +48,28 @@ class Transcript:
         tokenizer: PreTrainedTokenizerBase,
         eos_ids: Collection[int],
         prompt_ids: torch.Tensor,
-        matcher: Any = None,
+        grammar: Gate | None = None,
     ) -> None:
         self.sampling, self.tokenizer, self.eos_ids = sampling, tokenizer, frozenset(eos_ids)
         self.prompt_ids = prompt_ids  # (prompt tokens,) int64, for repetition penalties
         self._prompt_presence: torch.Tensor | None = None
         self.stop_ids = frozenset(sampling.stop_token_ids)
-        self.matcher = matcher  # the request's grammar, fed every accepted token
+        self.grammar = grammar  # the request's grammar, fed every accepted token
         self.detokenizer = Detokenizer(tokenizer, sampling.skip_special_tokens)
         self.stops = StopScanner(sampling.stop)
         self.tokens: list[int] = []
         self.text, self.sent = "", 0  # reply text so far; characters already released
         self.finish_reason: FinishReason | None = None
+
+    @property
+    def matcher(self) -> Any:
+        """The grammar's matcher where it applies to the next token, or None."""
+        return self.grammar.matcher if self.grammar else None
+
+    @property
+    def also_allowed(self) -> Sequence[int]:
+        """Tokens allowed besides the grammar's (a reasoning model's start marker's)."""
+        return self.grammar.also_allowed if self.grammar else ()
 
     def prompt_presence(self, vocab: int, device: torch.device) -> torch.Tensor:
         """(vocab,) bool: the prompt's tokens, for repetition penalties; made once."""
@@ -70,7 +80,7 @@ class Transcript:
     def accept(self, token: int, logprob: TokenLogprob | None = None) -> Output:
         """Record a generated token and say what the client gets for it."""
         assert self.finish_reason is None
-        grammar_done = self.matcher is not None and advance(self.matcher, token)
+        grammar_done = self.grammar is not None and self.grammar.accept(token)
         self.tokens.append(token)
         if (token in self.eos_ids and not self.sampling.ignore_eos) or token in self.stop_ids:
             if self.sampling.include_stop_str:  # the stop token's text, where it has one

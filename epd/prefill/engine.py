@@ -28,6 +28,7 @@ from epd.generation.finite import all_finite
 from epd.generation.grammar import GrammarError, Grammars
 from epd.generation.logits import NoTokenAllowed, adjust, require_a_token
 from epd.generation.params import SamplingParams
+from epd.generation.reasoning import gate
 from epd.generation.sampling import (
     Scored,
     make_generator,
@@ -229,14 +230,13 @@ class PrefillEngine:
             sampling = prompt.sampling
             generators = [make_generator(sampling.choice_seed(i)) for i in range(sampling.n)]
             ids = torch.tensor(prompt.prompt_ids, dtype=torch.int64)
-            grammar = sampling.grammar
             replies = [  # each choice's, so far only its prompt: what the controls read
                 Transcript(
                     sampling,
                     self.tokenizer,
                     self.eos_ids,
                     ids,
-                    self.grammars.matcher(grammar) if grammar else None,
+                    gate(self.grammars, sampling),
                 )
                 for _ in generators
             ]

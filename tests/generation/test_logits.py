@@ -18,6 +18,7 @@ class Row:
     prompt_ids: torch.Tensor
     tokens: list[int]
     matcher: object = None
+    also_allowed: tuple[int, ...] = ()
 
     def prompt_presence(self, vocab, device):
         return presence(self.prompt_ids, vocab, device)

@@ -14,8 +14,8 @@ from epd.model.packed import (
     MIN_PACKED_LINEAR,
     PackedExperts,
     PackedLinear,
-    RowBucketedLinear,
     Repacked,
+    RowBucketedLinear,
     can_pack,
     pack_for_cpu,
 )
