@@ -155,18 +155,19 @@ def cluster(
     env: dict[str, str] | None = None,
     role_flags: dict[str, tuple[str, ...]] | None = None,
     flags: tuple[str, ...] = (),
+    one_by_one: bool = False,
 ) -> Iterator[tuple[dict[str, Process], openai.OpenAI, int]]:
     """The three roles started by hand (see `role`), their openai client, and their base port;
-    `flags` go to every role, `role_flags[name]` to that one."""
+    `flags` go to every role, `role_flags[name]` to that one; `one_by_one` starts each once
+    the one before is ready (a large model's loads do not overlap in memory)."""
     base = free_base()
-    names = ("encode", "decode", "prefill")
-    processes = {
-        name: role(
-            name, checkpoint, base, prefills, env, (*flags, *(role_flags or {}).get(name, ()))
-        )
-        for name in names
-    }
+    processes: dict[str, Process] = {}
     try:
+        for name in ("encode", "decode", "prefill"):
+            extra = (*flags, *(role_flags or {}).get(name, ()))
+            processes[name] = role(name, checkpoint, base, prefills, env, extra)
+            if one_by_one:
+                processes[name].wait_ready()
         for process in processes.values():
             process.wait_ready()
         url = f"http://127.0.0.1:{base + 20}/v1"

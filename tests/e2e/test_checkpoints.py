@@ -1,0 +1,203 @@
+"""Checkpoints in every layout real models ship, each through the three-process stack (real
+processes, the openai client) and equal token for token to the one-process path, in float32.
+
+The matrix: a tokenizer.json with its special tokens inside the vocabulary (after it: the
+session's checkpoint, `test_stack.py`), Kimi's tiktoken files; one weights file and shards;
+float32 and bfloat16 weights; RoPE `inv_freq` buffers; q_lora_rank null and set; and
+Kimi-VL-A3B-Instruct, -Thinking and -Thinking-2506 in their likeness: their published
+config.json at its real widths (vocabulary 163,840, 64 experts top-6, 2 shared, a 512-wide
+latent, a 1152-wide vision tower), the depth cut to a dense and an MoE layer and one vision
+block (`epd.checkpoint.published`).
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import urllib.request
+from concurrent.futures import ProcessPoolExecutor
+
+import jsonschema
+import openai
+import pytest
+import torch
+from PIL import Image
+
+from epd.checkpoint.published import make_published
+from epd.checkpoint.synthetic import make_checkpoint
+from epd.local import LocalPipeline
+
+from .stack import cluster, data_url, free_base, image_part, serve, text_part
+
+TINY = {
+    "specials inside the vocabulary": {"tokenizer": "inside"},
+    "one weights file, bfloat16 weights, RoPE buffers, q_lora": {
+        "shards": 1,
+        "dtype": torch.bfloat16,
+        "inv_freq": True,
+        "q_lora_rank": 24,
+    },
+    "Kimi's tiktoken files": {"tokenizer": "tiktoken"},
+}
+PUBLISHED = ("Kimi-VL-A3B-Instruct", "Kimi-VL-A3B-Thinking", "Kimi-VL-A3B-Thinking-2506")
+SCHEMA = {
+    "type": "object",
+    "properties": {"shape": {"enum": ["circle", "square"]}},
+    "required": ["shape"],
+    "additionalProperties": False,
+}
+IMAGE = data_url(Image.new("RGB", (84, 56), "red"))  # (4, 6) patches: 6 tokens
+REQUESTS = {
+    "text": {
+        "messages": [{"role": "user", "content": "What colour is it? 中文English naïve"}],
+        "max_tokens": 10,
+        "logprobs": True,
+        "top_logprobs": 2,
+    },
+    "image": {
+        "messages": [{"role": "user", "content": [image_part(IMAGE), text_part("Colour?")]}],
+        "max_tokens": 8,
+        "logprobs": True,
+    },
+    "structured": {
+        "messages": [{"role": "user", "content": "Which shape?"}],
+        "max_tokens": 12,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": SCHEMA}},
+    },
+}
+TOKENIZED = "中文English混合 naïve I'LL 12345 <|im_end|>"
+
+
+@pytest.fixture(scope="module")
+def published(tmp_path_factory):
+    """The three published likenesses; the Thinking ones share the Instruct one's weights."""
+    root = tmp_path_factory.mktemp("published")
+    instruct = make_published(root / PUBLISHED[0], PUBLISHED[0])
+    made = {PUBLISHED[0]: instruct}
+    for name in PUBLISHED[1:]:
+        made[name] = make_published(root / name, name, weights=instruct)
+    return made
+
+
+def expected(checkpoint, copies=True):
+    """Each request served by the one-process path, in a process of its own whose memory is
+    given back before the stack loads (at real widths both would not fit beside each other)."""
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(serve_locally, checkpoint, copies).result()
+
+
+def serve_locally(checkpoint, copies):
+    torch.set_num_threads(2)
+    local = LocalPipeline(checkpoint, dtype=torch.float32, cpu_weight_copies=copies)
+    found = {
+        name: local.chat({"model": "m", "temperature": 0, **body})
+        for name, body in REQUESTS.items()
+    }
+    return found, local.builder.tokenizer.encode(TOKENIZED, add_special_tokens=False)
+
+
+def served(checkpoint, copies=True):
+    flags = ("--dtype", "float32", *(() if copies else ("--no-cpu-weight-copies",)))
+    with cluster(checkpoint, flags=flags, one_by_one=not copies) as (processes, client, base):
+        replies = {
+            name: client.chat.completions.create(model="tiny", temperature=0, **body)
+            for name, body in REQUESTS.items()
+        }
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{base + 20}/tokenize",
+            data=json.dumps({"prompt": TOKENIZED, "add_special_tokens": False}).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=30) as response:
+            tokenized = json.loads(response.read())["tokens"]
+        output = {name: process.output for name, process in processes.items()}
+    return replies, tokenized, output
+
+
+def said(message) -> str:
+    """A message's whole text: its reasoning (a thinking model's) and its content."""
+    return (getattr(message, "reasoning", None) or "") + (message.content or "")
+
+
+def check_equal(replies, tokenized, found, tokens):
+    for name, reply in replies.items():
+        choice, local = reply.choices[0], found[name]
+        assert said(choice.message) == local.text, name
+        assert choice.finish_reason == local.finish_reason, name
+        assert reply.usage.completion_tokens == len(local.token_ids), name
+        assert reply.usage.prompt_tokens == local.prompt_tokens, name
+        if choice.logprobs:
+            ours = [t.token for t in choice.logprobs.content]
+            assert ours == [e.token for d in local.deltas for e in d.logprobs], name
+            assert [t.logprob for t in choice.logprobs.content] == pytest.approx(
+                [e.logprob for d in local.deltas for e in d.logprobs], abs=1e-4
+            )
+    assert tokenized == tokens
+
+
+@pytest.mark.parametrize("case", list(TINY))
+def test_a_layout_serves_as_the_one_process_path(case, tmp_path):
+    checkpoint = make_checkpoint(tmp_path / "c", "tiny", seed=4, **TINY[case])
+    found, tokens = expected(checkpoint)
+    replies, tokenized, _ = served(checkpoint)
+    check_equal(replies, tokenized, found, tokens)
+    structured = json.loads(replies["structured"].choices[0].message.content)
+    jsonschema.validate(structured, SCHEMA)
+
+
+@pytest.mark.parametrize("name", PUBLISHED)
+def test_a_published_likeness_serves_at_real_widths(name, published):
+    """Kimi's own layout at the real vocabulary (special tokens from 163584), no remote code;
+    the Thinking models' replies come through the reasoning parser, on by default for them."""
+    checkpoint = published[name]
+    assert (checkpoint / "tokenization_moonshot.py").is_file()
+    assert not (checkpoint / "tokenizer.json").exists()
+    found, tokens = expected(checkpoint, copies=False)
+    replies, tokenized, output = served(checkpoint, copies=False)
+    check_equal(replies, tokenized, found, tokens)
+    message = replies["text"].choices[0].message
+    thinking = "Thinking" in name
+    assert ("reasoning" in (message.model_extra or {})) is thinking
+    assert ("reasoning parser" in output["prefill"]) is thinking
+    assert "tokenizer code" not in "".join(output.values())  # no remote code ran
+
+
+def test_every_role_starts_where_the_grammar_engine_cannot_be_built(checkpoint_in):
+    """A WordPiece tokenizer serves text, but llguidance cannot read it: each role starts and
+    says so once, text is served, and a request for structured output gets a 400 with why."""
+    with cluster(checkpoint_in("wordpiece")) as (processes, client, _):
+        messages = [{"role": "user", "content": "what colour is the circle?"}]
+        reply = client.chat.completions.create(
+            model="tiny", messages=messages, max_tokens=6, temperature=0
+        )
+        assert reply.choices[0].message.content and reply.usage.completion_tokens == 6
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.chat.completions.create(
+                model="tiny", messages=messages, response_format={"type": "json_object"}
+            )
+        assert refused.value.code == "structured_outputs_unavailable"
+        assert "llguidance cannot read this model's tokenizer" in refused.value.message
+        again = client.chat.completions.create(model="tiny", messages=messages, max_tokens=2)
+        assert again.usage.completion_tokens == 2
+        outputs = {name: process.output for name, process in processes.items()}
+    for name in ("prefill", "decode"):
+        warned = "WARNING epd.generation.grammar: structured outputs are unavailable"
+        assert outputs[name].count(warned) == 1, outputs[name]
+
+
+@pytest.mark.parametrize("layout", ["inside", "tiktoken"])
+def test_epd_serve_serves_each_layout_without_remote_code(checkpoint_in, layout):
+    base = free_base()
+    process = serve(checkpoint_in(layout), base)
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{base + 20}/v1", api_key="-")
+        reply = client.chat.completions.create(
+            model=client.models.list().data[0].id,
+            messages=[{"role": "user", "content": "Which shape?"}],
+            response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": SCHEMA}},
+            max_tokens=12,
+        )
+        jsonschema.validate(json.loads(reply.choices[0].message.content), SCHEMA)
+    finally:
+        assert process.stop() == 0, process.output
+    assert "tokenizer code" not in process.output
