@@ -13,6 +13,10 @@ from epd.config.roles import ROLES
 from epd.config.sources import add_child_flags, add_flags, build, flag_values, resolve
 from epd.dtypes import MODEL_DTYPES, TENSOR_DTYPES
 
+# make-checkpoint's choices, spelt here so that `epd --help` imports no tokenizer library
+# (tests/test_cli.py checks them against synthetic_tokenizer.LAYOUTS and published.PUBLISHED).
+TOKENIZER_LAYOUTS = ("appended", "inside", "tiktoken", "wordpiece")
+PUBLISHED_NAMES = ("Kimi-VL-A3B-Instruct", "Kimi-VL-A3B-Thinking", "Kimi-VL-A3B-Thinking-2506")
 HELP = {
     "encode": "run the vision tower: images in, embeddings out",
     "prefill": "run the OpenAI API and the prefill of the language model",
@@ -62,15 +66,23 @@ def bench_plot_command(args: argparse.Namespace) -> None:
 
 
 def make_checkpoint_command(args: argparse.Namespace) -> None:
+    from epd.checkpoint.published import make_published
     from epd.checkpoint.synthetic import make_checkpoint
 
+    if args.like:
+        out = make_published(args.out, args.like, args.layers, seed=args.seed, shards=args.shards)
+        print(f"wrote a random checkpoint like {args.like}, {args.layers} layers, to {out}")
+        return
     out = make_checkpoint(
         args.out,
         args.preset,
         seed=args.seed,
         q_lora_rank=args.q_lora_rank,
+        shards=args.shards,
         dtype=TENSOR_DTYPES[args.dtype],
         device=args.device,
+        tokenizer=args.tokenizer,
+        inv_freq=args.rope_buffers,
     )
     print(f"wrote a random {args.preset} Kimi-VL checkpoint to {out}")
 
@@ -129,6 +141,24 @@ def parser() -> argparse.ArgumentParser:
     make.add_argument("--device", default="cpu", help="where to draw the weights (e.g. cuda)")
     make.add_argument("--seed", type=int, default=0)
     make.add_argument("--q-lora-rank", type=int, default=None, help="use q_a/q_b projections")
+    make.add_argument(
+        "--tokenizer",
+        choices=TOKENIZER_LAYOUTS,
+        default="appended",
+        help="the tokenizer's layout: tokenizer.json with the special tokens appended or inside "
+        "the vocabulary, Kimi-VL's tiktoken files, or WordPiece (no grammar engine)",
+    )
+    make.add_argument("--shards", type=int, default=2, help="weight files (1: model.safetensors)")
+    make.add_argument(
+        "--rope-buffers", action="store_true", help="save rotary_emb.inv_freq, as some do"
+    )
+    make.add_argument(
+        "--like",
+        choices=PUBLISHED_NAMES,
+        help="in the likeness of a published checkpoint: its config, widths and tokenizer "
+        "(the preset, dtype and tokenizer flags do not apply)",
+    )
+    make.add_argument("--layers", type=int, default=2, help="with --like: its depth")
     make.set_defaults(run=make_checkpoint_command)
     keys = commands.add_parser(
         "keys", help="make the ZeroMQ CURVE keys that let processes in, for --zmq-curve-keys"

@@ -54,3 +54,21 @@ def test_serve_names_a_taken_internal_port_in_one_line(tiny_checkpoint):
     assert result.returncode != 0 and "Traceback" not in result.stderr
     assert f"internal port {taken} is in use" in result.stderr
     assert "--internal-base-port" in result.stderr.strip().splitlines()[-1]
+
+
+def test_make_checkpoint_offers_every_layout_and_likeness():
+    from epd.checkpoint.published import PUBLISHED
+    from epd.checkpoint.synthetic_tokenizer import LAYOUTS
+    from epd.cli import PUBLISHED_NAMES, TOKENIZER_LAYOUTS
+
+    assert TOKENIZER_LAYOUTS == LAYOUTS and tuple(PUBLISHED) == PUBLISHED_NAMES
+
+
+def test_make_checkpoint_writes_kimis_tiktoken_layout_in_one_file(tmp_path):
+    out = tmp_path / "ckpt"
+    flags = ("--tokenizer", "tiktoken", "--shards", "1", "--rope-buffers")
+    assert epd("make-checkpoint", str(out), *flags).returncode == 0
+    files = {p.name for p in out.iterdir()}
+    assert {"tiktoken.model", "tokenization_moonshot.py", "model.safetensors"} <= files
+    assert "tokenizer.json" not in files and "model.safetensors.index.json" not in files
+    load_model(out)
