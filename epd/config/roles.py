@@ -80,7 +80,11 @@ class ModelOptions(Settings):
         "auto (the checkpoint's torch_dtype where the device runs it, else float32 on CPU and "
         "bfloat16 on CUDA), float32, bfloat16, float16",
     )
-    trust_remote_code: bool = option(False, "allow the checkpoint's tokenizer code (real Kimi-VL)")
+    trust_remote_code: bool = option(
+        False,
+        "run the checkpoint's own tokenizer code where it ships no tokenizer.json nor "
+        "tiktoken.model (never needed for Kimi-VL)",
+    )
     cpu_weight_copies: bool = option(
         True,
         "on a CPU, keep copies of the weights laid out for oneDNN (faster products), within "
