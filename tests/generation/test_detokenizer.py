@@ -4,12 +4,16 @@ from epd.checkpoint.tokenizer import load_tokenizer
 from epd.generation.detokenizer import Detokenizer
 
 
-@pytest.fixture(scope="module")
-def tokenizer(tiny_checkpoint):
-    return load_tokenizer(tiny_checkpoint)
+@pytest.fixture(scope="module", params=["appended", "inside", "tiktoken"])
+def tokenizer(request, checkpoint_in):
+    """Each tokenizer layout, Kimi's tiktoken files among them."""
+    return load_tokenizer(checkpoint_in(request.param))
 
 
-@pytest.mark.parametrize("text", ["plain words", "héllo wörld", "日本語 🙂 emoji 👩‍💻!", "a\nb\tc"])
+@pytest.mark.parametrize(
+    "text",
+    ["plain words", "héllo wörld", "日本語 🙂 emoji 👩‍💻!", "a\nb\tc", "中文English混合 I'LL"],
+)
 def test_pieces_join_to_the_text_and_never_split_a_character(tokenizer, text):
     ids = tokenizer.encode(text, add_special_tokens=False)
     detokenizer = Detokenizer(tokenizer)
