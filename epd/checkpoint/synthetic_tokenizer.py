@@ -119,15 +119,19 @@ def vocabulary(tokenizer: Tokenizer) -> Vocabulary:
 def write_fast(out: Path, tokenizer: Tokenizer, max_length: int) -> None:
     """`tokenizer.json` and its `tokenizer_config.json`."""
     tokenizer.save(str(out / "tokenizer.json"))
-    config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
+    config = {"tokenizer_class": "PreTrainedTokenizerFast"} | kimi_config(max_length)
+    dump(out / "tokenizer_config.json", config)
+
+
+def kimi_config(max_length: int) -> dict[str, Any]:
+    """What every layout's `tokenizer_config.json` says of Kimi's tokens and template."""
+    return {
         "bos_token": "[BOS]",
         "eos_token": "[EOS]",
         "pad_token": "[PAD]",
         "model_max_length": max_length,
         "chat_template": CHAT_TEMPLATE,
     }
-    dump(out / "tokenizer_config.json", config)
 
 
 def wordpiece() -> Tokenizer:
@@ -159,13 +163,8 @@ def write_tiktoken(out: Path, trained: Tokenizer, ranks: int, max_length: int) -
         "added_tokens_decoder": added,
         "auto_map": {"AutoTokenizer": ["tokenization_moonshot.TikTokenTokenizer", None]},
         "tokenizer_class": "TikTokenTokenizer",
-        "bos_token": "[BOS]",
-        "eos_token": "[EOS]",
-        "pad_token": "[PAD]",
-        "model_max_length": max_length,
-        "chat_template": CHAT_TEMPLATE,
     }
-    dump(out / "tokenizer_config.json", config)
+    dump(out / "tokenizer_config.json", config | kimi_config(max_length))
     (out / "tokenization_moonshot.py").write_text(REMOTE_CODE)
     ids = {name: first + offset for name, offset in KIMI_SPECIAL_PLACES.items()}
     return Vocabulary(first + KIMI_SPECIALS, ids)
