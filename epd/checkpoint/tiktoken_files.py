@@ -30,7 +30,11 @@ from epd.checkpoint.config import CheckpointError, read_json
 RANKS_FILE = "tiktoken.model"
 MAX_RANKS_BYTES = 64 << 20  # Kimi-VL's is 2.5 MB
 MAX_TOKEN_BYTES = 1024  # Kimi-VL's longest token has 128
-MAX_SPECIAL_TOKENS = 4096  # Kimi-VL has 256
+MAX_SPECIAL_TOKENS = 4096  # Kimi-VL has 256, from its ranks on
+# Splits of a token into two tokens, on average: a trained BPE's tokens have a few; a file of
+# every substring of one string has thousands, and its merges would take gigabytes.
+MAX_SPLITS_PER_TOKEN = 8
+MAX_RANKS = 1 << 20  # Kimi-VL has 163,584; the largest vocabularies published about 262k
 
 # The split pattern of Kimi's tokenizer code (`pat_str`, public in every Moonshot checkpoint):
 # GPT-4o's, with Han runs a piece of their own and Han taken out of the letter classes.
@@ -59,10 +63,10 @@ class TiktokenFiles:
     pattern: str = KIMI_PATTERN
 
     @classmethod
-    def read(cls, checkpoint: Path) -> TiktokenFiles:
+    def read(cls, checkpoint: Path, config: dict[str, Any]) -> TiktokenFiles:
+        """The files of `checkpoint`, whose `tokenizer_config.json` holds `config`."""
         ranks = read_ranks(checkpoint / RANKS_FILE)
-        config = read_json(checkpoint / "tokenizer_config.json")
-        return cls(ranks, special_tokens(config.get("added_tokens_decoder") or {}, len(ranks)))
+        return cls(ranks, special_tokens(config.get("added_tokens_decoder", {}), ranks))
 
     def tokenizer(self) -> Tokenizer:
         """The same tokenizer for the tokenizers library (see the module's docstring)."""
@@ -79,7 +83,8 @@ class TiktokenFiles:
         by_id = sorted(self.specials.items(), key=lambda item: item[1])
         tokenizer.add_special_tokens([AddedToken(name, normalized=False) for name, _ in by_id])
         for name, token_id in by_id:  # they follow the ranks without gaps (`special_tokens`)
-            assert tokenizer.token_to_id(name) == token_id, (name, token_id)
+            if tokenizer.token_to_id(name) != token_id:
+                raise CheckpointError(f"special token {name!r} cannot have id {token_id}")
         return tokenizer
 
 
@@ -101,6 +106,8 @@ def read_ranks(path: Path) -> dict[bytes, int]:
         if not 0 < len(token) <= MAX_TOKEN_BYTES or token in ranks:
             raise CheckpointError(f"{path}:{number}: an empty, over-long or repeated token")
         ranks[token] = rank
+        if len(ranks) > MAX_RANKS:
+            raise CheckpointError(f"{path} has more than {MAX_RANKS} tokens")
     if sorted(ranks.values()) != list(range(len(ranks))):
         raise CheckpointError(f"{path}: the ranks must be 0 to {len(ranks) - 1}, each once")
     if any(bytes([b]) not in ranks for b in range(256)):
@@ -108,21 +115,25 @@ def read_ranks(path: Path) -> dict[bytes, int]:
     return ranks
 
 
-def special_tokens(added: dict[str, Any], first: int) -> dict[str, int]:
+def special_tokens(added: Any, ranks: dict[bytes, int]) -> dict[str, int]:
     """The special tokens of `added_tokens_decoder` ({"163584": {"content": "[BOS]", ...}}),
-    all at or above `first` (the number of ranks), and a `<|reserved_token_N|>` for each id
-    between them that it leaves out (tiktoken's ids are contiguous)."""
-    if len(added) > MAX_SPECIAL_TOKENS:
-        raise CheckpointError(f"more than {MAX_SPECIAL_TOKENS} special tokens")
-    named: dict[int, str] = {}
+    all above the ranks and at most MAX_SPECIAL_TOKENS ids on, none spelt like a BPE token,
+    and a `<|reserved_token_N|>` for each id between them that it leaves out (tiktoken's ids
+    are contiguous)."""
+    if not isinstance(added, dict):
+        raise CheckpointError("added_tokens_decoder must map ids to tokens")
+    first, named = len(ranks), {}
     for key, token in added.items():
         content = token.get("content") if isinstance(token, dict) else token
-        if not key.isdigit() or not isinstance(content, str) or not content:
+        if not (key.isascii() and key.isdigit()) or not isinstance(content, str) or not content:
             raise CheckpointError(f"added_tokens_decoder: {key!r} is not 'id': {{'content': ...}}")
-        if int(key) < first:
+        if not first <= int(key) < first + MAX_SPECIAL_TOKENS:
             raise CheckpointError(
-                f"special token {content!r} has id {key}, inside the {first} BPE ranks"
+                f"special token {content!r} has id {key}, not among the {MAX_SPECIAL_TOKENS} "
+                f"ids after the {first} BPE ranks"
             )
+        if int(key) in named or content.encode() in ranks:
+            raise CheckpointError(f"added_tokens_decoder: {content!r} ({key}) is given twice")
         named[int(key)] = content
     last = max(named, default=first - 1)
     specials = {named.get(i, f"<|reserved_token_{i}|>"): i for i in range(first, last + 1)}
@@ -134,12 +145,14 @@ def special_tokens(added: dict[str, Any], first: int) -> dict[str, int]:
 def merges(ranks: dict[bytes, int]) -> list[tuple[str, str]]:
     """Every split of a token into two tokens, ordered by the rank of the whole (tiktoken's
     priority), splits of one token by their left part's rank."""
-    found = []
+    found, most = [], MAX_SPLITS_PER_TOKEN * len(ranks)
     for token, rank in ranks.items():
         for cut in range(1, len(token)):
             left, right = token[:cut], token[cut:]
             if left in ranks and right in ranks:
                 found.append((rank, ranks[left], left, right))
+        if len(found) > most:
+            raise CheckpointError(f"{RANKS_FILE}: its tokens split in more ways than a BPE's")
     found.sort()
     return [(as_string(left), as_string(right)) for _, _, left, right in found]
 

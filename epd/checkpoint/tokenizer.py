@@ -78,8 +78,8 @@ def remote_tokenizer(checkpoint: Path) -> PreTrainedTokenizerBase:
 def tiktoken_tokenizer(checkpoint: Path) -> PreTrainedTokenizerFast:
     """Kimi's tiktoken files as a fast tokenizer; `tokenizer.tiktoken_files` keeps what they
     hold for llguidance's tiktoken path."""
-    files = TiktokenFiles.read(checkpoint)
     config = read_json(checkpoint / "tokenizer_config.json")
+    files = TiktokenFiles.read(checkpoint, config)
     named = {key: token_name(config[key]) for key in NAMED_SPECIALS if config.get(key)}
     for key, name in named.items():
         if name not in files.specials:

@@ -20,40 +20,13 @@ MESSAGES = [
     {"role": "system", "content": "Be brief."},
     {"role": "user", "content": "What colour is the circle? 中文English混合 naïve I'LL 12345"},
 ]
-# Scripts, contractions, digits and whitespace runs: what Kimi's split pattern cares about.
+# Scripts, contractions, digits, whitespace runs and characters at the edges of the pattern's
+# classes (marks, modifier letters, letter numbers, Unicode's own line breaks, zero widths).
 PIECES = [
-    "the",
-    " cat",
-    "中文",
-    "混合",
-    "English",
-    "naïve",
-    "ÉCOLE",
-    "we'll",
-    "I'M",
-    " they've",
-    "12345",
-    "١٢٣",
-    "\n\n",
-    "\t",
-    "  ",
-    " ",
-    "😀👍",
-    "가나",
-    "한국어",
-    "日本語のテキスト",
-    "!?",
-    ".,;",
-    "'",
-    '"',
-    "<|",
-    "|>",
-    "x\r\ny",
-    "Ⅻ",
-    "ǅungla",
-    "αβγ",
-    "—",
-    "ß",
+    *("the", " cat", "中文", "混合", "English", "naïve", "ÉCOLE", "we'll", "I'M", " they've"),
+    *("12345", "١٢٣", "\n\n", "\t", "  ", " ", "😀👍", "가나", "한국어", "日本語のテキスト"),
+    *("!?", ".,;", "'", '"', "<|", "|>", "x\r\ny", "Ⅻ", "ǅungla", "αβγ", "—", "ß"),
+    *("e\u0301", "ʰ", "ⅷ", "'S", "\u0085", "\u2028", "\u200b", "\ufeff", "\r\n", "\u3000"),
 ]
 
 
@@ -125,7 +98,7 @@ def test_the_fast_tokenizer_equals_tiktoken_on_mixed_text(tmp_path):
     )
 
 
-def test_a_real_sized_vocabulary_loads_in_seconds(tmp_path):
+def test_a_real_sized_vocabulary_puts_the_specials_at_kimis_ids(tmp_path):
     write_tiktoken(tmp_path, train_bpe(512), 163584, 8192)
     tokenizer = load_tokenizer(tmp_path)
     assert len(tokenizer) == 163840
@@ -175,14 +148,48 @@ def broken(checkpoint_in, tmp_path, edit):
             lambda p: config_edit(
                 p, lambda c: c["added_tokens_decoder"].update({"3": {"content": "[X]"}})
             ),
-            "inside the",
+            "not among the 4096 ids after",
         ),
+        (  # a far id would make millions of reserved tokens
+            lambda p: config_edit(
+                p, lambda c: c["added_tokens_decoder"].update({"3000000": {"content": "[X]"}})
+            ),
+            "not among the 4096 ids after",
+        ),
+        (  # the same id twice, spelt in another script's digits
+            lambda p: config_edit(
+                p, lambda c: c["added_tokens_decoder"].update({"٧٦٨": {"content": "[X]"}})
+            ),
+            "is not 'id'",
+        ),
+        (  # a special token spelt like a BPE token would take that token's place
+            lambda p: config_edit(
+                p, lambda c: c["added_tokens_decoder"].update({"1000": {"content": "the"}})
+            ),
+            "given twice",
+        ),
+        (lambda p: config_edit(p, lambda c: c.update(added_tokens_decoder=[])), "must map ids"),
         (lambda p: config_edit(p, lambda c: c.update(bos_token="[NOPE]")), "bos_token"),
+        (  # every substring of one string: merges that would take gigabytes
+            lambda p: substrings_everywhere(p),
+            "split in more ways than a BPE's",
+        ),
     ],
 )
 def test_bad_tiktoken_files_are_errors_that_name_them(checkpoint_in, tmp_path, edit, problem):
     with pytest.raises(CheckpointError, match=problem):
         load_tokenizer(broken(checkpoint_in, tmp_path, edit))
+
+
+def substrings_everywhere(path):
+    """A tiktoken.model of every substring of one text, and no special tokens."""
+    text = bytes(range(97, 123)) * 4
+    tokens = [bytes([b]) for b in range(256)]
+    tokens += sorted({text[i:j] for i in range(len(text)) for j in range(i + 2, len(text) + 1)})
+    lines = (f"{base64.b64encode(t).decode()} {r}" for r, t in enumerate(tokens))
+    path.joinpath("tiktoken.model").write_text("\n".join(lines))
+    names = ("added_tokens_decoder", "bos_token", "eos_token", "pad_token")
+    config_edit(path, lambda c: [c.pop(name) for name in names])
 
 
 def config_edit(path, change):
