@@ -31,3 +31,17 @@ def test_a_cgroup_v1_limit_counts_too(tmp_path):
     assert memory.cgroup_room(tmp_path) is None
     (v1 / "memory.limit_in_bytes").write_text("1000\n")
     assert memory.cgroup_room(tmp_path) == 600
+
+
+def test_the_page_cache_a_container_may_drop_is_room(tmp_path):
+    """Usage counts the page cache (the checkpoint files just read); its inactive part is room."""
+    (tmp_path / "memory.max").write_text("1000\n")
+    (tmp_path / "memory.current").write_text("900\n")
+    (tmp_path / "memory.stat").write_text("anon 300\ninactive_file 500\nactive_file 100\n")
+    assert memory.cgroup_room(tmp_path) == 600
+    v1 = tmp_path / "v1" / "memory"
+    v1.mkdir(parents=True)
+    (v1 / "memory.limit_in_bytes").write_text("1000\n")
+    (v1 / "memory.usage_in_bytes").write_text("900\n")
+    (v1 / "memory.stat").write_text("cache 600\ntotal_inactive_file 400\n")
+    assert memory.cgroup_room(tmp_path / "v1") == 500

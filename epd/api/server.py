@@ -16,6 +16,7 @@ from epd.checkpoint.tokenizer import load_tokenizer, stop_token_ids
 from epd.checkpoint.weights import load_model
 from epd.config.roles import PrefillConfig
 from epd.dtypes import model_dtype
+from epd.generation.reasoning import prepare
 from epd.prefill.engine import PrefillEngine
 from epd.runtime.health import HTTP_PROTOCOL
 from epd.runtime.process import (
@@ -58,7 +59,7 @@ def build_service(config: PrefillConfig) -> Service:
     ).language_model
     eos_ids = stop_token_ids(config.model, tokenizer)
     engine = PrefillEngine(lm, tokenizer, builder.placeholder_id, eos_ids)
-    engine.grammars  # noqa: B018  # built now (or found unavailable), not at the first grammar
+    prepare(engine.grammars)  # built now (or found unavailable), not at the first grammar
     return Service(
         config, config.model_name, builder, engine, Watchdog(config.watchdog_s, PREFILL_ACTIVITIES)
     )

@@ -25,7 +25,7 @@ from typing import Any
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
-from epd.checkpoint.config import CheckpointError, read_json
+from epd.checkpoint.config import CheckpointError
 
 RANKS_FILE = "tiktoken.model"
 MAX_RANKS_BYTES = 64 << 20  # Kimi-VL's is 2.5 MB

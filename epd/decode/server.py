@@ -23,6 +23,7 @@ from epd.config.roles import DecodeConfig
 from epd.decode.metrics import DecodeMetrics
 from epd.decode.scheduler import Busy, Scheduler, TooLarge
 from epd.dtypes import model_dtype
+from epd.generation.reasoning import prepare
 from epd.generation.sequence import Sequence
 from epd.generation.transcript import Output
 from epd.runtime.role import run_role
@@ -235,7 +236,7 @@ def load_scheduler(config: DecodeConfig) -> Scheduler:
         config.max_kv_tokens,
         preallocate=torch.device(config.device).type == "cuda",  # a GPU of its own: take it now
     )
-    scheduler.grammars  # noqa: B018  # built now (or found unavailable), not at the first grammar
+    prepare(scheduler.grammars)  # built now (or found unavailable), not at the first grammar
     return scheduler
 
 

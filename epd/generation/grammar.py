@@ -83,7 +83,7 @@ class Grammars:
         self.unavailable = ""  # why no grammar can be used, if none can
         try:
             self.tokenizer = llguidance_tokenizer(tokenizer, vocab_size, sorted(eos_ids))
-        except Exception as e:  # whatever llguidance raises: the part is optional
+        except (ValueError, RuntimeError) as e:  # what llguidance raises: the part is optional
             self.unavailable = f"llguidance cannot read this model's tokenizer: {e}"
             log.warning("structured outputs are unavailable: %s", self.unavailable)
         self.compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
@@ -97,6 +97,10 @@ class Grammars:
 
     def token_bytes(self, token: int) -> bytes:
         return self.vocabulary_bytes[token]
+
+    def tokenize(self, data: bytes) -> list[int]:
+        """Text as llguidance tokenises it for this process's tokenizer."""
+        return list(self.tokenizer.tokenize_bytes(data))
 
     def marker_tokens(self, rest: bytes) -> list[int]:
         """The tokens a reply may write where `rest` is what is left of a marker it began:

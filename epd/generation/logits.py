@@ -40,6 +40,8 @@ class History(Protocol):
     def matcher(self) -> Any: ...  # the grammar's llguidance matcher where it applies, or None
     @property
     def also_allowed(self) -> Sequence[int]: ...  # allowed besides the grammar's tokens
+    @property
+    def grammar_waits(self) -> bool: ...  # its grammar's answer has not begun: no end yet
 
 
 def adjust(logits: torch.Tensor, rows: Sequence[History], eos_ids: Collection[int]) -> torch.Tensor:
@@ -74,6 +76,7 @@ def asks_for_controls(row: History) -> bool:
         sampling.penalised
         or bool(sampling.logit_bias)
         or len(row.tokens) < sampling.min_tokens
+        or row.grammar_waits
         or constrained_row(row)
     )
 
@@ -138,11 +141,12 @@ def add_biases(logits: torch.Tensor, rows: Sequence[History]) -> None:
 def ban_early_stops(
     logits: torch.Tensor, rows: Sequence[History], eos_ids: Collection[int]
 ) -> None:
-    """No eos or stop token id for a row whose reply is still shorter than its min_tokens."""
+    """No eos or stop token id for a row whose reply is still shorter than its min_tokens, or
+    whose grammar waits for its answer (a reasoning model's, still reasoning)."""
     pairs = [
         (i, token)
         for i, row in enumerate(rows)
-        if len(row.tokens) < row.sampling.min_tokens
+        if len(row.tokens) < row.sampling.min_tokens or row.grammar_waits
         for token in {*eos_ids, *row.sampling.stop_token_ids}
     ]
     if not pairs:

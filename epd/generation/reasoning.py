@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from epd.generation.grammar import Grammars, advance
+from epd.generation.grammar import GrammarError, Grammars, advance
 from epd.generation.params import SamplingParams
 
 START, THINKING, ANSWER = "start", "thinking", "answer"
@@ -87,10 +87,12 @@ class Gate:
     """Where a reply's grammar applies when its model reasons first (see the module's doc).
 
     Until the reply shows whether it reasons, it may write a token the grammar allows (the
-    answer has begun: the grammar applies from it) or one that begins the start marker; once
-    it has begun the marker, only tokens that go on with it. While it reasons, nothing is
-    masked; from the first token after the end marker, the grammar applies (text after the
-    marker in the token that ends it is the answer's, unchecked)."""
+    answer has begun: the grammar applies from it) or one that begins the start marker (taken
+    as the marker, even where the grammar would allow it too); once it has begun the marker,
+    only tokens that go on with it. While it reasons nothing is masked, but it may not end
+    (`waits`: its answer would be missing); from the first token after the end marker, the
+    grammar applies, and what the token that ends the marker holds after it (whitespace aside)
+    is the grammar's first text."""
 
     def __init__(
         self,
@@ -99,8 +101,10 @@ class Gate:
         open_: bool = False,
         token_bytes: Callable[[int], bytes] = lambda _: b"",
         marker_tokens: Callable[[bytes], Sequence[int]] = lambda _: (),
+        tokenize: Callable[[bytes], Sequence[int]] = lambda _: (),
     ) -> None:
         self.grammar, self.token_bytes, self.marker_tokens = matcher, token_bytes, marker_tokens
+        self.tokenize = tokenize
         self.state = ANSWER if markers is None else THINKING if open_ else START
         self.start = markers.start.encode() if markers else b""
         self.end = markers.end.encode() if markers else b""
@@ -111,6 +115,11 @@ class Gate:
         """The grammar where it applies to the next token, else None."""
         applies = self.state == ANSWER or (self.state == START and not self.seen)
         return self.grammar if applies else None
+
+    @property
+    def waits(self) -> bool:
+        """Whether the answer the grammar is for has not begun: the reply may not end yet."""
+        return self.state == THINKING or (self.state == START and bool(self.seen))
 
     @property
     def also_allowed(self) -> Sequence[int]:
@@ -132,11 +141,17 @@ class Gate:
             else:  # no reasoning: the grammar allowed this token
                 self.state, self.seen = ANSWER, b""
                 return advance(self.grammar, token)
-        if self.end in seen:
-            self.state, self.seen = ANSWER, b""
-        else:  # what may be the end marker's beginning
+        if self.end not in seen:  # keep what may be the end marker's beginning
             self.seen = seen[max(0, len(seen) - len(self.end) + 1) :]
-        return False
+            return False
+        self.state, self.seen = ANSWER, b""
+        begun = seen.split(self.end, 1)[1].lstrip()  # the answer's first text, in this token
+        done = False
+        for t in self.tokenize(begun):
+            if done:
+                raise GrammarError("the answer goes on past what its grammar allows")
+            done = advance(self.grammar, t)
+        return done
 
 
 def gate(grammars: Grammars, sampling: SamplingParams) -> Gate | None:
@@ -147,5 +162,24 @@ def gate(grammars: Grammars, sampling: SamplingParams) -> Gate | None:
     if sampling.reasoning is None:
         return Gate(matcher)
     markers = Markers(*sampling.reasoning)
-    open_ = sampling.reasoning_open
-    return Gate(matcher, markers, open_, grammars.token_bytes, grammars.marker_tokens)
+    if markers not in PARSERS.values():  # a peer's: only the parsers' (their tokens are cached)
+        raise GrammarError(f"unknown reasoning markers {sampling.reasoning}")
+    return Gate(
+        matcher,
+        markers,
+        sampling.reasoning_open,
+        grammars.token_bytes,
+        grammars.marker_tokens,
+        grammars.tokenize,
+    )
+
+
+def prepare(grammars: Grammars) -> None:
+    """Find, at start, the tokens every parser's start marker may go on with (a scan of the
+    vocabulary each), rather than at a reasoning model's first grammar."""
+    if grammars.unavailable:
+        return
+    for markers in PARSERS.values():
+        start = markers.start.encode()
+        for begun in range(len(start)):
+            grammars.marker_tokens(start[begun:])

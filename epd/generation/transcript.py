@@ -67,6 +67,11 @@ class Transcript:
         return self.grammar.matcher if self.grammar else None
 
     @property
+    def grammar_waits(self) -> bool:
+        """Whether the grammar waits for an answer a reasoning model has not begun yet."""
+        return self.grammar is not None and self.grammar.waits
+
+    @property
     def also_allowed(self) -> Sequence[int]:
         """Tokens allowed besides the grammar's (a reasoning model's start marker's)."""
         return self.grammar.also_allowed if self.grammar else ()

@@ -176,3 +176,17 @@ def test_a_chat_continued_inside_its_reasoning_opens_it(thinking):
     assert sampling("◁think▷ I see").reasoning_open
     assert not sampling("◁think▷ I see◁/think▷ It").reasoning_open
     assert sampling("It").reasoning == (KIMI.start, KIMI.end)
+
+
+def test_choices_are_split_each_on_its_own():
+    """n > 1: deltas of different choices interleave; each has its own reasoning state."""
+    first = deltas()
+    second = [
+        TokenDelta("r", (9,), text, i + 1, "stop" if i == 1 else None, index=1)
+        for i, text in enumerate(["Just ", "red."])
+    ]
+    mixed = [first[0], second[0], *first[1:3], second[1], *first[3:]]
+    reply = Reply("r", "m", 3, False, reasoning=True)
+    choices = reply.completion(split(mixed))["choices"]
+    assert [c["message"]["reasoning"] for c in choices] == [" It is round.", None]
+    assert [c["message"]["content"] for c in choices] == ['{"shape":"circle"}', "Just red."]

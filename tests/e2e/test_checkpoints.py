@@ -25,6 +25,7 @@ from PIL import Image
 
 from epd.checkpoint.published import make_published
 from epd.checkpoint.synthetic import make_checkpoint
+from epd.generation.reasoning import PARSERS, Split
 from epd.local import LocalPipeline
 
 from .stack import cluster, data_url, free_base, image_part, serve, text_part
@@ -64,7 +65,16 @@ REQUESTS = {
         "max_tokens": 12,
         "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": SCHEMA}},
     },
+    "continued": {  # an answer begun inside its reasoning: a thinking model's reply reasons on
+        "messages": [
+            {"role": "user", "content": "Colour?"},
+            {"role": "assistant", "content": "◁think▷ I see"},
+        ],
+        "max_tokens": 6,
+        "extra_body": {"continue_final_message": True, "add_generation_prompt": False},
+    },
 }
+OPENED = {"continued"}  # the requests whose prompt opens the reasoning
 TOKENIZED = "中文English混合 naïve I'LL 12345 <|im_end|>"
 
 
@@ -90,7 +100,7 @@ def serve_locally(checkpoint, copies):
     torch.set_num_threads(2)
     local = LocalPipeline(checkpoint, dtype=torch.float32, cpu_weight_copies=copies)
     found = {
-        name: local.chat({"model": "m", "temperature": 0, **body})
+        name: local.chat({"model": "m", "temperature": 0, **flat(body)})
         for name, body in REQUESTS.items()
     }
     return found, local.builder.tokenizer.encode(TOKENIZED, add_special_tokens=False)
@@ -114,15 +124,31 @@ def served(checkpoint, copies=True):
     return replies, tokenized, output
 
 
-def said(message) -> str:
-    """A message's whole text: its reasoning (a thinking model's) and its content."""
-    return (getattr(message, "reasoning", None) or "") + (message.content or "")
+def flat(body):
+    """A request as the openai client sends it: its `extra_body` among the other fields."""
+    return {k: v for k, v in body.items() if k != "extra_body"} | body.get("extra_body", {})
 
 
-def check_equal(replies, tokenized, found, tokens):
+def said(message) -> tuple[str | None, str]:
+    """A message's reasoning (None without a reasoning parser) and its content."""
+    return (message.model_extra or {}).get("reasoning"), message.content or ""
+
+
+def parsed(text, name, thinking):
+    """The one-process path's text as the API gives it: split by the parser where it is on."""
+    if not thinking:
+        return None, text
+    split = Split(PARSERS["kimi_vl"], name in OPENED)
+    (reasoning, answer), (held_reasoning, held_answer) = split.feed(text), split.finish()
+    return (reasoning + held_reasoning) or None, answer + held_answer
+
+
+def check_equal(replies, tokenized, found, tokens, thinking=False):
     for name, reply in replies.items():
         choice, local = reply.choices[0], found[name]
-        assert said(choice.message) == local.text, name
+        reasoning, content = said(choice.message)
+        expected_reasoning, expected_content = parsed(local.text, name, thinking)
+        assert (reasoning, content) == (expected_reasoning, expected_content), name
         assert choice.finish_reason == local.finish_reason, name
         assert reply.usage.completion_tokens == len(local.token_ids), name
         assert reply.usage.prompt_tokens == local.prompt_tokens, name
@@ -154,10 +180,11 @@ def test_a_published_likeness_serves_at_real_widths(name, published):
     assert not (checkpoint / "tokenizer.json").exists()
     found, tokens = expected(checkpoint, copies=False)
     replies, tokenized, output = served(checkpoint, copies=False)
-    check_equal(replies, tokenized, found, tokens)
-    message = replies["text"].choices[0].message
     thinking = "Thinking" in name
-    assert ("reasoning" in (message.model_extra or {})) is thinking
+    check_equal(replies, tokenized, found, tokens, thinking)
+    if thinking:  # a reply begun inside its reasoning, reasoning all the way (random weights)
+        continued = replies["continued"].choices[0].message
+        assert continued.model_extra["reasoning"] and continued.content is None
     assert ("reasoning parser" in output["prefill"]) is thinking
     assert "tokenizer code" not in "".join(output.values())  # no remote code ran
 

@@ -19,6 +19,7 @@ class Row:
     tokens: list[int]
     matcher: object = None
     also_allowed: tuple[int, ...] = ()
+    grammar_waits: bool = False
 
     def prompt_presence(self, vocab, device):
         return presence(self.prompt_ids, vocab, device)
@@ -91,3 +92,12 @@ def test_repetition_penalty_covers_the_prompt():
     logits[0, 30] = 2.5  # in the prompt: 2.5 / 2 = 1.25 falls below the others
     (adjusted,) = adjust(logits, [row(prompt=(30,), repetition_penalty=2.0)], EOS)
     assert adjusted[30] == pytest.approx(1.25) and int(adjusted.argmax()) != 30
+
+
+def test_a_grammar_waiting_for_its_answer_bans_the_end():
+    """A reasoning model still reasoning under a grammar may not end: its answer is missing."""
+    waiting = row(stop_token_ids=(9,))
+    waiting.grammar_waits = True
+    out = adjust(torch.zeros(2, VOCAB), [waiting, row()], EOS)
+    assert torch.isinf(out[0, [7, 8, 9]]).all() and torch.isfinite(out[0, :7]).all()
+    assert torch.isfinite(out[1]).all()

@@ -130,3 +130,43 @@ def test_an_opened_reasoning_starts_unmasked(setup):
     _, grammars = setup
     g = gate(grammars, sampling(open_=True))
     assert g.state == THINKING and g.matcher is None
+
+
+def one_token(grammars, data):
+    """A gate whose token 0 stands for `data` (a real vocabulary's longer tokens)."""
+    return gate(grammars, sampling()), lambda t: data if t == 0 else grammars.token_bytes(t)
+
+
+def test_the_answer_begun_in_the_token_that_ends_the_reasoning_is_the_grammars(setup):
+    tokenizer, grammars = setup
+    g, token_bytes = one_token(grammars, "◁think▷ round ◁/think▷\n ci".encode())
+    g.token_bytes = token_bytes
+    assert g.accept(0) is False and g.state == ANSWER  # start, reasoning, end: one token
+    done = [g.accept(t) for t in tokenizer.encode("rcle", add_special_tokens=False)]
+    assert done[-1] is True  # "ci" went to the grammar: "circle" is complete
+    g, token_bytes = one_token(grammars, "◁think▷ x ◁/think▷zebra".encode())
+    g.token_bytes = token_bytes
+    with pytest.raises(GrammarError, match="refused"):
+        g.accept(0)
+
+
+def test_a_reply_may_not_end_before_its_answer(setup):
+    tokenizer, grammars = setup
+    g = gate(grammars, sampling())
+    assert not g.waits  # may be the answer already: the grammar says whether it may end
+    first, *rest = tokenizer.encode("◁think▷ hmm", add_special_tokens=False)
+    g.accept(first)
+    assert g.waits
+    for token in rest:
+        g.accept(token)
+    assert g.waits and g.state == THINKING
+    for token in tokenizer.encode("◁/think▷", add_special_tokens=False):
+        g.accept(token)
+    assert not g.waits
+
+
+def test_markers_no_parser_has_are_refused(setup):
+    _, grammars = setup
+    odd = SamplingParams(max_tokens=5, grammar=choice_grammar(["a"]), reasoning=("<a>", "</a>"))
+    with pytest.raises(GrammarError, match="unknown reasoning markers"):
+        gate(grammars, odd)
