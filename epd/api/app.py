@@ -25,6 +25,7 @@ from epd.api import tokens
 from epd.api.errors import APIError, as_api_error, bad_request, overloaded
 from epd.api.images import ImageLoader, MediaPolicy
 from epd.api.middleware import (
+    BodyLimits,
     Gate,
     Unforeseen,
     add_middleware,
@@ -208,9 +209,8 @@ def create_app(service: Service, on_started: Callable[[], Any] | None = None) ->
     app = FastAPI(title="epd", lifespan=lifespan)
     handle_errors(app, service.metrics)
     config = service.config
-    add_middleware(
-        app, config.allowed_origins, api_key(config.api_key), config.max_request_bytes, service.gate
-    )
+    limits = BodyLimits(config.max_request_bytes, config.max_text_request_bytes)
+    add_middleware(app, config.allowed_origins, api_key(config.api_key), limits, service.gate)
     app.include_router(health_router("prefill", service.watchdog, service.status, service.problems))
     app.include_router(metrics_router(service.metrics.registry))
     card = {

@@ -117,37 +117,75 @@ class BearerKey:
         await self.app(scope, receive, send)
 
 
+# Routes whose bodies carry no images: prompts as text or token ids, which need far less room.
+TEXT_ROUTES = ("/v1/completions", "/detokenize")
+# The most JSON values (arrays, objects and array or object members) one body may hold. A
+# legitimate body holds far fewer: MAX_CHAT_ITEMS messages and parts are ~4 each, a prompt of
+# token ids one per token. Built as Python objects, each costs ~70 bytes and interpreter time
+# that no other request gets: 22 million empty arrays (an 88 MB body) took 4 GB and 15 s.
+MAX_JSON_VALUES = 1 << 19
+
+
+def json_values(chunk: bytes) -> int:
+    """At least how many JSON values `chunk` opens or separates: its `[`, `{` and `,` bytes
+    (those inside strings too, so a bound on it is a little stricter than on the values
+    themselves; base64 images hold none). Counted at C speed, before anything is parsed."""
+    return chunk.count(b"[") + chunk.count(b"{") + chunk.count(b",")
+
+
+@dataclass(frozen=True)
+class BodyLimits:
+    """How large a request body may be: `max_bytes` where it may carry images, `max_text_bytes`
+    on TEXT_ROUTES, and at most `max_values` JSON values anywhere."""
+
+    max_bytes: int = 100 << 20
+    max_text_bytes: int = 16 << 20
+    max_values: int = MAX_JSON_VALUES
+
+    def size_for(self, path: str) -> tuple[int, str]:
+        """The byte limit of a route, and the setting that sets it."""
+        if path in TEXT_ROUTES:
+            return min(self.max_text_bytes, self.max_bytes), "max_text_request_bytes"
+        return self.max_bytes, "max_request_bytes"
+
+
 class BodyLimit:
-    """Bodies over `max_bytes` get a 413 before they are read (a declared Content-Length) or as
-    soon as the bytes received pass the limit (a chunked body), never after parsing."""
+    """Bodies over their route's size get a 413 before they are read (a declared
+    Content-Length) or as soon as the bytes received pass it (a chunked body); bodies of
+    more JSON values than `max_values` get a 413 as soon as the bytes received hold them. Never
+    after parsing: a parse holds the interpreter, and every other stream waits."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
-        self.app, self.max_bytes = app, max_bytes
-
-    def too_large(self) -> APIError:
-        return APIError(
-            413,
-            f"the request body is over {self.max_bytes} bytes (max_request_bytes)",
-            code="request_too_large",
-        )
+    def __init__(self, app: ASGIApp, limits: BodyLimits) -> None:
+        self.app, self.limits = app, limits
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        max_bytes, setting = self.limits.size_for(scope["path"])
+        too_large = APIError(
+            413, f"the request body is over {max_bytes} bytes ({setting})", code="request_too_large"
+        )
         declared = dict(scope["headers"]).get(b"content-length", b"")
-        if declared.isdigit() and int(declared) > self.max_bytes:
-            error = self.too_large()
-            await JSONResponse(error.body(), status_code=413)(scope, receive, send)
+        if declared.isdigit() and int(declared) > max_bytes:
+            await JSONResponse(too_large.body(), status_code=413)(scope, receive, send)
             return
-        received = 0
+        received = values = 0
 
         async def counted() -> Message:
-            nonlocal received
+            nonlocal received, values
             message = await receive()
-            received += len(message.get("body", b""))
-            if received > self.max_bytes:
-                raise self.too_large()  # raised in the route: its error handler answers
+            chunk = message.get("body", b"")
+            received, values = received + len(chunk), values + json_values(chunk)
+            if received > max_bytes:
+                raise too_large  # raised in the route: its error handler answers
+            if values > self.limits.max_values:
+                raise APIError(
+                    413,
+                    f"the request body holds over {self.limits.max_values} JSON values "
+                    "(arrays, objects and their members)",
+                    code="request_too_large",
+                )
             return message
 
         await self.app(scope, counted, send)
@@ -198,10 +236,11 @@ def add_middleware(
     app: FastAPI,
     allowed_origins: tuple[str, ...],
     key: str = "",
-    max_body_bytes: int = 100 << 20,
+    body_limits: BodyLimits | None = None,
     gate: Gate | None = None,
 ) -> None:
-    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)  # innermost: after the key check
+    # innermost: after the key check
+    app.add_middleware(BodyLimit, limits=body_limits or BodyLimits())
     if key:  # CORS preflights and request ids come before it
         app.add_middleware(BearerKey, key=key)
     if gate is not None:

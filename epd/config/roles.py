@@ -210,6 +210,10 @@ class PrefillConfig(ModelOptions):
     max_request_bytes: int = option(
         100 * 1024 * 1024, "request bodies over this size get 413 before they are read"
     )
+    max_text_request_bytes: int = option(
+        16 * 1024 * 1024,
+        "the same for routes that take no images (/v1/completions, /detokenize)",
+    )
     max_queued_requests: int = option(
         256,
         "requests that may wait for image fetching, encode or prefill at once; past it a new "

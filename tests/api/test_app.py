@@ -607,6 +607,36 @@ def test_a_body_over_the_limit_is_413_before_it_is_read(small_bodies):
     assert chunked.status_code == 413
 
 
+def test_a_body_of_too_many_json_values_is_413_before_it_is_parsed(client):
+    import time
+
+    from epd.api.middleware import MAX_JSON_VALUES
+
+    junk = b"[], " * 22_000_000  # 88 MB: 22 million arrays, under max_request_bytes
+    body = b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "junk": [%s[]]}'
+    start = time.monotonic()
+    response = client.post(
+        "/v1/chat/completions", content=body % junk, headers={"Content-Type": "application/json"}
+    )
+    assert response.status_code == 413 and time.monotonic() - start < 5
+    assert f"over {MAX_JSON_VALUES} JSON values" in response.json()["error"]["message"]
+    few = body % (b"[], " * 1000)  # many values, but a number a request may hold
+    assert client.post("/v1/chat/completions", content=few).status_code != 413
+
+
+def test_routes_without_images_take_smaller_bodies(tiny_checkpoint, tmp_path):
+    with api(tiny_checkpoint, tmp_path, max_text_request_bytes=2000) as client:
+        prompt = {"model": "tiny", "prompt": "x" * 3000, "max_tokens": 1}
+        legacy = client.post("/v1/completions", json=prompt)
+        assert legacy.status_code == 413
+        assert "max_text_request_bytes" in legacy.json()["error"]["message"]
+        chat = client.post(  # a route that may carry images keeps max_request_bytes
+            "/v1/chat/completions",
+            json={"model": "tiny", "messages": [{"role": "user", "content": "x" * 3000}]},
+        )
+        assert chat.status_code != 413
+
+
 def test_huge_numbers_and_text_are_400_at_once(client):
     import time
 
