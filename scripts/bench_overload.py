@@ -9,7 +9,7 @@ out in a worktree gives the baseline) on --model (default: the bundled demo chec
   `"junk": [[], [], ...]` (--body-mb each) at once; prints each body's status and time, the
   streams' longest gap between chunks, /health's slowest answer, and prefill's memory growth.
 - images: posts --requests chats of --images random images of --size² pixels each at once;
-  prints how many got each status and how long they took, the slowest success and failure.
+  prints how many got each status and how long they took (--warm: after one request alone).
 Not a test: it loads the machine on purpose.
 """
 
@@ -158,6 +158,9 @@ def images(url: str, port: int, args: argparse.Namespace) -> None:
         message = [{"role": "user", "content": parts}]
         bodies.append(json.dumps({"messages": message, "max_tokens": 8}).encode())
     results: list[tuple[int, float]] = []
+    if args.warm:  # one request first, as on a server that has been running
+        post(url, bodies[-1], results)
+        print(f"a first request alone: {results.pop()}")
     run_all([threading.Thread(target=post, args=(url, b, results)) for b in bodies])
     counts = Counter(status for status, _ in results)
     print(f"{args.requests} requests of {args.images} images {args.size}²: {dict(counts)}")
@@ -177,6 +180,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--images", type=int, default=4)
     parser.add_argument("--size", type=int, default=1800)
+    parser.add_argument("--warm", action="store_true", help="images: one request before")
     args = parser.parse_args()
     url = f"http://127.0.0.1:{args.port}"
     server = start(args.repo, args.model, args.port, Path(f"/tmp/bench_overload_{args.port}.log"))

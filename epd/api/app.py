@@ -109,7 +109,8 @@ class Service:
         outbox = coordinator.outbox
         requests["peers"] = {a: "up" if outbox.is_up(a) else "down" for a in coordinator.peers()}
         refused = {"refused_messages": coordinator.inbox.refusals.total}
-        return requests | refused | coordinator.images.status() | coordinator.batcher.status()
+        images = coordinator.images.status() | coordinator.load.status()
+        return requests | refused | images | coordinator.batcher.status()
 
     @contextmanager
     def queue_slot(self, places: int = 1) -> Iterator[None]:

@@ -6,7 +6,14 @@ from typing import Any
 
 from starlette.requests import ClientDisconnect
 
-from epd.prefill.errors import BadImage, BadRequest, PrefillError, TimedOut, Unavailable
+from epd.prefill.errors import (
+    BadImage,
+    BadRequest,
+    Overloaded,
+    PrefillError,
+    TimedOut,
+    Unavailable,
+)
 
 
 class APIError(Exception):
@@ -74,6 +81,8 @@ def from_prefill(error: PrefillError) -> APIError:
         return bad_request(message, code="invalid_image")
     if isinstance(error, BadRequest):
         return bad_request(message)
+    if isinstance(error, Overloaded):
+        return overloaded(message, error.retry_after_s)
     if isinstance(error, Unavailable):
         return unavailable(message)
     if isinstance(error, TimedOut):

@@ -26,10 +26,12 @@ from epd.generation.finite import overflows
 from epd.generation.sampling import Scored
 from epd.multimodal.grids import kimi_vl_grids
 from epd.prefill.batcher import PrefillBatcher, token_budget
+from epd.prefill.encode_load import EncodeLoad
 from epd.prefill.engine import Prefilled, PrefillEngine, Prompt
 from epd.prefill.errors import (
     BadRequest,
     Internal,
+    Overloaded,
     PrefillError,
     TimedOut,
     Unavailable,
@@ -151,6 +153,7 @@ class Coordinator:
             ),
         )
         self.images = ImageCache(config.image_cache_bytes)
+        self.load = EncodeLoad(config.encode_timeout_s)
         self.tasks: list[asyncio.Task[None]] = []
 
     def start(self) -> None:
@@ -187,6 +190,7 @@ class Coordinator:
 
     def route(self, message: Message) -> None:
         if isinstance(message, ImageEmbeddings):
+            self.load.replied((message.request_id, message.part_index))
             wait = self.waits.get((message.request_id, message.part_index))
             if wait and not wait.future.done():
                 wait.future.set_result(message)
@@ -196,6 +200,7 @@ class Coordinator:
             else:
                 self.disown(message.request_id)
         elif isinstance(message, Failure):
+            self.load.failed(message.request_id)
             self.fail(message.request_id, from_failure(message))
         else:
             self.inbox.refusals.log(f"a {type(message).__name__}: prefill does not take it")
@@ -260,6 +265,7 @@ class Coordinator:
         unless its last words end them first: LAST_WORDS_S from now, or once no message waits
         unread, up to LAST_WORDS_MAX_S."""
         error = f"lost the connection to {address} while it held this request"
+        self.load.lost(address)
         waits = [wait.future for wait in self.waits.values() if wait.encoder == address]
         streams = [stream for stream in self.streams.values() if stream.decoder == address]
         loop = asyncio.get_running_loop()
@@ -317,10 +323,18 @@ class Coordinator:
         """The embeddings of the images at `indices`, split over the live encoders."""
         encoders = await self.pick(self.encoders, "encode")
         parts = [indices[start:stop] for start, stop in split(len(indices), len(encoders))]
+        patches = [sum(h * w for h, w in (request.grids[i] for i in part)) for part in parts]
+        self.load.expire(2 * self.config.encode_timeout_s)
+        try:
+            self.load.admit(sum(patches))
+        except Overloaded:
+            self.metrics.refused.labels("encode_backlog").inc()
+            raise
         waits = []
         for part, (images, encoder) in enumerate(zip(parts, encoders, strict=False)):
             future: asyncio.Future[ImageEmbeddings] = asyncio.get_running_loop().create_future()
             self.waits[(request.request_id, part)] = EncodeWait(encoder, future)
+            self.load.sending((request.request_id, part), encoder, patches[part])
             waits.append(future)
             files = tuple(request.images[i] for i in images)
             message = EncodeRequest(

@@ -25,6 +25,14 @@ class Unavailable(PrefillError):
     """A peer the request needs is down, or did not take the request in time."""
 
 
+class Overloaded(PrefillError):
+    """The request would wait longer than it may: refused before any work, to be retried."""
+
+    def __init__(self, message: str, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
 class TimedOut(PrefillError):
     """A peer took the request and did not answer in time."""
 

@@ -44,7 +44,7 @@ class PrefillMetrics(RoleMetrics):
         )
         self.refused = counter(
             "requests_refused",
-            "Requests refused with 503 at once, by reason (overloaded, draining).",
+            "Requests refused with 503 at once, by reason (overloaded, encode_backlog, draining).",
             ["reason"],
         )
         # What only EPD has.
