@@ -128,6 +128,7 @@ class ResponsesRequest(BaseModel):
     stream: bool | None = False
     metadata: Metadata | None = Field(None, max_length=16)  # OpenAI's bounds
     text: TextOptions | None = None
+    include: list[str] | None = None  # checked in `refused`
 
     def echoed(self) -> dict[str, Any]:
         """What a response object repeats of its request."""
@@ -142,12 +143,13 @@ class ResponsesRequest(BaseModel):
         return self.text.format if self.text is not None else None
 
     def refused(self) -> tuple[str, str] | None:
+        """(field, why) for what a stateless turn cannot give. Extras are only compared, never
+        iterated nor hashed: their types were never checked (what is, `include`, is declared)."""
         extra = self.model_extra or {}
         for name, why in NOT_DONE.items():
             if extra.get(name) not in (None, False, [], {}, "auto", "none"):
                 return name, why
-        include = extra.get("include") or []
-        if not isinstance(include, list) or set(include) - set(INCLUDES_WITHOUT_CONTENT):
+        if set(self.include or ()) - set(INCLUDES_WITHOUT_CONTENT):
             return "include", f"include may name only {', '.join(INCLUDES_WITHOUT_CONTENT)}"
         return None
 

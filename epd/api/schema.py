@@ -368,7 +368,9 @@ class GenerationRequest(BaseModel):
         return self.stream_options is not None and self.stream_options.include_usage
 
     def unsupported(self) -> tuple[str, str] | None:
-        """(field, why) for a field that asks for what this server does not do (yet)."""
+        """(field, why) for a field that asks for what this server does not do (yet). What it
+        reads is declared, so its type was checked; extras are only compared (`!=`),
+        and structured_outputs is looked at by its type: any JSON value passes either."""
         extra = self.model_extra or {}
         for field, done in VLLM_EXTRAS_NOT_DONE.items():
             if field in extra and extra[field] != done:
@@ -417,6 +419,9 @@ class ChatCompletionRequest(GenerationRequest):
     metadata: dict[str, str] | None = None
     store: bool | None = None
     service_tier: str | None = None
+    # OpenAI's audio output: refused in `unsupported`, declared so their types are checked.
+    modalities: list[str] | None = None
+    audio: dict[str, Any] | None = None
 
     @field_validator("chat_template_kwargs")
     @classmethod
@@ -500,8 +505,7 @@ class ChatCompletionRequest(GenerationRequest):
                 return f"messages.{i}.function_call", "function_call is replaced by tool_calls"
             if message.audio is not None:
                 return f"messages.{i}.audio", "audio is not supported"
-        extra = self.model_extra or {}
-        if extra.get("audio") is not None or "audio" in (extra.get("modalities") or ()):
+        if self.audio is not None or "audio" in (self.modalities or ()):
             return "audio", "audio output is not supported"
         return super().unsupported()
 
@@ -647,7 +651,7 @@ def parse(body: Any, kind: type[R]) -> R:
 
 
 # checked in `unsupported`
-IGNORED_QUIETLY = {"audio", "modalities", "structured_outputs", *VLLM_EXTRAS_NOT_DONE}
+IGNORED_QUIETLY = {"structured_outputs", *VLLM_EXTRAS_NOT_DONE}
 
 
 def _as_api_error(error: ValidationError) -> APIError:
