@@ -90,14 +90,22 @@ def arrived(request: Request) -> float:
     return float(getattr(request.state, "arrived", 0.0)) or time.perf_counter()
 
 
-# Routes outside /v1 that the key guards too: vLLM's tokenizer routes put the CPU to work.
-GUARDED_ROUTES = ("/tokenize", "/detokenize", "/tokenizer_info")
+# Routes outside /v1 that the key guards too.
+GUARDED_ROUTES = (
+    "/tokenize",  # vLLM's tokenizer routes: they put the CPU to work
+    "/detokenize",
+    "/tokenizer_info",
+    "/docs",  # FastAPI's docs: they list every route
+    "/docs/oauth2-redirect",
+    "/redoc",
+    "/openapi.json",
+)
 
 
 class BearerKey:
-    """Every /v1 request, and those of GUARDED_ROUTES, must send `Authorization: Bearer <key>`
-    (compared in constant time); /health stays open for probes. A missing or wrong key is a
-    401 before anything is read."""
+    """Every /v1 request, and those of GUARDED_ROUTES (the API's docs among them), must send
+    `Authorization: Bearer <key>` (compared in constant time); /health and /metrics stay open
+    for probes and scrapers. A missing or wrong key is a 401 before anything is read."""
 
     def __init__(self, app: ASGIApp, key: str) -> None:
         self.app, self.expected = app, f"Bearer {key}".encode()

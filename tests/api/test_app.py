@@ -755,3 +755,39 @@ def test_a_responses_error_names_the_responses_field(client):
     error = response.json()["error"]
     assert response.status_code == 400 and error["code"] == "context_length_exceeded"
     assert error["param"] == "max_output_tokens" and "max_tokens" not in error["message"]
+
+
+@pytest.mark.parametrize(
+    ("route", "body", "param"),
+    [
+        ("/v1/responses", {"input": "hi", "include": [{}]}, "include.0"),  # unhashable
+        ("/v1/responses", {"input": "hi", "include": "reasoning.encrypted_content"}, "include"),
+        ("/v1/chat/completions", {"messages": USER, "modalities": 5}, "modalities"),  # no list
+        ("/v1/chat/completions", {"messages": USER, "modalities": "audio"}, "modalities"),
+        ("/v1/chat/completions", {"messages": USER, "audio": "alloy"}, "audio"),
+    ],
+)
+def test_a_field_of_the_wrong_type_is_a_400_naming_it(client, route, body, param):
+    """Fields read only after validation were once never type-checked: a 500."""
+    response = client.post(route, json={"model": "tiny", **body})
+    error = response.json()["error"]
+    assert response.status_code == 400 and error["type"] == "invalid_request_error"
+    assert error["param"] == param and param in error["message"]
+
+
+DOCS = ("/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json")
+
+
+def test_without_the_api_key_the_docs_are_401(locked):
+    """The docs list every route: they are the API's, behind its key."""
+    for path in DOCS:
+        response = locked.get(path)
+        assert response.status_code == 401, path
+        assert response.json()["error"]["code"] == "invalid_api_key"
+        assert locked.get(path, headers={"Authorization": "Bearer s3cret"}).status_code == 200
+    schema = locked.get("/openapi.json", headers={"Authorization": "Bearer s3cret"}).json()
+    assert "/v1/chat/completions" in schema["paths"]
+
+
+def test_without_an_api_key_the_docs_are_open(client):
+    assert all(client.get(path).status_code == 200 for path in DOCS)
