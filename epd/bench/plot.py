@@ -9,7 +9,10 @@ from __future__ import annotations
 import json
 from collections import defaultdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # matplotlib is optional: imported only to draw
+    from matplotlib.figure import Figure
 
 PANELS = (
     ("output tokens/s", lambda s: s["output_throughput"]),
@@ -31,22 +34,27 @@ def load(paths: list[str]) -> dict[str, list[tuple[float, dict[str, Any]]]]:
 
 
 def plot(paths: list[str], out: str) -> None:
+    figure(paths).savefig(out, dpi=120)
+
+
+def figure(paths: list[str]) -> Figure:
+    """One panel per measure, its y axis from 0: a change is seen at its true size. A Figure
+    of its own, not pyplot's: no display and no global state."""
     try:
-        import matplotlib
+        from matplotlib.figure import Figure
     except ImportError:
         raise ValueError("epd bench-plot needs matplotlib: pip install 'epd[bench]'") from None
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     runs = load(paths)
-    figure, axes = plt.subplots(1, len(PANELS), figsize=(5 * len(PANELS), 4))
+    drawn = Figure(figsize=(5 * len(PANELS), 4))
+    axes = drawn.subplots(1, len(PANELS))
     for axis, (title, value) in zip(axes, PANELS, strict=True):
         for label, points in runs.items():
             axis.plot([x for x, _ in points], [value(s) for _, s in points], "o-", label=label)
+        axis.set_ylim(bottom=0)  # after the lines: the top still fits them
         axis.set_title(title)
         axis.set_xlabel("concurrency (or requests/s)")
         axis.grid(alpha=0.3)
     axes[0].legend()
-    figure.tight_layout()
-    figure.savefig(out, dpi=120)
+    drawn.tight_layout()
+    return drawn
