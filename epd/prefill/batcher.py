@@ -31,6 +31,7 @@ import torch
 from epd.prefill.engine import Chunk, Partial, Prefilled, PrefillEngine, Prompt
 from epd.prefill.errors import Unavailable
 from epd.prefill.metrics import PrefillMetrics
+from epd.prefill.prefix_cache import PrefixCache
 from epd.runtime.process import set_torch_threads
 
 WAITING_TOKENS = 32768  # prompt tokens that may wait, at least: 8 forwards at the GPU budget
@@ -50,8 +51,8 @@ class Job:
     future: asyncio.Future[Prefilled]
     queued_at: float = field(default_factory=time.perf_counter)
     started: float = 0.0  # when its first chunk's forward began
-    done: int = 0  # prompt tokens prefilled so far, by earlier chunks
-    past: Partial | None = None  # theirs
+    done: int = 0  # num_computed_tokens: prompt tokens prefilled so far, or found cached
+    past: Partial | None = None  # their cache
 
     @property
     def left(self) -> int:
@@ -71,8 +72,10 @@ class PrefillBatcher:
         threads: int = 0,
         busy_threads: int = 0,
         others_running: Callable[[], bool] = lambda: False,
+        prefix_cache: PrefixCache | None = None,
     ) -> None:
         self.engine, self.max_tokens, self.reply_to = engine, max_tokens, reply_to
+        self.prefix_cache = prefix_cache  # None: every prompt prefilled from its start
         # torch threads for a forward (0: leave them as they are), and while other requests
         # run (0: the same), at most as many
         self.threads = threads
@@ -84,7 +87,7 @@ class PrefillBatcher:
         self.progressed = progressed
         # Not 8 budgets when the budget is small: 32 streams of 240 tokens would be refused.
         self.max_waiting_tokens = max_waiting_tokens or max(WAITING_TOKENS, 8 * max_tokens)
-        self.metrics = metrics or PrefillMetrics()
+        self.metrics = metrics or PrefillMetrics(model_name="")  # counted for nobody
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="prefill")  # one model
         self.waiting: deque[Job] = deque()
         self.arrived = asyncio.Event()
@@ -99,9 +102,25 @@ class PrefillBatcher:
         if waiting >= self.max_waiting_tokens:
             raise Unavailable(f"prefill is full: {waiting} prompt tokens are waiting")
         future: asyncio.Future[Prefilled] = asyncio.get_running_loop().create_future()
-        self.waiting.append(Job(prompt, future))
+        self.waiting.append(self.job(prompt, future))
         self.arrived.set()
         return await future
+
+    def job(self, prompt: Prompt, future: asyncio.Future[Prefilled]) -> Job:
+        """A prompt's job, begun from its longest cached prefix if there is one."""
+        job = Job(prompt, future)
+        if self.prefix_cache is not None and prompt.cacheable:
+            cached = self.prefix_cache.lookup(prompt.prompt_ids, prompt.image_spans or ())
+            if cached is not None:
+                job.done, job.past = cached.length, Partial(cached)
+        return job
+
+    def keep(self, job: Job, prefilled: Prefilled) -> None:
+        """Store a prefilled prompt's blocks in the prefix cache (from its hand-off, which holds
+        its whole cache)."""
+        prompt, handoff = job.prompt, prefilled.handoff
+        if self.prefix_cache is not None and prompt.cacheable and handoff is not None:
+            self.prefix_cache.store(prompt.prompt_ids, prompt.image_spans or (), handoff.cache)
 
     async def run(self) -> None:
         """Prefill whatever waits, batch after batch, until cancelled."""
@@ -143,7 +162,7 @@ class PrefillBatcher:
         self.sizes.append(len(batch))
         started = time.perf_counter()
         for job, _ in batch:
-            if not job.done:  # its first chunk: the wait ends
+            if not job.started:  # its first chunk: the wait ends
                 job.started = started
                 self.metrics.queue_time.observe(started - job.queued_at)
         self.busy, self.forward = True, [job for job, _ in batch]
@@ -171,6 +190,7 @@ class PrefillBatcher:
                 self.metrics.prompt_tokens.inc(len(job.prompt.prompt_ids))
                 self.metrics.prefill_time.observe(time.perf_counter() - job.started)
                 job.future.set_result(result)
+                self.keep(job, result)
 
     def take(self) -> list[tuple[Job, Chunk]]:
         """Chunks of the waiting jobs, oldest first, filling the token budget.

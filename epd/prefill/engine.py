@@ -37,6 +37,7 @@ from epd.generation.sampling import (
     token_logprob,
 )
 from epd.generation.transcript import Output, Transcript
+from epd.model.block_manager import ImageSpan
 from epd.model.deepseek import DeepseekV3ForCausalLM
 from epd.model.latent_cache import LatentCache
 from epd.multimodal.prompt import image_slots, scatter_image_embeddings
@@ -57,6 +58,21 @@ class Prompt:
     image_embeddings: torch.Tensor | None  # (N, hidden) for the N placeholder slots
     sampling: SamplingParams
     prompt_logprobs: int | None = None  # top alternatives per prompt token; None: not scored
+    # Where each image's rows go and what the image was (by digest), for the prefix cache;
+    # None: unknown, and a prompt with images is then never cached.
+    image_spans: tuple[ImageSpan, ...] | None = None
+
+    @property
+    def cacheable(self) -> bool:
+        """Whether its KV may come from, and go to, the prefix cache: equal hashes must mean
+        equal rows (every image known by its digest), and a prompt whose tokens are scored
+        needs every position's hidden state, which cached rows do not give."""
+        if self.prompt_logprobs is not None:
+            return False
+        if self.image_embeddings is None:
+            return True
+        spans = self.image_spans
+        return spans is not None and sum(s.length for s in spans) == len(self.image_embeddings)
 
 
 @dataclass(frozen=True)
