@@ -88,7 +88,8 @@ def test_tokenizer_info_names_what_lm_eval_checks_for(client, tokenizer):
         ("/tokenize", {"prompt": "x" * 10_000_000}, 400, "characters"),
         ("/detokenize", {"tokens": [10**9]}, 400, "outside the vocabulary"),
         ("/detokenize", {"tokens": [-1]}, 400, "tokens"),
-        ("/detokenize", {"tokens": [5] * 1_000_000}, 400, "more than the context length"),
+        ("/detokenize", {"tokens": [5] * 100_000}, 400, "more than the context length"),
+        ("/detokenize", {"tokens": [5] * 1_000_000}, 413, "JSON values"),
         ("/detokenize", [5], 400, "JSON object"),
     ],
 )
