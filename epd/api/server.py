@@ -12,6 +12,7 @@ import uvicorn
 
 from epd.api.app import Service, create_app
 from epd.api.prepare import PromptBuilder
+from epd.checkpoint.progress import phase
 from epd.checkpoint.tokenizer import load_tokenizer, stop_token_ids
 from epd.checkpoint.weights import load_model
 from epd.config.roles import PrefillConfig
@@ -59,7 +60,8 @@ def build_service(config: PrefillConfig) -> Service:
     ).language_model
     eos_ids = stop_token_ids(config.model, tokenizer)
     engine = PrefillEngine(lm, tokenizer, builder.placeholder_id, eos_ids)
-    prepare(engine.grammars)  # built now (or found unavailable), not at the first grammar
+    with phase("warming up: the grammar tables", "warmed up"):
+        prepare(engine.grammars)  # built now (or found unavailable), not at the first grammar
     return Service(
         config, config.model_name, builder, engine, Watchdog(config.watchdog_s, PREFILL_ACTIVITIES)
     )

@@ -1,6 +1,7 @@
 """Strict, role-aware loading of checkpoint tensors."""
 
 import json
+import logging
 import shutil
 from pathlib import Path
 
@@ -10,7 +11,10 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import epd.checkpoint.weights as weights
+from epd.checkpoint import progress
 from epd.checkpoint.config import CheckpointError
+from epd.checkpoint.progress import size
+from epd.checkpoint.synthetic import make_checkpoint
 from epd.checkpoint.weights import load_model, tensor_files
 
 
@@ -216,3 +220,38 @@ def test_missing_index_file_is_named(tiny_checkpoint, tmp_path):
         CheckpointError, match="model-00002-of-00002.safetensors is named by the index"
     ):
         load_model(ckpt)
+
+
+@pytest.mark.parametrize("header", [b"\xff" * 16, (4).to_bytes(8, "little") + b"nope"])
+def test_a_file_that_is_not_safetensors_is_named(tiny_checkpoint, tmp_path, header):
+    ckpt = shutil.copytree(tiny_checkpoint, tmp_path / "c")
+    (ckpt / "model-00002-of-00002.safetensors").write_bytes(header)
+    with pytest.raises(CheckpointError, match="00002.safetensors is not a safetensors file"):
+        load_model(ckpt)
+
+
+@pytest.fixture
+def said(caplog):
+    caplog.set_level(logging.INFO, logger=progress.__name__)
+    return lambda: [r.getMessage() for r in caplog.records if r.name == progress.__name__]
+
+
+def test_a_sharded_load_says_how_far_it_has_come_file_by_file(tmp_path, monkeypatch, said):
+    ckpt = make_checkpoint(tmp_path, "tiny", seed=0, shards=3)
+    monkeypatch.setattr(progress, "MIN_GAP_S", 0.0)  # a line after every tensor
+    monkeypatch.setattr(progress, "MAX_GAP_S", 0.0)
+    load_model(ckpt, role="all", copies=False)
+    shards = sorted(ckpt.glob("model-*.safetensors"))
+    total = size(sum(t.nbytes for shard in shards for t in load_file(shard).values()))
+    first, *lines, last = said()
+    assert first == f"loading 3 weight files ({total}) from {ckpt}"
+    files = [int(line.split("file ")[1].split(" of 3")[0]) for line in lines]
+    assert files == sorted(files) and set(files) == {1, 2, 3}
+    assert last.startswith(f"loaded 3 files, {total} in ")
+
+
+def test_a_load_for_a_cpu_says_it_reads_then_packs(tiny_checkpoint, said):
+    load_model(tiny_checkpoint, role="language")
+    assert [line.split(" ")[0] for line in said()] == ["loading", "loaded", "packing", "packed"]
+    assert said()[2].startswith("packing weights for oneDNN")
+    assert said()[3].startswith("packed the weights of ")
