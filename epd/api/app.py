@@ -55,7 +55,7 @@ from epd.generation.sampling import Scored, spelled
 from epd.prefill.coordinator import Coordinator
 from epd.prefill.engine import PrefillEngine
 from epd.prefill.errors import PrefillError
-from epd.prefill.metrics import PrefillMetrics
+from epd.prefill.metrics import PrefillMetrics, Timeline
 from epd.prefill.request import PreparedRequest
 from epd.runtime.health import DRAINING, health_router
 from epd.runtime.metrics import metrics_router
@@ -87,7 +87,7 @@ class Service:
     watchdog: Watchdog
     coordinator: Coordinator | None = None
     gate: Gate = field(default_factory=Gate)  # in flight and draining, for the middleware
-    metrics: PrefillMetrics = field(default_factory=PrefillMetrics)
+    metrics: PrefillMetrics = field(init=False)  # every series labelled model_name
     waiting: int = 0  # requests between arrival and their hand-off to decode
     media: ImageLoader = field(init=False)
     # Reading and tokenising a prompt runs here, not on the event loop: a long one takes
@@ -95,6 +95,7 @@ class Service:
     prompts: ThreadPoolExecutor = field(init=False)
 
     def __post_init__(self) -> None:
+        self.metrics = PrefillMetrics(self.model_name)
         self.media = ImageLoader(MediaPolicy.of(self.config))
         self.metrics.waiting.set_function(lambda: self.waiting)
         self.gate.refused = lambda: self.metrics.refused.labels("draining").inc()
@@ -521,21 +522,12 @@ async def logged(
 ) -> AsyncIterator[TokenDelta]:
     """The deltas, passed on; metrics as they come, and one log line when the request ends,
     however it ends (a failure is counted where its status is decided: `as_json`, `stream`)."""
-    first: float | None = None
-    tokens: dict[int, int] = {}  # each choice's tokens so far
-    last: dict[int, float] = {}  # when each choice's latest delta came
+    timeline = Timeline(arrived)
     reason, outcome = "abort", "ended early (client gone)"
     metrics.running.inc()
     try:
         async for delta in deltas:
-            now = time.perf_counter()
-            if first is None:
-                first = now
-                metrics.ttft.observe(now - arrived)
-            elif delta.index in last:
-                metrics.itl.observe(now - last[delta.index])
-            last[delta.index] = now
-            tokens[delta.index] = delta.completion_tokens
+            metrics.delta(timeline, delta.index, delta.completion_tokens, time.perf_counter())
             reason = delta.finish_reason or reason
             yield delta
         outcome = "done"
@@ -544,21 +536,19 @@ async def logged(
         raise
     finally:
         metrics.running.dec()
-        total = time.perf_counter() - arrived
-        metrics.generation_tokens.inc(sum(tokens.values()))
-        if reason:
-            metrics.success.labels(reason).inc()
-            metrics.e2e.observe(total)
+        now = time.perf_counter()
+        metrics.ended(timeline, reply.prompt_tokens, reason, now)
+        first = timeline.first
         ttft = f"{(first - arrived) * 1000:.0f} ms" if first else "-"
         log.info(
             "request %s %s: %d prompt + %d output tokens, %d images, TTFT %s, %.0f ms in all",
             reply.request_id,
             outcome,
             reply.prompt_tokens,
-            sum(tokens.values()),
+            timeline.generated,
             images,
             ttft,
-            total * 1000,
+            (now - arrived) * 1000,
         )
 
 

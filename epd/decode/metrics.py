@@ -6,8 +6,8 @@ from epd.runtime.metrics import RoleMetrics
 
 
 class DecodeMetrics(RoleMetrics):
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, model_name: str) -> None:
+        super().__init__(model_name)
         self.batch_size = self.sizes("decode_batch_size", "Sequences advanced by one decode step.")
         self.step_seconds = self.seconds("decode_step_seconds", "Time of one decode step.")
         self.handoff_bytes = self.counter(

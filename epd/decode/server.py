@@ -17,6 +17,7 @@ import torch
 import zmq
 
 from epd.checkpoint.config import load_model_config
+from epd.checkpoint.progress import phase
 from epd.checkpoint.tokenizer import load_tokenizer, stop_token_ids
 from epd.checkpoint.weights import load_model
 from epd.config.roles import DecodeConfig
@@ -26,6 +27,7 @@ from epd.dtypes import model_dtype
 from epd.generation.reasoning import prepare
 from epd.generation.sequence import Sequence
 from epd.generation.transcript import Output
+from epd.runtime.metrics import folder_name
 from epd.runtime.role import run_role
 from epd.runtime.watchdog import Watchdog
 from epd.wire.addresses import Prefills
@@ -45,15 +47,19 @@ class DecodeServer:
     """The scheduler on the wire: it knows where each request's tokens go (its prefill)."""
 
     def __init__(
-        self, scheduler: Scheduler, inbox: Inbox, outbox: Outbox, prefills: Prefills
+        self,
+        scheduler: Scheduler,
+        inbox: Inbox,
+        outbox: Outbox,
+        prefills: Prefills,
+        model_name: str,
     ) -> None:
         self.scheduler, self.inbox, self.outbox, self.prefills = scheduler, inbox, outbox, prefills
-        self.metrics = DecodeMetrics()
+        self.metrics = DecodeMetrics(model_name)
         self.registry = self.metrics.registry
         self.metrics.running.set_function(lambda: len(scheduler.running))
         self.metrics.waiting.set_function(lambda: len(scheduler.waiting))
-        pool = scheduler.pool
-        self.metrics.kv_usage.set_function(lambda: pool.used_blocks / (pool.max_blocks - 1))
+        self.metrics.kv_usage.set_function(self.kv_cache_usage)
         self.reply_to: dict[str, str] = {}  # request id → its prefill, while decode holds it
         self.taking = True  # False once a stop was asked for: the drain
         self.open_choices: dict[str, int] = {}  # request id → its choices not finished yet
@@ -108,15 +114,22 @@ class DecodeServer:
             self.reply_to[request_id] = reply_to
             self.open_choices[request_id] = open_choices
 
-    def send(self, sequence: Sequence, output: Output) -> None:
-        """Send a choice's output to its prefill; the request ends with its last choice. If that
-        fails, the request fails alone."""
+    def kv_cache_usage(self) -> float:
+        """The fraction of the KV cache's blocks that running sequences hold (0 to 1)."""
+        pool = self.scheduler.pool
+        return min(pool.used_blocks / (pool.max_blocks - 1), 1.0)  # one block is the zero block
+
+    def send(self, sequence: Sequence, output: Output, kv_cache_usage: float) -> None:
+        """Send a choice's output to its prefill, with the KV cache's use after the step that
+        made it; the request ends with its last choice. If that fails, the request fails
+        alone."""
         request_id = sequence.request_id
         if output.finish_reason is not None and request_id in self.open_choices:
             self.open_choices[request_id] -= 1
         last = self.open_choices.get(request_id, 0) <= 0
         try:
-            self.deliver(request_id, TokenDelta.of(request_id, sequence.index, output), last)
+            delta = TokenDelta.of(request_id, sequence.index, output, kv_cache_usage)
+            self.deliver(request_id, delta, last)
         except Exception as e:
             log.exception("could not send the output of %s", request_id)
             try:
@@ -203,8 +216,9 @@ class DecodeServer:
         if step.batch:
             self.metrics.batch_size.observe(step.batch)
             self.metrics.step_seconds.observe(time.perf_counter() - start)
+        usage = self.kv_cache_usage()  # finished sequences have released their blocks
         for sequence, output in step.produced:
-            self.send(sequence, output)
+            self.send(sequence, output, usage)
         for sequence, problem in step.refused:
             self.fail_request(sequence.request_id, "bad_request", problem)
         for sequence, problem in step.failed:
@@ -236,7 +250,8 @@ def load_scheduler(config: DecodeConfig) -> Scheduler:
         config.max_kv_tokens,
         preallocate=torch.device(config.device).type == "cuda",  # a GPU of its own: take it now
     )
-    prepare(scheduler.grammars)  # built now (or found unavailable), not at the first grammar
+    with phase("warming up: the grammar tables", "warmed up"):
+        prepare(scheduler.grammars)  # built now (or found unavailable), not at the first grammar
     return scheduler
 
 
@@ -249,6 +264,6 @@ def run(config: DecodeConfig) -> None:
         inbox = Inbox(context, config.bind, largest_frame(config.model), curve=keys)
         # The prefills named exactly stay connected: never closed as idle nor pushed out.
         outbox = Outbox(context, prefills.exact, curve=keys)
-        return DecodeServer(scheduler, inbox, outbox, prefills)
+        return DecodeServer(scheduler, inbox, outbox, prefills, folder_name(config.model))
 
     run_role("decode", config, build, config.drain_timeout_s)

@@ -6,8 +6,8 @@ from epd.runtime.metrics import RoleMetrics
 
 
 class EncodeMetrics(RoleMetrics):
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, model_name: str) -> None:
+        super().__init__(model_name)
         self.images = self.counter("encode_images", "Images encoded.")
         self.encode_time = self.seconds(
             "encode_seconds",

@@ -18,6 +18,7 @@ from epd.encode.encoder import Encoder, Prepared
 from epd.encode.metrics import EncodeMetrics
 from epd.multimodal.image_processor import ImageProcessor
 from epd.multimodal.images import ImageError
+from epd.runtime.metrics import folder_name
 from epd.runtime.role import run_role
 from epd.runtime.watchdog import Watchdog
 from epd.wire.addresses import Prefills
@@ -102,7 +103,7 @@ class EncodeServer:
     ) -> None:
         self.encoder, self.inbox, self.outbox, self.config = encoder, inbox, outbox, config
         self.prefills, self.progress = prefills, progress
-        self.metrics = EncodeMetrics()
+        self.metrics = EncodeMetrics(folder_name(config.model))
         self.registry = self.metrics.registry
         # On a CPU the vision tower is compute-bound already, and a batch holds back the first
         # request's prefill (which runs beside encode on other cores): 10-15% fewer image

@@ -120,7 +120,7 @@ class Coordinator:
         in_flight: Callable[[], int] = lambda: 0,
     ) -> None:
         self.config, self.engine, self.watchdog = config, engine, watchdog
-        self.metrics = metrics or PrefillMetrics()
+        self.metrics = metrics or PrefillMetrics(config.model_name)
         keys = process_keys(config.zmq_curve_keys)
         self.encoders = PeerSet("encode", config.encoders)
         self.decoders = PeerSet("decode", config.decoders)
@@ -197,6 +197,7 @@ class Coordinator:
         elif isinstance(message, TokenDelta):
             if (stream := self.streams.get(message.request_id)) is not None:
                 stream.queue.put_nowait(message)
+                self.decoder_reported(stream.decoder, message.kv_cache_usage)
             else:
                 self.disown(message.request_id)
         elif isinstance(message, Failure):
@@ -204,6 +205,12 @@ class Coordinator:
             self.fail(message.request_id, from_failure(message))
         else:
             self.inbox.refusals.log(f"a {type(message).__name__}: prefill does not take it")
+
+    def decoder_reported(self, decoder: str, kv_cache_usage: float | None) -> None:
+        """What a decoder said of its KV cache with a delta of a request it holds for this
+        prefill (not one it has stopped using: that series went with it)."""
+        if kv_cache_usage is not None and decoder in self.decoders.current:
+            self.metrics.decoder_reported(decoder, kv_cache_usage)
 
     def disown(self, request_id: str) -> None:
         """Tokens came for a request this prefill does not hold (its client left, it timed out,

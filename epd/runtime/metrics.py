@@ -3,12 +3,15 @@
 Each role keeps its metrics in a registry of its own (`epd.prefill.metrics`,
 `epd.encode.metrics`, `epd.decode.metrics`), so a process exposes what it measures and nothing
 else, and servers built side by side in one test process do not share counts. Names follow
-vLLM's under an `epd:` prefix; a Counter named `epd:x` is exposed as `epd:x_total`.
+vLLM's under an `epd:` prefix; a Counter named `epd:x` is exposed as `epd:x_total`. Every series
+carries vLLM's `model_name` label, the model the process serves, so that dashboards written for
+vLLM, which filter on it, find epd's too.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from pathlib import Path
 
 from fastapi import APIRouter, Response
 from prometheus_client import (
@@ -19,6 +22,7 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
+from prometheus_client.metrics_core import Metric
 
 # Seconds: from a fast GPU step to a queued request on a busy CPU.
 LATENCY_BUCKETS = (
@@ -26,25 +30,60 @@ LATENCY_BUCKETS = (
     *(1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0),
 )
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+# Tokens of one request, vLLM's 1-2-5 steps: from a one-token reply to a million-token prompt.
+TOKEN_BUCKETS = (*(m * 10**e for e in range(6) for m in (1, 2, 5)), 10**6)
+
+
+def folder_name(checkpoint: str) -> str:
+    """The name of a checkpoint directory: the model name prefill serves unless told another
+    (`PrefillConfig.model_name`), and the one encode and decode label their metrics with."""
+    return Path(checkpoint).resolve().name
+
+
+class Labelled:
+    """Another registry's samples, each with `labels` added (a Prometheus collector)."""
+
+    def __init__(self, source: CollectorRegistry, labels: dict[str, str]) -> None:
+        self.source, self.labels = source, labels
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self.source.collect():
+            labelled = Metric(family.name, family.documentation, family.type, family.unit)
+            labelled.samples = [
+                sample._replace(labels={**self.labels, **sample.labels})
+                for sample in family.samples
+            ]
+            yield labelled
 
 
 class RoleMetrics:
-    """A role's metrics in a registry of its own; names get the `epd:` prefix here."""
+    """A role's metrics in a registry of its own; names get the `epd:` prefix here.
 
-    def __init__(self) -> None:
+    `registry` is what GET /metrics serves: every series labelled `model_name`. The metrics
+    themselves are made without it (in `unlabelled`), so that no call site has to name it."""
+
+    def __init__(self, model_name: str) -> None:
+        self.unlabelled = CollectorRegistry()
         self.registry = CollectorRegistry()
+        self.registry.register(Labelled(self.unlabelled, {"model_name": model_name}))
 
     def counter(self, name: str, about: str, labels: Sequence[str] = ()) -> Counter:
-        return Counter(f"epd:{name}", about, labels, registry=self.registry)
+        return Counter(f"epd:{name}", about, labels, registry=self.unlabelled)
 
     def gauge(self, name: str, about: str, labels: Sequence[str] = ()) -> Gauge:
-        return Gauge(f"epd:{name}", about, labels, registry=self.registry)
+        return Gauge(f"epd:{name}", about, labels, registry=self.unlabelled)
+
+    def histogram(self, name: str, about: str, buckets: Sequence[float]) -> Histogram:
+        return Histogram(f"epd:{name}", about, buckets=buckets, registry=self.unlabelled)
 
     def seconds(self, name: str, about: str) -> Histogram:
-        return Histogram(f"epd:{name}", about, buckets=LATENCY_BUCKETS, registry=self.registry)
+        return self.histogram(name, about, LATENCY_BUCKETS)
 
     def sizes(self, name: str, about: str) -> Histogram:
-        return Histogram(f"epd:{name}", about, buckets=BATCH_BUCKETS, registry=self.registry)
+        return self.histogram(name, about, BATCH_BUCKETS)
+
+    def tokens(self, name: str, about: str) -> Histogram:
+        return self.histogram(name, about, TOKEN_BUCKETS)
 
 
 def metrics_router(registry: CollectorRegistry) -> APIRouter:

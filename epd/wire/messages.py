@@ -135,7 +135,8 @@ class KVHandoff(WireMessage, frozen=True):
 
 
 class TokenDelta(WireMessage, frozen=True):
-    """decode → prefill: newly generated tokens and the text they complete."""
+    """decode → prefill: newly generated tokens and the text they complete, and how full the
+    decoder's KV cache is as it sends them (what prefill knows of a decoder's load)."""
 
     token_ids: Annotated[tuple[int, ...], Meta(max_length=MAX_ITEMS)]
     text: Text
@@ -143,6 +144,9 @@ class TokenDelta(WireMessage, frozen=True):
     finish_reason: FinishReason | None = None  # on the choice's last delta
     logprobs: Annotated[tuple[TokenLogprob, ...], Meta(max_length=MAX_ITEMS)] = ()
     index: int = 0  # the choice (n > 1)
+    # The decoder's KV cache blocks in use after the step that made these tokens, 0 to 1 (None:
+    # prefill's own first tokens, or a decoder of the version before).
+    kv_cache_usage: float | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -152,9 +156,13 @@ class TokenDelta(WireMessage, frozen=True):
         require(len(self.logprobs) <= len(self.token_ids), "more logprobs than tokens")
         require(0 <= self.index < MAX_CHOICES, f"index must be 0 to {MAX_CHOICES - 1}")
         require(self.finish_reason in FINISH_REASONS, f"finish_reason {self.finish_reason!r}")
+        usage = self.kv_cache_usage
+        require(usage is None or 0.0 <= usage <= 1.0, "kv_cache_usage must be 0 to 1")  # no NaN
 
     @classmethod
-    def of(cls, request_id: str, index: int, output: Output) -> TokenDelta:
+    def of(
+        cls, request_id: str, index: int, output: Output, kv_cache_usage: float | None = None
+    ) -> TokenDelta:
         """The delta that carries choice `index`'s output."""
         return cls(
             request_id,
@@ -164,6 +172,7 @@ class TokenDelta(WireMessage, frozen=True):
             output.finish_reason,
             output.logprobs,
             index,
+            kv_cache_usage,
         )
 
 

@@ -41,7 +41,7 @@ def wired(model, tmp_path):
     context = zmq.Context()
     scheduler = Scheduler(lm, tokenizer, eos, max_batch_size=2)
     server = DecodeServer(
-        scheduler, Inbox(context, decoder), Outbox(context), Prefills.parse((here,))
+        scheduler, Inbox(context, decoder), Outbox(context), Prefills.parse((here,)), "tiny"
     )
     prefill = context.socket(zmq.PULL)
     prefill.bind(here)
@@ -101,6 +101,7 @@ def test_decode_sends_the_tokens_after_the_first_which_prefill_sent(wired):
     delta = replies[-1]
     assert isinstance(delta, TokenDelta) and delta.request_id == "two"
     assert delta.completion_tokens == 2 and delta.finish_reason == "length"
+    assert delta.kv_cache_usage == 0  # its blocks went back before its last delta was sent
     assert received(timeout_ms=200) is None and server.reply_to == {}
 
 
@@ -115,7 +116,9 @@ def test_failing_step_fails_the_batch_not_the_process(wired, monkeypatch):
     server, send, handoff, received = wired
     send(handoff("r1", max_tokens=50))
     step_until(server, lambda: len(server.scheduler) == 1)
-    assert isinstance(received(), TokenDelta)  # one step (the first token is prefill's)
+    delta = received()
+    assert isinstance(delta, TokenDelta)  # one step (the first token is prefill's)
+    assert delta.kv_cache_usage == server.kv_cache_usage() > 0  # said with every delta
 
     def broken(*args, **kwargs):
         raise RuntimeError("device lost")
@@ -193,9 +196,16 @@ def test_the_kv_budget_reaches_the_scheduler_and_its_use_is_measured(
     context = zmq.Context()
     scheduler = Scheduler(lm, tokenizer, eos, max_kv_tokens=48)  # 3 blocks of 16
     server = DecodeServer(
-        scheduler, Inbox(context, f"ipc://{tmp_path}/d"), Outbox(context), Prefills.parse(())
+        scheduler,
+        Inbox(context, f"ipc://{tmp_path}/d"),
+        Outbox(context),
+        Prefills.parse(()),
+        "tiny",
     )
-    sample = server.registry.get_sample_value
+
+    def sample(name):
+        return server.registry.get_sample_value(name, {"model_name": "tiny"})
+
     try:
         for name in ("a", "b"):  # 3 + 20 rows each: two blocks, four together
             scheduler.add(

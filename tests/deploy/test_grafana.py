@@ -21,17 +21,40 @@ def exposed(registry: CollectorRegistry) -> set[str]:
     }
 
 
+def expressions() -> list[str]:
+    dashboard = json.loads(DASHBOARD.read_text())
+    return [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
+
+
 def test_every_metric_the_dashboard_plots_exists():
     names = set().union(
-        *(exposed(m().registry) for m in (PrefillMetrics, EncodeMetrics, DecodeMetrics))
+        *(exposed(m("tiny").registry) for m in (PrefillMetrics, EncodeMetrics, DecodeMetrics))
     )
-    dashboard = json.loads(DASHBOARD.read_text())
-    exprs = [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
-    plotted = {name for expr in exprs for name in re.findall(r"epd:[a-z0-9_]+", expr)}
+    plotted = {name for expr in expressions() for name in re.findall(r"epd:[a-z0-9_]+", expr)}
     assert plotted and plotted <= names, plotted - names
     assert len(plotted) >= 20  # requests, latencies, encode, wire, decode, peers
-    for name in ("epd:time_to_first_token_seconds_bucket", "epd:peer_up"):
-        assert name in plotted
+    for name in (
+        "epd:time_to_first_token_seconds_bucket",
+        "epd:request_time_per_output_token_seconds_bucket",
+        "epd:request_decode_time_seconds_bucket",
+        "epd:request_prompt_tokens_bucket",
+        "epd:request_generation_tokens_bucket",
+        "epd:kv_cache_usage",  # each decoder's own
+        "epd:kv_cache_usage_perc",  # as decoders report it to prefill
+        "epd:num_preemptions_total",
+        "epd:encode_batch_size_count",
+        "epd:peer_up",
+    ):
+        assert name in plotted, name
+
+
+def test_every_series_is_chosen_by_the_model_name_variable():
+    for expr in expressions():
+        selectors = re.findall(r"epd:[a-z0-9_]+(\{[^}]*\})?", expr)
+        assert selectors and all(s == '{model_name=~"$model_name"}' for s in selectors), expr
+    dashboard = json.loads(DASHBOARD.read_text())
+    names = [variable["name"] for variable in dashboard["templating"]["list"]]
+    assert names == ["datasource", "model_name"]
 
 
 def test_the_dashboard_is_importable():

@@ -14,11 +14,14 @@ from pathlib import Path
 
 import openai
 import pytest
+import torch
 import zmq
 from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 
+from epd.checkpoint import progress
 from epd.local import LocalPipeline
+from epd.model.packed import packs_many_rows
 from epd.wire.curve import CurveKeys, make_keys
 
 from .stack import (
@@ -77,6 +80,28 @@ def test_the_key_is_in_no_command_line(locked_stack):
     assert len(pids) == 3
     for pid in [stack.popen.pid, *pids]:
         assert KEY.encode() not in Path(f"/proc/{pid}/cmdline").read_bytes()
+
+
+def test_each_role_says_what_it_does_until_it_is_ready(locked_stack):
+    """Loading, packing and warming up each say when they start and when they end, in order,
+    before the role's ready line: as JSON log lines, whole (no progress bar)."""
+    stack, _ = locked_stack
+    packs_vision = packs_many_rows(torch.float32)  # the tiny checkpoint runs in float32 here
+    loads = ["loading", "loaded"]
+    phases = {
+        "encode": loads + (["packing", "packed"] if packs_vision else []),
+        "decode": [*loads, "packing", "packed", "warming", "warmed"],
+        "prefill": [*loads, "packing", "packed", "warming", "warmed"],
+    }
+    for role, expected in phases.items():
+        prefix = f"[{role}] "
+        lines = [
+            line[len(prefix) :] for line in stack.output.splitlines() if line.startswith(prefix)
+        ]
+        ready = next(i for i, line in enumerate(lines) if line.startswith(f"epd {role} ready"))
+        logged = [json.loads(line) for line in lines[:ready] if line.startswith("{")]
+        said = [entry["message"] for entry in logged if entry["logger"] == progress.__name__]
+        assert [message.split(" ")[0] for message in said] == expected, said
 
 
 @pytest.fixture(scope="module")
@@ -142,27 +167,44 @@ def test_metrics_count_real_requests_in_every_role(client, locked_stack):
         )
     after = scrape(api), scrape(encode), scrape(decode)
 
-    def grew(role: int, name: str, **labels: str) -> float:
-        key = (name, tuple(sorted(labels.items())))
-        return after[role].get(key, 0.0) - before[role].get(key, 0.0)
+    def key(name: str, **labels: str) -> tuple[str, tuple]:
+        return name, tuple(sorted({"model_name": model, **labels}.items()))
 
+    def grew(role: int, name: str, **labels: str) -> float:
+        sample = key(name, **labels)
+        return after[role].get(sample, 0.0) - before[role].get(sample, 0.0)
+
+    for scraped in after:  # vLLM's label, on every series of every role: the served model
+        assert all(dict(labels)["model_name"] == model for _, labels in scraped)
     assert grew(0, "epd:request_success_total", finished_reason="length") == 2
     assert grew(0, "epd:generation_tokens_total") == 6
     assert grew(0, "epd:prompt_tokens_total") > 2 * 3  # the image alone has 12 tokens
     assert grew(0, "epd:time_to_first_token_seconds_count") == 2
     assert grew(0, "epd:request_prefill_time_seconds_count") == 2
     assert grew(0, "epd:inter_token_latency_seconds_count") >= 2
+    assert grew(0, "epd:time_per_output_token_seconds_count") == grew(
+        0, "epd:inter_token_latency_seconds_count"
+    )
+    assert grew(0, "epd:request_time_per_output_token_seconds_count") == 2
+    assert grew(0, "epd:request_decode_time_seconds_count") == 2
+    assert grew(0, "epd:request_prompt_tokens_count") == 2
+    assert grew(0, "epd:request_prompt_tokens_sum") == grew(0, "epd:prompt_tokens_total")
+    assert grew(0, "epd:request_generation_tokens_sum") == 6
     assert grew(0, "epd:e2e_request_latency_seconds_count") == 2
     assert grew(0, "epd:request_queue_time_seconds_count") == 2
     assert grew(0, "epd:images_total") == 1 and grew(0, "epd:encode_wait_seconds_count") == 1
     assert (
         grew(0, "epd:kv_handoff_bytes_total") > 0 and grew(0, "epd:kv_handoff_seconds_count") == 2
     )
-    assert (
-        after[0][("epd:peer_up", (("address", f"tcp://127.0.0.1:{base + 2}"), ("role", "decode")))]
-        == 1
-    )
-    assert after[0][("epd:num_requests_running", ())] == 0
+    decoder = f"tcp://127.0.0.1:{base + 2}"
+    assert after[0][key("epd:peer_up", address=decoder, role="decode")] == 1
+    assert after[0][key("epd:num_requests_running")] == 0
+    # The decoder's KV cache as it reported it with the last delta: empty again, as its own
+    # port says too.
+    assert after[0][key("epd:kv_cache_usage_perc", decoder=decoder)] == 0
+    assert after[2][key("epd:kv_cache_usage")] == 0
+    assert grew(1, "epd:encode_batch_size_count") == 1
+    assert key("epd:num_preemptions_total") in after[2]
     assert grew(1, "epd:encode_images_total") == 1 and grew(1, "epd:embedding_bytes_sent_total") > 0
     assert grew(2, "epd:decode_batch_size_count") >= 4  # 2 requests × 2 steps after the first
     assert grew(2, "epd:kv_handoff_bytes_received_total") == grew(0, "epd:kv_handoff_bytes_total")
@@ -236,7 +278,8 @@ def test_overload_is_refused_at_once_while_admitted_requests_finish(bounded, hel
         release.set()
         assert [f.result().usage.completion_tokens for f in admitted] == [3, 3]
     metrics = scrape(base + 20)
-    assert metrics[("epd:requests_refused_total", (("reason", "overloaded"),))] == 1
+    refused = ("epd:requests_refused_total", (("model_name", "tiny"), ("reason", "overloaded")))
+    assert metrics[refused] == 1
 
 
 def test_a_hung_decoder_turns_health_to_503_and_back(bounded):

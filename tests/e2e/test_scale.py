@@ -75,7 +75,7 @@ def test_two_prefills_two_encoders_two_decoders(tiny_checkpoint, local):
         for port in range(base + 10, base + 14):  # every encoder and decoder had work
             metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode()
             done = re.search(
-                r"^epd:(encode_images_total|decode_batch_size_count) (\S+)", metrics, re.M
+                r"^epd:(encode_images_total|decode_batch_size_count)\{[^}]*\} (\S+)", metrics, re.M
             )
             assert done and float(done[2]) > 0, port
     finally:

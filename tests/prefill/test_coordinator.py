@@ -30,6 +30,7 @@ from epd.prefill.coordinator import (
 )
 from epd.prefill.engine import Prefilled
 from epd.prefill.errors import BadRequest, PrefillError
+from epd.prefill.metrics import PrefillMetrics
 from epd.prefill.request import PreparedRequest
 from epd.wire.codec import WireError
 from epd.wire.messages import Abort, Failure, ImageEmbeddings, TokenDelta
@@ -363,7 +364,11 @@ def test_a_lost_decoders_last_words_come_before_the_loss(tiny_checkpoint, tmp_pa
 
 
 def route_deltas(
-    checkpoint, tmp_path, deltas: list[TokenDelta], streams: tuple[Stream, ...] = ()
+    checkpoint,
+    tmp_path,
+    deltas: list[TokenDelta],
+    streams: tuple[Stream, ...] = (),
+    metrics: PrefillMetrics | None = None,
 ) -> tuple[tuple[str, ...], list, int]:
     """A coordinator holding `streams` routes `deltas`: its decoders, what it sent them, and
     how many messages it refused."""
@@ -371,7 +376,7 @@ def route_deltas(
     service = build_service(config)
 
     async def main():
-        coordinator = Coordinator(config, service.engine, 64, service.watchdog)
+        coordinator = Coordinator(config, service.engine, 64, service.watchdog, metrics)
         sent = []
         coordinator.outbox.send = lambda peer, message: sent.append((peer, message)) or True
         coordinator.streams |= {stream.request_id: stream for stream in streams}
@@ -394,6 +399,27 @@ def test_tokens_for_a_request_prefill_does_not_hold_make_decode_drop_it(tiny_che
     deltas = [*ghost, TokenDelta("ours", (7,), "a", completion_tokens=1)]
     decoders, sent, _ = route_deltas(tiny_checkpoint, tmp_path, deltas, (ours,))
     assert sent == [(d, Abort("ghost")) for d in decoders] and ours.queue.qsize() == 1
+
+
+def test_decoders_report_their_kv_cache_with_the_deltas_of_requests_prefill_holds(
+    tiny_checkpoint, tmp_path
+):
+    """Prefill's `epd:kv_cache_usage_perc{decoder}` is what each decoder said with its latest
+    delta of a request that prefill handed it; a delta for a request prefill does not hold, or
+    from a decoder it no longer uses (its series went with it), changes nothing."""
+    decoder = f"ipc://{tmp_path}/decode"
+    streams = (Stream("ours", decoder, choices=1), Stream("moved", "ipc://gone", choices=1))
+    deltas = [
+        TokenDelta("ours", (7,), "a", 1, kv_cache_usage=0.5),
+        TokenDelta("ours", (8,), "b", 2),  # a decoder of the version before: no report
+        TokenDelta("ghost", (7,), "", 1, kv_cache_usage=0.9),
+        TokenDelta("moved", (7,), "", 1, kv_cache_usage=0.7),
+    ]
+    metrics = PrefillMetrics("tiny")
+    route_deltas(tiny_checkpoint, tmp_path, deltas, streams, metrics)
+    usage = metrics.unlabelled.get_sample_value
+    assert usage("epd:kv_cache_usage_perc", {"decoder": decoder}) == 0.5
+    assert usage("epd:kv_cache_usage_perc", {"decoder": "ipc://gone"}) is None
 
 
 def test_a_flood_of_forged_tokens_is_not_amplified_into_aborts(tiny_checkpoint, tmp_path):

@@ -54,6 +54,7 @@ MESSAGES = [
     TokenDelta("r1", (7,), "hi", 1, None, (LOGPROB,)),
     TokenDelta("r1", (8,), "", 2, "stop"),
     TokenDelta("r1", (8,), "x", 3, None, (), 1),
+    TokenDelta("r1", (8,), "x", 3, None, (), 1, kv_cache_usage=0.25),
     Abort("r1"),
 ]
 

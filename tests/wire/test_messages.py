@@ -154,6 +154,21 @@ def test_other_messages_check_their_values(build, fragment):
         build()
 
 
+@pytest.mark.parametrize("usage", [1.5, -0.1, NAN, INF])
+def test_a_decoders_kv_cache_usage_is_a_fraction(usage):
+    """A delta says how full its decoder's KV cache is; prefill exports it as a gauge, so a
+    value out of 0 to 1 (or NaN) is refused, here and as it arrives."""
+    with pytest.raises(ValueError, match="kv_cache_usage"):
+        TokenDelta("r", (3,), "", 1, kv_cache_usage=usage)
+
+    def header(usage: float) -> bytes:
+        return msgspec.msgpack.encode(["TokenDelta", "r", [3], "", 1, None, [], 0, usage])
+
+    with pytest.raises(WireError, match="kv_cache_usage"):
+        decode([header(usage)])
+    assert decode([header(0.5)]).kv_cache_usage == 0.5
+
+
 def test_a_finish_reason_is_stop_or_length():
     header = msgspec.msgpack.encode(["TokenDelta", "r", [3], "", 1, "exploded", []])
     with pytest.raises(WireError, match="Invalid enum value 'exploded'"):
