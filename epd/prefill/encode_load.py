@@ -61,17 +61,21 @@ class EncodeLoad:
         return sum(s.patches for s in self.sent.values())
 
     def rate(self) -> float | None:
-        """Patches per second over the encoders measured so far (None: none yet)."""
-        measured = [p.rate for p in self.paces.values() if p.seconds > 0]
-        return sum(measured) if measured else None
+        """Patches per second over the encoders: each measured one's pace; for one not measured
+        yet, the most it can be, from its oldest part out (P patches not back after T seconds:
+        at most P / T). None when nothing is known of any."""
+        now, rates = time.perf_counter(), {}
+        for sent in sorted(self.sent.values(), key=lambda s: -s.at):  # the oldest last: kept
+            if sent.encoder not in self.paces:
+                rates[sent.encoder] = sent.patches / max(now - sent.at, 1e-9)
+        rates |= {encoder: p.rate for encoder, p in self.paces.items() if p.seconds > 0}
+        return sum(rates.values()) if rates else None
 
     def wait_s(self, patches: int) -> float:
-        """How long `patches` more would take to come back, behind the backlog (inf when no
-        encoder has been measured and some work is out: how long it takes is unknown)."""
+        """How long `patches` more would take to come back, behind the backlog (0 when nothing
+        is known: a new encoder is trusted until its first part shows its pace)."""
         rate = self.rate()
-        if rate is None:
-            return 0.0 if not self.sent else math.inf
-        return (self.backlog + patches) / rate
+        return 0.0 if rate is None else (self.backlog + patches) / rate
 
     def admit(self, patches: int) -> None:
         """Raise Overloaded if `patches` more would not be back in time. With nothing ahead of
@@ -80,7 +84,7 @@ class EncodeLoad:
         if wait <= limit or not self.sent:
             return
         behind = self.backlog
-        retry = 1 if math.isinf(wait) else max(1, math.ceil(wait - limit))
+        retry = max(1, math.ceil(wait - limit))
         raise Overloaded(
             f"the encoders have {behind} image patches to get through before this request's "
             f"{patches}, more than they encode within {self.timeout_s:g}s "

@@ -16,12 +16,15 @@ def test_with_nothing_out_any_request_goes(clock):
     EncodeLoad(timeout_s=60).admit(10**9)  # nothing ahead of it: waiting would not help
 
 
-def test_with_work_out_and_no_pace_measured_the_next_waits(clock):
+def test_an_encoder_not_measured_yet_is_trusted_until_its_first_part_shows_it_slow(clock):
     load = EncodeLoad(timeout_s=60)
     load.sending(("a", 0), "e1", 100)
+    load.admit(400)  # nothing known of e1's pace: it goes
+    clock[0] = 10.0  # 100 patches not back in 10 s: at most 10 a second
     with pytest.raises(Overloaded) as refused:
-        load.admit(100)
-    assert refused.value.retry_after_s == 1
+        load.admit(400)  # (100 + 400) / 10 = 50 s, over 45
+    assert refused.value.retry_after_s == 5
+    load.admit(300)  # 40 s
 
 
 def test_admission_follows_the_measured_pace(clock):
