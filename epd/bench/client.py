@@ -27,6 +27,7 @@ class Timing:
     prompt_tokens: int = 0
     output_tokens: int = 0
     error: str = ""
+    turn: int = 0  # of its conversation, from 0
 
     @property
     def ok(self) -> bool:

@@ -20,6 +20,15 @@ class BenchConfig(Settings):
     )
     rate: float = option(0.0, "Poisson arrivals per second; 0: a closed loop at --concurrency")
     prompt_tokens: int = option(256, "words of text per prompt (a word is a token or more)")
+    system_prompt_tokens: int = option(
+        0, "words of a system prompt, the same in every request (a prefix a cache may reuse)"
+    )
+    turns: int = option(
+        1,
+        "turns of each conversation, one after another: each turn's prompt is the turns "
+        "before (a reply of --output-tokens words each) and a new user message; --requests "
+        "counts turns",
+    )
     output_tokens: int = option(64, "max_tokens of each request")
     ignore_eos: bool = option(True, "ask for exactly --output-tokens (ignore_eos)")
     images: int = option(0, "images per request")
@@ -36,12 +45,13 @@ class BenchConfig(Settings):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        for name in ("requests", "prompt_tokens", "output_tokens"):
+        for name in ("requests", "prompt_tokens", "output_tokens", "turns"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)}: must be at least 1")
         for name in (
             "concurrency",
             "images",
+            "system_prompt_tokens",
             "warmup",
             "rate",
             "goodput_ttft_ms",

@@ -9,7 +9,7 @@ client's own CPU time is there too: a client on the server's machine takes cores
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -32,6 +32,7 @@ class Summary:
     itl_ms: dict[str, float]
     e2e_ms: dict[str, float]
     client_cpu_s: float = 0.0  # this process's CPU seconds over the timed requests
+    ttft_by_turn_ms: dict[int, float] = field(default_factory=dict)  # p50, turns > 1 only
 
 
 def spread(values: Sequence[float]) -> dict[str, float]:
@@ -73,7 +74,19 @@ def summarise(timings: Sequence[Timing], ttft_target_ms: float, tpot_target_ms: 
         tpot_ms=spread(tpots),
         itl_ms=spread(gaps),
         e2e_ms=spread([(t.end or 0.0) - t.start for t in done]),
+        ttft_by_turn_ms=by_turn(done),
     )
+
+
+def by_turn(done: Sequence[Timing]) -> dict[int, float]:
+    """TTFT p50 of each turn of the conversations (nothing when they have one turn)."""
+    turns = sorted({t.turn for t in done})
+    if turns == [0]:
+        return {}
+    ttft = {
+        turn: [(t.first_token or 0.0) - t.start for t in done if t.turn == turn] for turn in turns
+    }
+    return {turn + 1: float(np.percentile(v, 50)) * 1000 for turn, v in ttft.items()}
 
 
 def meets(timing: Timing, ttft_target_ms: float, tpot_target_ms: float) -> bool:
@@ -104,5 +117,8 @@ def table(summary: Summary) -> str:
     ):
         values = "  ".join(f"{k} {v:.1f}" for k, v in stats.items())
         lines.append(f"{name + ' (ms)':<28}{values}")
+    if summary.ttft_by_turn_ms:
+        turns = "  ".join(f"{k}: {v:.1f}" for k, v in summary.ttft_by_turn_ms.items())
+        lines.append(f"{'TTFT p50 by turn (ms)':<28}{turns}")
     lines.append(f"{'client CPU (s)':<28}{summary.client_cpu_s:.2f}")
     return "\n".join(lines)

@@ -16,7 +16,7 @@ from tqdm import tqdm
 from epd.bench.client import Timing, stream
 from epd.bench.config import BenchConfig
 from epd.bench.metrics import Summary, summarise, table
-from epd.bench.workload import bodies
+from epd.bench.workload import bodies, conversations
 
 
 async def served_model(client: aiohttp.ClientSession, base_url: str) -> str:
@@ -27,21 +27,38 @@ async def served_model(client: aiohttp.ClientSession, base_url: str) -> str:
         raise ValueError(f"cannot list {base_url}/models ({e}): name the model with --model") from e
 
 
+async def converse(
+    client: aiohttp.ClientSession,
+    url: str,
+    turns: list[dict[str, Any]],
+    origin: float,
+    limit_s: float,
+    bar: tqdm,
+) -> list[Timing]:
+    """A conversation's requests, each sent once the one before has ended."""
+    timings = []
+    for turn, body in enumerate(turns):
+        timing = await stream(client, url, body, origin, limit_s)
+        timing.turn = turn
+        timings.append(timing)
+        bar.update()
+    return timings
+
+
 async def closed_loop(
     client: aiohttp.ClientSession,
     url: str,
-    requests: list[dict[str, Any]],
+    requests: list[list[dict[str, Any]]],
     workers: int,
     limit_s: float,
     bar: tqdm,
 ) -> list[Timing]:
-    """`workers` clients, each sending its next request as soon as its last one ends."""
+    """`workers` clients, each starting its next conversation as soon as its last one ends."""
     origin, queue, timings = time.perf_counter(), list(reversed(requests)), []
 
     async def worker() -> None:
         while queue:
-            timings.append(await stream(client, url, queue.pop(), origin, limit_s))
-            bar.update()
+            timings.extend(await converse(client, url, queue.pop(), origin, limit_s, bar))
 
     await asyncio.gather(*(worker() for _ in range(workers)))
     return timings
@@ -50,25 +67,24 @@ async def closed_loop(
 async def poisson(
     client: aiohttp.ClientSession,
     url: str,
-    requests: list[dict[str, Any]],
+    requests: list[list[dict[str, Any]]],
     config: BenchConfig,
     bar: tqdm,
 ) -> list[Timing]:
-    """Requests arriving at `config.rate` a second on average, at most `concurrency` at once."""
+    """Conversations arriving at `config.rate` a second on average, at most `concurrency` at
+    once."""
     origin, gaps = time.perf_counter(), random.Random(config.seed)
     limit = asyncio.Semaphore(config.concurrency or len(requests))
 
-    async def one(body: dict[str, Any]) -> Timing:
+    async def one(turns: list[dict[str, Any]]) -> list[Timing]:
         async with limit:
-            timing = await stream(client, url, body, origin, config.timeout_s)
-        bar.update()
-        return timing
+            return await converse(client, url, turns, origin, config.timeout_s, bar)
 
     tasks = []
-    for body in requests:
-        tasks.append(asyncio.create_task(one(body)))
+    for turns in requests:
+        tasks.append(asyncio.create_task(one(turns)))
         await asyncio.sleep(gaps.expovariate(config.rate))
-    return list(await asyncio.gather(*tasks))
+    return [timing for done in await asyncio.gather(*tasks) for timing in done]
 
 
 async def run(config: BenchConfig) -> tuple[Summary, list[Timing], str]:
@@ -87,9 +103,9 @@ async def run(config: BenchConfig) -> tuple[Summary, list[Timing], str]:
             await asyncio.gather(
                 *(stream(client, url, b, time.perf_counter(), config.timeout_s) for b in warm)
             )
-        requests = bodies(config, model, config.requests)
+        requests = conversations(config, model, config.requests)
         cpu_s = time.process_time()
-        with tqdm(total=len(requests), desc="requests", unit="req") as bar:
+        with tqdm(total=config.requests, desc="requests", unit="req") as bar:
             if config.rate:
                 timings = await poisson(client, url, requests, config, bar)
             else:

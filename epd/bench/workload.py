@@ -1,9 +1,11 @@
 """The requests of a run: prompts of about N words and, optionally, images of a chosen size.
 
 Seeded, so two servers get the same requests. Prompts are random words (each about one token
-in a BPE vocabulary), different per request so no server can reuse a cached prefix; images are
-random noise PNGs, different per request unless `repeat_images` (which an embedding cache
-should notice).
+in a BPE vocabulary), different per request so no server can reuse a cached prefix, except
+where the workload shares one on purpose: a system prompt in every request
+(`system_prompt_tokens`), or the turns before in a conversation (`turns`). Images are random
+noise PNGs, different per conversation unless `repeat_images` (which an embedding cache should
+notice).
 """
 
 from __future__ import annotations
@@ -37,15 +39,22 @@ def image_url(rng: random.Random, width: int, height: int) -> str:
     return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
 
 
-def bodies(config: BenchConfig, model: str, count: int, offset: int = 0) -> list[dict[str, Any]]:
-    """`count` chat-completion request bodies (the `offset`-th onwards of this seed's sequence)."""
+def conversations(
+    config: BenchConfig, model: str, count: int, offset: int = 0
+) -> list[list[dict[str, Any]]]:
+    """`count` chat-completion request bodies (the `offset`-th onwards of this seed's sequence),
+    in conversations of `config.turns` turns, to be sent each after the one before."""
     shared = random.Random(f"{config.seed}-images")
     fixed = [
         image_url(shared, config.image_width, config.image_height) for _ in range(config.images)
     ]
+    system = prompt(random.Random(f"{config.seed}-system"), config.system_prompt_tokens)
+    turns = config.turns
     out = []
-    for index in range(offset, offset + count):
-        rng = random.Random(f"{config.seed}-{index}")
+    for first in range(offset - offset % turns, offset + count, turns):
+        rng = random.Random(
+            f"{config.seed}-{first // turns}" if turns > 1 else f"{config.seed}-{first}"
+        )
         urls = (
             fixed
             if config.repeat_images
@@ -54,17 +63,35 @@ def bodies(config: BenchConfig, model: str, count: int, offset: int = 0) -> list
                 for _ in range(config.images)
             ]
         )
-        content = [{"type": "image_url", "image_url": {"url": url}} for url in urls]
-        content.append({"type": "text", "text": prompt(rng, config.prompt_tokens)})
-        body = {
-            "model": model,
-            "messages": [{"role": "user", "content": content}],
-            "max_tokens": config.output_tokens,
-            "temperature": 0,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-        }
-        if config.ignore_eos:
-            body["ignore_eos"] = True
-        out.append(body)
-    return out
+        opening = [{"type": "image_url", "image_url": {"url": url}} for url in urls]
+        messages = [{"role": "system", "content": system}] if system else []
+        conversation = []
+        for turn in range(turns):
+            text = prompt(rng, config.prompt_tokens)
+            content = [*opening, {"type": "text", "text": text}] if turn == 0 else text
+            messages = [*messages, {"role": "user", "content": content}]
+            if offset <= first + turn < offset + count:
+                conversation.append(request(config, model, messages))
+            reply = prompt(rng, config.output_tokens)  # what the model might have said
+            messages = [*messages, {"role": "assistant", "content": reply}]
+        out.append(conversation)
+    return [c for c in out if c]
+
+
+def request(config: BenchConfig, model: str, messages: list[dict[str, Any]]) -> dict[str, Any]:
+    body = {
+        "model": model,
+        "messages": messages,
+        "max_tokens": config.output_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if config.ignore_eos:
+        body["ignore_eos"] = True
+    return body
+
+
+def bodies(config: BenchConfig, model: str, count: int, offset: int = 0) -> list[dict[str, Any]]:
+    """`conversations`' bodies, one after another."""
+    return [body for turns in conversations(config, model, count, offset) for body in turns]

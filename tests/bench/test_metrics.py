@@ -3,7 +3,7 @@
 import pytest
 
 from epd.bench.client import Timing, read
-from epd.bench.metrics import summarise
+from epd.bench.metrics import summarise, table
 
 
 def timing(start, first, end, chunks, tokens, prompt=10):
@@ -55,3 +55,16 @@ def test_lines_from_other_servers():
     assert t.error == "overloaded"
     with pytest.raises(ValueError):
         read("data: not json", t, 0.4)  # stream() records it as the request's error
+
+
+def test_ttft_is_given_turn_by_turn_for_conversations():
+    timings = [
+        Timing(0.0, first_token=1.0, end=2.0, output_tokens=2, turn=0),
+        Timing(2.0, first_token=2.2, end=3.0, output_tokens=2, turn=1),
+        Timing(0.0, first_token=3.0, end=4.0, output_tokens=2, turn=0),
+        Timing(4.0, first_token=4.4, end=5.0, output_tokens=2, turn=1),
+    ]
+    summary = summarise(timings, 0, 0)
+    assert summary.ttft_by_turn_ms == pytest.approx({1: 2000.0, 2: 300.0})
+    assert "TTFT p50 by turn (ms)       1: 2000.0  2: 300.0" in table(summary)
+    assert summarise(timings[:1], 0, 0).ttft_by_turn_ms == {}

@@ -22,10 +22,11 @@ def most_in_flight(monkeypatch, **settings) -> int:
         most = max(most, now)
         await asyncio.sleep(0.02)
         now -= 1
+        return Timing(0.0)
 
     monkeypatch.setattr(runner, "stream", stream)
     config = BenchConfig(**settings)
-    requests = [{}] * 12
+    requests = [[{}]] * 12  # conversations of one turn
     with tqdm(disable=True) as bar:
         if config.rate:
             asyncio.run(runner.poisson(None, "", requests, config, bar))
@@ -69,3 +70,20 @@ def test_a_run_counts_the_clients_cpu_over_the_timed_requests_only(monkeypatch):
     assert summary.completed == len(timings) == 5
     assert summary.client_cpu_s == 5.0
     assert "client CPU (s)" in table(summary)
+
+
+def test_a_conversations_turns_go_one_after_another(monkeypatch):
+    order = []
+
+    async def stream(client, url, body, origin, limit_s):
+        order.append(body["n"])
+        await asyncio.sleep(0.01 * (3 - body["n"] % 3))  # the first turns take longest
+        order.append(-body["n"])
+        return Timing(0.0)
+
+    monkeypatch.setattr(runner, "stream", stream)
+    talks = [[{"n": 1}, {"n": 2}], [{"n": 4}, {"n": 5}]]
+    with tqdm(disable=True) as bar:
+        timings = asyncio.run(runner.closed_loop(None, "", talks, 2, 1, bar))
+    assert order.index(-1) < order.index(2) and order.index(-4) < order.index(5)
+    assert sorted(t.turn for t in timings) == [0, 0, 1, 1]

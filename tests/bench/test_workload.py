@@ -1,7 +1,9 @@
 """The bench's requests: seeded, about the asked size, images fresh or repeated."""
 
+import itertools
+
 from epd.bench.config import BenchConfig
-from epd.bench.workload import bodies
+from epd.bench.workload import bodies, conversations
 
 
 def config(**changes):
@@ -22,3 +24,32 @@ def test_images_are_fresh_per_request_unless_repeated():
     assert len(urls[0]) == 2 and urls[0] != urls[1]
     repeated = bodies(config(images=1, repeat_images=True), "m", 3)
     assert len({b["messages"][0]["content"][0]["image_url"]["url"] for b in repeated}) == 1
+
+
+def test_a_shared_system_prompt_and_conversations_in_turns():
+    config = BenchConfig(
+        requests=6,
+        prompt_tokens=5,
+        output_tokens=4,
+        system_prompt_tokens=30,
+        turns=3,
+        images=1,
+        image_width=32,
+        image_height=32,
+    )
+    talks = conversations(config, "m", config.requests)
+    assert [len(turns) for turns in talks] == [3, 3]
+    first, second = talks
+    system = first[0]["messages"][0]
+    assert system["role"] == "system" and len(system["content"].split()) == 30
+    assert all(turns[0]["messages"][0] == system for turns in talks)  # shared by every request
+    for earlier, later in itertools.pairwise(first):  # each turn repeats the ones before
+        assert later["messages"][: len(earlier["messages"])] == earlier["messages"]
+        assert [m["role"] for m in later["messages"][len(earlier["messages"]) :]] == [
+            "assistant",
+            "user",
+        ]
+    image = first[0]["messages"][1]["content"][0]
+    assert image["type"] == "image_url" and first[2]["messages"][1]["content"][0] == image
+    assert second[0]["messages"][1] != first[0]["messages"][1]  # a new conversation's own
+    assert bodies(config, "m", 2, offset=4) == second[1:]
