@@ -428,8 +428,8 @@ async def generate(service: Service, prepared: PreparedRequest) -> Started:
     assert coordinator is not None
     if prepared.sampling.grammar:  # off the loop: the first one builds llguidance's tokenizer
         await service.off_loop(check_grammar, service.engine, prepared.sampling)
-    embeddings = await coordinator.encode(prepared)
-    stream = await coordinator.prefill(prepared, embeddings)
+    images = await coordinator.encode(prepared)
+    stream = await coordinator.prefill(prepared, images)
     return Started(coordinator.deltas(stream), stream.prompt_logprobs)
 
 

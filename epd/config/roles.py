@@ -207,6 +207,17 @@ class PrefillConfig(ModelOptions):
     image_cache_bytes: int = option(
         512 * 1024 * 1024, "memory for embeddings of images seen before (0: no cache)"
     )
+    enable_prefix_caching: bool = option(
+        True,
+        "keep prompts' KV after their requests, so a prompt that begins as one before did (the "
+        "next turn of a chat, a shared system prompt, the same image) prefills only the rest "
+        "(vLLM's flag)",
+    )
+    prefix_cache_bytes: int = option(
+        1024 * 1024 * 1024,
+        "memory for the prefix cache's KV blocks, least recently used out first (taken as "
+        "prompts are kept, not at start)",
+    )
     max_request_bytes: int = option(
         100 * 1024 * 1024, "request bodies over this size get 413 before they are read"
     )

@@ -111,8 +111,10 @@ class PrefillBatcher:
         job = Job(prompt, future)
         if self.prefix_cache is not None and prompt.cacheable:
             cached = self.prefix_cache.lookup(prompt.prompt_ids, prompt.image_spans or ())
+            self.metrics.prefix_cache_queries.inc(len(prompt.prompt_ids))
             if cached is not None:
                 job.done, job.past = cached.length, Partial(cached)
+                self.metrics.prefix_cache_hits.inc(cached.length)
         return job
 
     def keep(self, job: Job, prefilled: Prefilled) -> None:
@@ -226,7 +228,8 @@ class PrefillBatcher:
         sizes = list(self.sizes)
         mean = sum(sizes) / len(sizes) if sizes else 0.0
         waiting = sum(not job.future.done() for job in self.waiting)
-        return {"prefill": {"waiting": waiting, "mean_batch": round(mean, 2)}}
+        cache = self.prefix_cache.status() if self.prefix_cache is not None else {}
+        return {"prefill": {"waiting": waiting, "mean_batch": round(mean, 2)}} | cache
 
     def close(self) -> None:
         self.executor.shutdown(wait=True)

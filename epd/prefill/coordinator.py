@@ -17,7 +17,7 @@ import weakref
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 import torch
 
@@ -40,6 +40,7 @@ from epd.prefill.errors import (
 from epd.prefill.image_cache import ImageCache, digests
 from epd.prefill.metrics import PrefillMetrics
 from epd.prefill.peers import RESOLVE_S, PeerSet
+from epd.prefill.prefix_cache import PrefixCache, image_spans
 from epd.prefill.request import PreparedRequest
 from epd.runtime.process import torch_threads
 from epd.runtime.watchdog import Watchdog
@@ -72,6 +73,33 @@ DISOWNED_PER_S = 64
 LAST_WORDS_S, LAST_WORDS_MAX_S = 0.5, 2.5
 T = TypeVar("T")
 now = time.perf_counter
+
+
+class Images(NamedTuple):
+    """A request's images as prefill takes them: their embeddings, (rows, hidden) in prompt
+    order, and each file's SHA-256 (what the prefix cache knows them by)."""
+
+    rows: torch.Tensor
+    digests: tuple[str, ...]
+
+
+def prefix_cache(config: PrefillConfig, engine: PrefillEngine) -> PrefixCache | None:
+    """The prefix cache, if it is on; a cache that cannot be made is left out, with a warning:
+    an optional part never keeps prefill from serving."""
+    if not config.enable_prefix_caching or not config.prefix_cache_bytes:
+        return None
+    lm = engine.lm
+    try:
+        return PrefixCache(
+            lm.config.num_hidden_layers,
+            lm.config.latent_dim,
+            lm.lm_head.weight.dtype,
+            engine.device,
+            config.prefix_cache_bytes,
+        )
+    except Exception as e:  # e.g. no memory for its first block on the device
+        log.warning("prefill runs without a prefix cache: %s: %s", type(e).__name__, e)
+        return None
 
 
 @dataclass
@@ -151,6 +179,7 @@ class Coordinator:
             others_running=lambda: (
                 in_flight() > len(self.batcher.forward) or bool(self.streams or self.waits)
             ),
+            prefix_cache=prefix_cache(config, engine),
         )
         self.images = ImageCache(config.image_cache_bytes)
         self.load = EncodeLoad(config.encode_timeout_s)
@@ -303,7 +332,7 @@ class Coordinator:
         start = next(peers.turns) % len(live)
         return live[start:] + live[:start]
 
-    async def encode(self, request: PreparedRequest) -> torch.Tensor | None:
+    async def encode(self, request: PreparedRequest) -> Images | None:
         """Every image's embeddings, in prompt order: from the cache, or from the encoders."""
         if not request.images:
             return None
@@ -322,7 +351,7 @@ class Coordinator:
             for index, image_rows in zip(missing, encoded, strict=True):
                 self.images.put(keys[index], image_rows)
                 rows[index] = image_rows
-        return torch.cat([rows[i] for i in range(len(request.images))])
+        return Images(torch.cat([rows[i] for i in range(len(request.images))]), tuple(keys))
 
     async def encode_images(
         self, request: PreparedRequest, indices: list[int]
@@ -361,16 +390,19 @@ class Coordinator:
             for part in range(len(parts)):
                 self.waits.pop((request.request_id, part), None)
 
-    async def prefill(self, request: PreparedRequest, embeddings: torch.Tensor | None) -> Stream:
+    async def prefill(self, request: PreparedRequest, images: Images | None) -> Stream:
         """Prefill the request, packed with whatever else waits for prefill, and hand it to a
         decoder unless its first tokens ended it; raises (before any reply is sent) if no
         decoder can take it."""
+        ids, slot = request.prompt_ids, self.engine.placeholder_id
+        spans = image_spans(ids, slot, request.image_tokens, images.digests) if images else ()
         prompt = Prompt(
             request.request_id,
-            request.prompt_ids,
-            embeddings,
+            ids,
+            None if images is None else images.rows,
             request.sampling,
             request.prompt_logprobs,
+            image_spans=spans,
         )
         return await self.hand_off(request.request_id, await self.batcher.prefill(prompt))
 

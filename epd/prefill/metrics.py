@@ -97,6 +97,12 @@ class PrefillMetrics(RoleMetrics):
             "Requests refused with 503 at once, by reason (overloaded, encode_backlog, draining).",
             ["reason"],
         )
+        self.prefix_cache_queries = counter(
+            "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
+        )
+        self.prefix_cache_hits = counter(
+            "prefix_cache_hits", "Prompt tokens whose KV came from the prefix cache."
+        )
         # What only EPD has.
         self.images = counter("images", "Images in requests.")
         self.image_cache_hits = counter(

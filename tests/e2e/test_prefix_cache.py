@@ -1,0 +1,61 @@
+"""Prompts that begin as earlier ones did take their KV from the prefix cache, and get exactly
+what the one-process path (no cache) gives them."""
+
+import re
+
+import pytest
+import requests
+from PIL import Image
+
+from .stack import data_url, image_part, text_part
+
+PICTURE = data_url(Image.new("RGB", (840, 560), (200, 30, 90)))  # 600 image tokens
+LONG_SYSTEM = " ".join(["the quick brown fox jumps over the lazy dog"] * 40)  # ~400 tokens
+
+
+def hits(base: int) -> float:
+    text = requests.get(f"http://127.0.0.1:{base + 20}/metrics", timeout=5).text
+    found = re.search(r"^epd:prefix_cache_hits_total\{[^}]*\} (\S+)$", text, re.M)
+    assert found, "no prefix cache hits series"
+    return float(found.group(1))
+
+
+def same_as_local(client, local, model, messages, **params):
+    """The stack's reply equals the one-process path's, token for token."""
+    params = {"max_tokens": 12, "temperature": 0, "logprobs": True} | params
+    reply = client.chat.completions.create(model=model, messages=messages, **params)
+    expected = local.chat({"model": model, "messages": messages, **params})
+    for choice in reply.choices:
+        tokens = [e for d in expected.choices[choice.index].deltas for e in d.logprobs]
+        assert [t.token for t in choice.logprobs.content] == [e.token for e in tokens]
+        assert [t.logprob for t in choice.logprobs.content] == pytest.approx(
+            [e.logprob for e in tokens], abs=1e-4
+        )
+    assert reply.usage.prompt_tokens == expected.prompt_tokens
+    return reply
+
+
+def test_turns_that_share_a_prefix_hit_the_cache_and_answer_as_without(
+    stack, client, model_name, local
+):
+    _, base = stack
+    ask = lambda messages, **params: same_as_local(client, local, model_name, messages, **params)  # noqa: E731
+    before = hits(base)
+    first = [
+        {"role": "system", "content": LONG_SYSTEM},
+        {"role": "user", "content": [image_part(PICTURE), text_part("What colour is it?")]},
+    ]
+    ask(first)
+    # The same picture, other words after it: the hit ends inside the image's tokens.
+    ask([first[0], {"role": "user", "content": [image_part(PICTURE), text_part("Describe it.")]}])
+    after_image = hits(base)
+    assert after_image - before >= 400 + 512  # the system prompt and most of the image
+    ask(first)  # asked again whole: all but its last token cached
+    ask(first, n=2)  # two choices from the one hit
+    next_turn = [
+        *first,
+        {"role": "assistant", "content": "Crimson."},
+        {"role": "user", "content": " ".join(["and what else is there to see"] * 80)},
+    ]
+    ask(next_turn)  # past the hit, 560 new tokens: prefilled in chunks of 512
+    assert hits(base) - after_image >= 3 * (400 + 600)
