@@ -64,11 +64,11 @@ def conversations(
             ]
         )
         opening = [{"type": "image_url", "image_url": {"url": url}} for url in urls]
-        messages = [{"role": "system", "content": system}] if system else []
+        messages: list[dict[str, Any]] = [{"role": "system", "content": system}] if system else []
         conversation = []
         for turn in range(turns):
             text = prompt(rng, config.prompt_tokens)
-            content = [*opening, {"type": "text", "text": text}] if turn == 0 else text
+            content: Any = [*opening, {"type": "text", "text": text}] if turn == 0 else text
             messages = [*messages, {"role": "user", "content": content}]
             if offset <= first + turn < offset + count:
                 conversation.append(request(config, model, messages))
