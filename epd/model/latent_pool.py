@@ -1,7 +1,8 @@
 """The running sequences' latent caches in fixed-size blocks of one storage, under a budget.
 
-`storage` is (layers, blocks, BLOCK_TOKENS, latent_dim). A sequence that joins the running batch
-copies its cache into free blocks; its `PagedCache` lists them (its block table), so its row t
+`storage` is (layers, blocks, BLOCK_TOKENS, latent_dim), its blocks handed out by a
+`BlockManager` (the same bookkeeping as prefill's prefix cache). A sequence that joins the running
+batch copies its cache into free blocks; its `PagedCache` lists them (its block table), so its row t
 is `storage[:, blocks[t // BLOCK_TOKENS], t % BLOCK_TOKENS]`. The pool holds at most
 `max_tokens` rows, so memory is the sum of the running caches' lengths, rounded up to blocks,
 and bounded: a sequence joins only when blocks for it are free (`can_admit`), and one that must
@@ -28,21 +29,13 @@ from typing import NamedTuple
 
 import torch
 
+from epd.model.block_manager import BLOCK_TOKENS, BlockManager, PoolFull, blocks_for
 from epd.model.latent_cache import DecodeBatch, LatentCache, Part
 
-BLOCK_TOKENS = 16  # rows per block: vLLM's default; smaller wastes less, larger gathers fewer
 # Blocks a kept copy has past each part's longest cache: it is gathered again at most every
 # HEADROOM_BLOCKS · BLOCK_TOKENS steps as caches grow, and attention reads as many more rows
 # (masked) until then.
 HEADROOM_BLOCKS = 2
-
-
-class PoolFull(RuntimeError):
-    """Not enough free blocks under the pool's budget."""
-
-
-def blocks_for(tokens: int) -> int:
-    return -(-tokens // BLOCK_TOKENS)
 
 
 def by_length(lengths: list[int]) -> list[list[int]]:
@@ -239,7 +232,7 @@ class LatentPool:
         self.storage = torch.zeros(
             layers, blocks, BLOCK_TOKENS, latent_dim, device=device, dtype=dtype
         )
-        self.free = list(range(blocks - 1, 0, -1))  # blocks in storage no cache holds, lowest last
+        self.blocks = BlockManager(blocks)  # which blocks of the storage are free or held
         self.caches: set[PagedCache] = set()
         self.keeps_gathered = keeps_gathered
         self.kept: Gathered | None = None
@@ -259,7 +252,7 @@ class LatentPool:
     @property
     def free_blocks(self) -> int:
         """Blocks a cache may still take: free in storage, or not allocated yet."""
-        return len(self.free) + self.max_blocks - self.storage.shape[1]
+        return self.blocks.available + self.max_blocks - self.storage.shape[1]
 
     @property
     def used_blocks(self) -> int:
@@ -310,7 +303,7 @@ class LatentPool:
     def give_back(self, blocks: list[int]) -> None:
         """Blocks no cache holds any more: zeroed, and free."""
         self.storage[:, blocks] = 0
-        self.free = sorted([*self.free, *blocks], reverse=True)
+        self.blocks.release(blocks)
 
     def evict(self, cache: PagedCache) -> LatentCache:
         """Move a cache out of the pool, into host memory, freeing its blocks."""
@@ -328,10 +321,10 @@ class LatentPool:
         self.kept = None
         if self.preallocated:
             self.storage.zero_()
-            self.free = list(range(self.max_blocks - 1, 0, -1))
+            self.blocks.reset()
         else:
             self.storage = self.storage[:, :1].clone()
-            self.free = []
+            self.blocks = BlockManager(1)
 
     def batch(self, caches: list[PagedCache]) -> PagedBatch:
         """A decode step over these caches, in this order; each must have room (`make_room`)."""
@@ -351,12 +344,10 @@ class LatentPool:
                 f"{count} blocks of {BLOCK_TOKENS} rows asked for, {self.free_blocks} free "
                 f"of {self.max_blocks - 1}"
             )
-        if count > len(self.free):
+        if count > self.blocks.available:
             have = self.storage.shape[1]
-            self.grow(min(max(2 * have, have + count - len(self.free)), self.max_blocks))
-        taken = self.free[-count:][::-1]
-        del self.free[-count:]
-        return taken
+            self.grow(min(max(2 * have, have + count - self.blocks.available), self.max_blocks))
+        return self.blocks.allocate(count)
 
     @torch.inference_mode()
     def grow(self, blocks: int) -> None:
@@ -366,4 +357,4 @@ class LatentPool:
         storage[:, :have] = self.storage
         storage[:, have:] = 0
         self.storage = storage
-        self.free = sorted([*self.free, *range(have, blocks)], reverse=True)
+        self.blocks.grow(blocks)
