@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -11,6 +12,7 @@ from typing import Any
 from epd.checkpoint.config import CheckpointError
 from epd.config.roles import ROLES
 from epd.config.sources import add_child_flags, add_flags, build, flag_values, resolve
+from epd.config.vllm import add_compatible_flags
 from epd.dtypes import MODEL_DTYPES, TENSOR_DTYPES
 
 # make-checkpoint's choices, spelt here so that `epd --help` imports no tokenizer library
@@ -109,12 +111,23 @@ def parser() -> argparse.ArgumentParser:
     root = argparse.ArgumentParser(
         prog="epd", description="Encode/prefill/decode serving for Kimi-VL"
     )
+    root.add_argument(
+        "--version", action="version", version=f"%(prog)s {importlib.metadata.version('epd')}"
+    )
     commands = root.add_subparsers(dest="command", required=True)
     for role, config_class in ROLES.items():
         sub = commands.add_parser(role, help=HELP[role])
+        sub.add_argument(  # vLLM's form: `vllm serve MODEL`
+            "model_path",
+            nargs="?",
+            default=argparse.SUPPRESS,
+            metavar="MODEL",
+            help="checkpoint directory, as --model",
+        )
         add_flags(sub, config_class)
         if role == "serve":
             add_child_flags(sub)
+        add_compatible_flags(sub)
         sub.set_defaults(run=role_command)
     from epd.bench.config import BenchConfig
 

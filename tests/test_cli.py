@@ -72,3 +72,16 @@ def test_make_checkpoint_writes_kimis_tiktoken_layout_in_one_file(tmp_path):
     assert {"tiktoken.model", "tokenization_moonshot.py", "model.safetensors"} <= files
     assert "tokenizer.json" not in files and "model.safetensors.index.json" not in files
     load_model(out)
+
+
+def test_version_prints_the_version():
+    import importlib.metadata
+
+    result = epd("--version")
+    assert result.returncode == 0 and result.stdout == f"epd {importlib.metadata.version('epd')}\n"
+
+
+def test_serve_says_a_repository_name_is_no_checkpoint_directory():
+    result = epd("serve", "moonshotai/Kimi-VL-A3B-Instruct")
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert "moonshotai/Kimi-VL-A3B-Instruct is not a directory" in result.stderr

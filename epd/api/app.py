@@ -503,7 +503,8 @@ async def respond(
     """A stream of chunks, or the whole reply once every choice (`asked.n` unless given)
     has ended."""
     metrics = service.metrics
-    deltas = logged(deltas, reply, arrived(request), images, metrics)
+    quiet = service.config.disable_log_requests
+    deltas = logged(deltas, reply, arrived(request), images, metrics, quiet)
     if asked.stream:
         events = stream(reply, deltas, asked.include_usage, choices or asked.n, metrics)
         return StreamingResponse(events, media_type="text/event-stream")
@@ -519,9 +520,11 @@ async def logged(
     arrived: float,
     images: int,
     metrics: PrefillMetrics,
+    quiet: bool = False,
 ) -> AsyncIterator[TokenDelta]:
     """The deltas, passed on; metrics as they come, and one log line when the request ends,
-    however it ends (a failure is counted where its status is decided: `as_json`, `stream`)."""
+    however it ends, at debug level if `quiet` (a failure is counted where its status is
+    decided: `as_json`, `stream`)."""
     timeline = Timeline(arrived)
     reason, outcome = "abort", "ended early (client gone)"
     metrics.running.inc()
@@ -540,7 +543,8 @@ async def logged(
         metrics.ended(timeline, reply.prompt_tokens, reason, now)
         first = timeline.first
         ttft = f"{(first - arrived) * 1000:.0f} ms" if first else "-"
-        log.info(
+        log.log(
+            logging.DEBUG if quiet else logging.INFO,
             "request %s %s: %d prompt + %d output tokens, %d images, TTFT %s, %.0f ms in all",
             reply.request_id,
             outcome,

@@ -21,6 +21,7 @@ from epd.api.schema import ChatCompletionRequest, CompletionRequest, GenerationR
 from epd.api.tools import ForcedTools, describe_tools
 from epd.checkpoint.config import (
     CheckpointError,
+    context_length,
     load_generation_config,
     load_model_config,
     load_processor_config,
@@ -100,6 +101,7 @@ class PromptBuilder:
         max_image_pixels: int = 50_000_000,
         max_n: int = 16,
         reasoning_parser: str = "auto",
+        max_model_len: int = 0,
     ) -> PromptBuilder:
         config = load_model_config(checkpoint)
         template = tokenizer.chat_template or ""
@@ -107,7 +109,7 @@ class PromptBuilder:
             tokenizer=tokenizer,
             processor=ImageProcessor(load_processor_config(checkpoint)),
             placeholder_id=config.media_placeholder_token_id,
-            context_length=config.text.max_position_embeddings,
+            context_length=context_length(config.text, max_model_len),
             vocab_size=config.text.vocab_size,
             default_max_tokens=default_max_tokens,
             max_image_pixels=max_image_pixels,

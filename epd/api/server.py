@@ -38,7 +38,7 @@ PREFILL_ACTIVITIES = ("loop", "wire", "prefill")
 
 def build_service(config: PrefillConfig) -> Service:
     process_keys(config.zmq_curve_keys)  # missing keys fail before the model loads
-    tokenizer = load_tokenizer(config.model, config.trust_remote_code)
+    tokenizer = load_tokenizer(config.model, config.trust_remote_code, config.chat_template)
     builder = PromptBuilder.from_checkpoint(
         config.model,
         tokenizer,
@@ -46,6 +46,7 @@ def build_service(config: PrefillConfig) -> Service:
         config.max_image_pixels,
         config.max_n,
         config.reasoning_parser,
+        config.max_model_len,
     )
     if builder.reasoning:
         log.info("reasoning parser: %s ... %s", builder.reasoning.start, builder.reasoning.end)
@@ -129,6 +130,7 @@ def run(config: PrefillConfig) -> None:
             port=config.port,
             log_config=None,  # uvicorn's lines go through our handler, in our format
             access_log=config.access_log,
+            log_level=config.uvicorn_log_level or None,  # None: as setup_logging set it
             timeout_graceful_shutdown=int(STOP_GRACE_S / 2),  # then open streams are cut
             http=HTTP_PROTOCOL,
         ),

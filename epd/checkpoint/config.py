@@ -104,6 +104,19 @@ def load_model_config(checkpoint: str | Path) -> KimiVLConfig:
     )
 
 
+def context_length(text: TextConfig, max_model_len: int = 0) -> int:
+    """The tokens one request may use, prompt and output: the checkpoint's context, or the
+    `max_model_len` asked for. More than the checkpoint's is refused, as vLLM refuses it:
+    positions past those it was trained on give wrong outputs."""
+    own = text.max_position_embeddings
+    if max_model_len > own:
+        raise CheckpointError(
+            f"max_model_len={max_model_len} is more than the checkpoint's context length "
+            f"({own}, max_position_embeddings in config.json)"
+        )
+    return max_model_len or own
+
+
 def stored_dtype(checkpoint: str | Path) -> str | None:
     """The dtype config.json says the weights were saved in (`torch_dtype`, or `dtype` as newer
     transformers write it): Kimi-VL's own is bfloat16. None when it names none we run."""

@@ -6,8 +6,8 @@
   `tokenizer.json`): what the real Kimi-VL checkpoints ship (`tiktoken_files.py`).
 
 The chat template comes from the checkpoint: `chat_template.jinja`, else `chat_template.json`,
-else `tokenizer_config.json`. A checkpoint's own tokenizer code (its `auto_map`) runs only when
-`trust_remote_code` asks for it and neither layout is there.
+else `tokenizer_config.json`; `--chat-template` replaces it. A checkpoint's own tokenizer code
+(its `auto_map`) runs only when `trust_remote_code` asks for it and neither layout is there.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+import jinja2
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from epd.checkpoint.config import CheckpointError, load_generation_config, read_json
@@ -43,8 +44,10 @@ NAMED_SPECIALS = ("bos_token", "eos_token", "unk_token", "pad_token")
 
 
 def load_tokenizer(
-    checkpoint: str | Path, trust_remote_code: bool = False
+    checkpoint: str | Path, trust_remote_code: bool = False, chat_template: str = ""
 ) -> PreTrainedTokenizerBase:
+    """The checkpoint's tokenizer, with `chat_template` (a file or the template itself, as
+    `given_template` reads it) in place of the checkpoint's own if one is given."""
     path = Path(checkpoint)
     try:
         if (path / "tokenizer.json").is_file():
@@ -60,9 +63,30 @@ def load_tokenizer(
             )
     except (OSError, ValueError) as e:
         raise CheckpointError(f"cannot load the tokenizer of {checkpoint}: {e}") from e
+    if chat_template:
+        tokenizer.chat_template = given_template(chat_template)
     if not tokenizer.chat_template:
         raise CheckpointError(f"the tokenizer of {checkpoint} has no chat template")
     return tokenizer
+
+
+def given_template(value: str) -> str:
+    """`--chat-template` as vLLM takes it: the template itself where it holds a brace or a line
+    break, else the file it names; checked as Jinja now rather than at the first request."""
+    if any(c in value for c in "{}\n"):
+        template = value
+    else:
+        try:
+            template = Path(value).read_text()
+        except OSError as e:
+            raise CheckpointError(
+                f"--chat-template {value!r} is neither a template nor a file to read: {e.strerror}"
+            ) from None
+    try:
+        jinja2.Environment().parse(template)
+    except jinja2.TemplateSyntaxError as e:
+        raise CheckpointError(f"--chat-template is not a Jinja template: {e}") from None
+    return template
 
 
 def remote_tokenizer(checkpoint: Path) -> PreTrainedTokenizerBase:

@@ -20,15 +20,24 @@ def _default(field: dataclasses.Field[object]) -> str:
     return f"`{value}`" if value != "" else "—"
 
 
+def _vllm(field: dataclasses.Field[object]) -> str:
+    """The vLLM flag a setting stands for, and its form where that is not epd's."""
+    vllm = field.metadata.get("vllm")
+    if not vllm:
+        return "—"
+    return f"`{vllm.name}` ({vllm.form})" if vllm.form else f"`{vllm.name}`"
+
+
 def _rows(fields: list[dataclasses.Field[object]]) -> list[str]:
     return [
-        f"| `{f.name}` | `--{f.name.replace('_', '-')}` | {_default(f)} | {f.metadata['help']} |"
+        f"| `{f.name}` | `--{f.name.replace('_', '-')}` | {_vllm(f)} | {_default(f)} "
+        f"| {f.metadata['help']} |"
         for f in fields
     ]
 
 
 def reference() -> str:
-    header = ["| key | flag | default | meaning |", "|---|---|---|---|"]
+    header = ["| key | flag | vLLM flag | default | meaning |", "|---|---|---|---|---|"]
     lines = ["Shared by every role (top level of a config file, or inside a role's section):", ""]
     lines += header + _rows(list(dataclasses.fields(ModelOptions)))
     for role, cls in ROLES.items():

@@ -1,89 +1,39 @@
-"""One frozen dataclass per process role: every setting, its default, its help and its checks.
+"""One frozen dataclass per process role: every setting, its default, its help and the vLLM
+flag it stands for, if one does.
 
 CLI flags and config-file keys are generated from these fields (see `sources`), so they cannot
-drift from what the code reads. A bad value raises a ValueError naming the setting.
+drift from what the code reads. A bad value raises a ValueError naming the setting (`settings`).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from epd.dtypes import MODEL_DTYPES
-
-DTYPE_CHOICES = ("auto", *MODEL_DTYPES)
-ADDRESS_SCHEMES = ("tcp://", "ipc://", "inproc://")
-LOG_LEVELS = ("debug", "info", "warning", "error")
-REASONING_PARSERS = ("auto", "none", "kimi_vl")
-AUTOMATIC = ("threads", "batch_patches", "max_prefill_tokens", "max_kv_tokens")  # 0: by device
-
-
-def option(default: Any, help: str) -> Any:
-    return field(default=default, metadata={"help": help})
-
-
-def required(help: str) -> Any:
-    return field(metadata={"help": help})
-
-
-def _check_value(name: str, value: Any) -> str | None:
-    """Why `value` is not acceptable for a setting called `name`, or None."""
-    if isinstance(value, float) and not math.isfinite(value):  # a NaN passes `< 0` and `>= 1`
-        return "must be a finite number"
-    if name == "dtype" and value not in DTYPE_CHOICES:
-        return f"must be one of {', '.join(DTYPE_CHOICES)}"
-    if name.endswith("port") and not 0 < value < 65536:
-        return "must be a port number, 1 to 65535"
-    if name.endswith("_s") and not value > 0:
-        return "must be a positive number of seconds"
-    if name in AUTOMATIC:
-        return "must be 0 (automatic) or a positive number" if value < 0 else None
-    if name == "min_chunk_tokens" and value < 0:
-        return "must be 0 (off) or a positive number"
-    if name == "busy_threads" and value < 0:
-        return "must be 0 (as threads) or a positive number"
-    if name.startswith("max_") and not value >= 1:
-        return "must be at least 1"
-    if name == "log_level" and value.lower() not in ("", *LOG_LEVELS):
-        return f"must be one of {', '.join(LOG_LEVELS)}"
-    if name == "reasoning_parser" and value not in REASONING_PARSERS:
-        return f"must be one of {', '.join(REASONING_PARSERS)}"
-    if name == "log_format" and value not in ("text", "json"):
-        return "must be text or json"
-    addresses = value if isinstance(value, tuple) else (value,)
-    is_address = name in ("bind", "encoders", "decoders", "prefills") or (
-        name == "advertise" and value
-    )
-    if is_address and not (addresses and all(a.startswith(ADDRESS_SCHEMES) for a in addresses)):
-        return "must be ZeroMQ addresses such as tcp://127.0.0.1:7101"
-    return None
-
-
-@dataclass(frozen=True)
-class Settings:
-    def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
-            problem = _check_value(f.name, getattr(self, f.name))
-            if problem:
-                raise ValueError(f"{f.name}={getattr(self, f.name)!r}: {problem}")
+from epd.config.settings import ADDRESS_SCHEMES as ADDRESS_SCHEMES  # the wire's, too
+from epd.config.settings import UVICORN_LOG_LEVELS, Settings, option, required
+from epd.config.vllm import VllmFlag, image_limit
 
 
 @dataclass(frozen=True)
 class ModelOptions(Settings):
-    model: str = required("checkpoint directory (Hugging Face layout)")
+    model: str = required(
+        "checkpoint directory (Hugging Face layout); or give it first, as vLLM's: epd serve MODEL",
+        vllm="--model",
+    )
     device: str = option("cpu", "torch device, e.g. cpu or cuda:0")
     dtype: str = option(
         "auto",
         "auto (the checkpoint's torch_dtype where the device runs it, else float32 on CPU and "
         "bfloat16 on CUDA), float32, bfloat16, float16",
+        vllm="--dtype",
     )
     trust_remote_code: bool = option(
         False,
         "run the checkpoint's own tokenizer code where it ships no tokenizer.json nor "
         "tiktoken.model (never needed for Kimi-VL)",
+        vllm="--trust-remote-code",
     )
     cpu_weight_copies: bool = option(
         True,
@@ -119,6 +69,18 @@ def watchdog_option() -> Any:
     )
 
 
+def max_model_len_option() -> Any:
+    return option(
+        0,
+        "most tokens one request may use, its prompt (images included) and output together "
+        "(0: the checkpoint's max_position_embeddings; more than that is an error)",
+        vllm="--max-model-len",
+    )
+
+
+IMAGE_LIMIT = VllmFlag("--limit-mm-per-prompt", image_limit, "image=N, or '{\"image\": N}'")
+
+
 @dataclass(frozen=True)
 class EncodeConfig(ModelOptions):
     bind: str = option("tcp://127.0.0.1:7101", "ZeroMQ address that receives encode requests")
@@ -127,7 +89,7 @@ class EncodeConfig(ModelOptions):
     health_port: int = option(7111, "port of the GET /health endpoint")
     max_image_pixels: int = option(50_000_000, "refuse decoded images larger than this")
     max_image_bytes: int = option(20 * 1024 * 1024, "size limit of one image, encoded")
-    max_images: int = option(16, "most images in one encode request")
+    max_images: int = option(16, "most images in one encode request", vllm=IMAGE_LIMIT)
     batch_patches: int = option(
         0,
         "image patches encoded together in one forward, across waiting requests (0: 16384 on "
@@ -142,12 +104,23 @@ class DecodeConfig(ModelOptions):
     prefills: tuple[str, ...] = prefills_option()
     health_host: str = option("127.0.0.1", "host of the GET /health endpoint")
     health_port: int = option(7113, "port of the GET /health endpoint")
-    max_batch_size: int = option(64, "most sequences advanced together in one decode step")
+    max_batch_size: int = option(
+        64, "most sequences advanced together in one decode step", vllm="--max-num-seqs"
+    )
     max_kv_tokens: int = option(
         0,
         "most tokens the KV cache holds over all running sequences, in blocks of 16; others "
-        "wait (0: every batch slot at the full context, or what half the free memory holds; "
+        "wait (0: every batch slot at max_model_len, or what half the free memory holds; "
         "on a CPU a quarter, as decode keeps a copy of the running caches, up to as much again)",
+    )
+    max_model_len: int = max_model_len_option()
+    gpu_memory_utilization: float = option(
+        0.0,
+        "share of the device's memory decode may use, weights and KV cache together: an "
+        "automatic KV budget (max_kv_tokens 0) takes what the share leaves once the weights are "
+        "loaded, within the memory free; on a CPU, the share of the memory free then that the "
+        "cache and its gathered copy take together (0: half the free memory, on a CPU a quarter)",
+        vllm="--gpu-memory-utilization",
     )
     drain_timeout_s: float = option(
         30.0,
@@ -159,13 +132,15 @@ class DecodeConfig(ModelOptions):
 
 @dataclass(frozen=True)
 class PrefillConfig(ModelOptions):
-    host: str = option("127.0.0.1", "host of the OpenAI-compatible HTTP API")
-    port: int = option(8000, "port of the OpenAI-compatible HTTP API")
+    host: str = option("127.0.0.1", "host of the OpenAI-compatible HTTP API", vllm="--host")
+    port: int = option(8000, "port of the OpenAI-compatible HTTP API", vllm="--port")
     bind: str = option("tcp://127.0.0.1:7102", "ZeroMQ address that receives embeddings and tokens")
     advertise: str = option("", "address peers reply to (default: the bind address)")
     encoders: tuple[str, ...] = option(("tcp://127.0.0.1:7101",), "encode addresses")
     decoders: tuple[str, ...] = option(("tcp://127.0.0.1:7103",), "decode addresses")
-    served_model_name: str = option("", "model name in the API (default: checkpoint folder)")
+    served_model_name: str = option(
+        "", "model name in the API (default: checkpoint folder)", vllm="--served-model-name"
+    )
     encode_timeout_s: float = option(60.0, "longest wait for an image payload")
     token_timeout_s: float = option(60.0, "longest wait for the next token from decode")
     image_fetch_timeout_s: float = option(
@@ -175,23 +150,26 @@ class PrefillConfig(ModelOptions):
         (),
         "hosts image URLs may name, at any address, e.g. images.internal (default: any host "
         "with only public addresses)",
+        vllm="--allowed-media-domains",
     )
     max_image_bytes: int = option(20 * 1024 * 1024, "size limit of one image, encoded")
     max_image_pixels: int = option(50_000_000, "refuse images larger than this (from their header)")
-    max_images: int = option(16, "most images in one request")
+    max_images: int = option(16, "most images in one request", vllm=IMAGE_LIMIT)
     default_max_tokens: int = option(1024, "max_tokens when a request gives none")
     max_n: int = option(16, "most choices (n) one request may ask for, up to 128")
     reasoning_parser: str = option(
         "auto",
         "kimi_vl: chat replies give the reasoning between ◁think▷ and ◁/think▷ as `reasoning` "
-        "beside `content`, and structured outputs apply to the answer (vLLM's flag); none: "
-        "all is content; auto: kimi_vl for a thinking checkpoint (its chat template names "
-        "◁think▷, or its name is a -Thinking model's)",
+        "beside `content`, and structured outputs apply to the answer; none: all is content; "
+        "auto: kimi_vl for a thinking checkpoint (its chat template names ◁think▷, or its name "
+        "is a -Thinking model's)",
+        vllm="--reasoning-parser",
     )
     max_prefill_tokens: int = option(
         0,
         "prompt tokens prefilled in one forward: waiting prompts fill it, one that does not fit "
         "runs in chunks (0: 512 on a CPU, 4096 on a GPU)",
+        vllm="--max-num-batched-tokens",
     )
     busy_threads: int = option(
         0,
@@ -210,8 +188,8 @@ class PrefillConfig(ModelOptions):
     enable_prefix_caching: bool = option(
         True,
         "keep prompts' KV after their requests, so a prompt that begins as one before did (the "
-        "next turn of a chat, a shared system prompt, the same image) prefills only the rest "
-        "(vLLM's flag)",
+        "next turn of a chat, a shared system prompt, the same image) prefills only the rest",
+        vllm="--enable-prefix-caching",
     )
     prefix_cache_bytes: int = option(
         1024 * 1024 * 1024,
@@ -234,11 +212,35 @@ class PrefillConfig(ModelOptions):
         30.0, "on SIGTERM, how long requests in flight may take to finish (new ones get 503)"
     )
     api_key: str = option(
-        "", "key every /v1 request must send as 'Authorization: Bearer' (or set EPD_API_KEY)"
+        "",
+        "key every /v1 request must send as 'Authorization: Bearer' (or set EPD_API_KEY)",
+        vllm="--api-key",
     )
     access_log: bool = option(False, "log a line per HTTP request (uvicorn's access log)")
+    disable_log_requests: bool = option(
+        False,
+        "the line logged as each request ends (its id, tokens, images, TTFT and time) only at "
+        "debug level",
+        vllm="--disable-log-requests",
+    )
+    uvicorn_log_level: str = option(
+        "",
+        f"level of uvicorn's own log lines: {', '.join(UVICORN_LOG_LEVELS)} (default: warning, "
+        "or --log-level where that is higher)",
+        vllm="--uvicorn-log-level",
+    )
     allowed_origins: tuple[str, ...] = option(
-        (), "origins browsers may call the API from (CORS), e.g. https://app.example; * for any"
+        (),
+        "origins browsers may call the API from (CORS), e.g. https://app.example; * for any; "
+        "listed with spaces, or as vLLM's JSON list '[\"*\"]'",
+        vllm="--allowed-origins",
+    )
+    max_model_len: int = max_model_len_option()
+    chat_template: str = option(
+        "",
+        "a chat template instead of the checkpoint's: a file holding it, or the Jinja text "
+        "itself (default: the checkpoint's)",
+        vllm="--chat-template",
     )
     watchdog_s: float = watchdog_option()
 
@@ -263,8 +265,8 @@ class PrefillConfig(ModelOptions):
 
 @dataclass(frozen=True)
 class ServeConfig(ModelOptions):
-    host: str = option("127.0.0.1", "host of the OpenAI-compatible HTTP API")
-    port: int = option(8000, "port of the OpenAI-compatible HTTP API")
+    host: str = option("127.0.0.1", "host of the OpenAI-compatible HTTP API", vllm="--host")
+    port: int = option(8000, "port of the OpenAI-compatible HTTP API", vllm="--port")
     internal_base_port: int = option(
         7101, "loopback ports for the processes' traffic: ZeroMQ on N..N+2, health on N+10, N+12"
     )

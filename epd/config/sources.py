@@ -5,20 +5,26 @@ A config file describes a deployment: top-level keys are shared by every role (m
 dtype, trust_remote_code) and a section per role (`encode:`, `prefill:`, `decode:`, `serve:`)
 holds that role's settings, which may also override the shared ones. Every key in the file is
 checked, whichever role reads it, so a typo fails loudly and names the key.
+
+A setting that stands for a vLLM flag takes that flag too (`vllm`), so a `vllm serve` command
+line starts `epd serve`; a list takes vLLM's JSON form ('["*"]') as well as words.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import types
 import typing
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, TypeVar
 
 import yaml
 
 from epd.config.roles import ROLES, ModelOptions
+from epd.config.vllm import VllmFlag
 
 T = TypeVar("T")
 SHARED = tuple(f.name for f in dataclasses.fields(ModelOptions))
@@ -40,13 +46,31 @@ def coerce(hint: Any, value: Any, key: str) -> Any:
     if origin is tuple:
         items = [value] if isinstance(value, str) else value
         if isinstance(items, list) and all(isinstance(i, str) for i in items):
-            return tuple(items)
+            return list_items(items, key)
         raise ValueError(f"{key} must be a list of strings, got {value!r}")
     if hint is float and isinstance(value, int | float) and not isinstance(value, bool):
         return float(value)
     if type(value) is not hint:
         raise ValueError(f"{key} must be {hint.__name__}, got {value!r}")
     return value
+
+
+def list_items(values: Iterable[str], key: str) -> tuple[str, ...]:
+    """A list setting's items: each value is words apart at spaces, or a JSON list of strings
+    (vLLM's form: `--allowed-origins '["*"]'` is the origin *, not one named `["*"]`)."""
+    items: list[str] = []
+    for value in values:
+        if not value.lstrip().startswith("["):
+            items += value.split()
+            continue
+        try:
+            parsed = json.loads(value)
+        except json.JSONDecodeError:
+            parsed = None
+        if not (isinstance(parsed, list) and all(isinstance(i, str) for i in parsed)):
+            raise ValueError(f"{key}: {value!r} is not a JSON list of strings")
+        items += parsed
+    return tuple(items)
 
 
 def read_config_file(path: str | Path) -> dict[str, Any]:
@@ -91,8 +115,9 @@ def build(cls: type[T], values: dict[str, Any]) -> T:
     """A role's config from merged values; a missing required setting is named."""
     for name, f in _fields(cls).items():
         if f.default is dataclasses.MISSING and name not in values:
+            first = " (or give it first: epd serve MODEL)" if name == "model" else ""
             raise ValueError(
-                f"{name} is required: pass --{name.replace('_', '-')} or set it in --config"
+                f"{name} is required: pass --{name.replace('_', '-')}{first} or set it in --config"
             )
     return cls(**values)
 
@@ -104,29 +129,47 @@ def add_flags(
     only: typing.Collection[str] | None = None,
     note: str = "",
 ) -> None:
-    """One flag per field (or per field in `only`); unset flags stay out of the namespace so
-    the file can fill them."""
+    """One flag per field (or per field in `only`), and its vLLM flag if it has one; unset
+    flags stay out of the namespace so the file can fill them."""
     if config_file:
         parser.add_argument("--config", help="YAML config file; flags given here win over it")
     hints = _hints(cls)
     for name, f in _fields(cls).items():
         if only is not None and name not in only:
             continue
-        hint, kwargs = hints[name], dict[str, Any](default=argparse.SUPPRESS)
+        hint, kwargs = hints[name], dict[str, Any](default=argparse.SUPPRESS, dest=name)
         if hint is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
         elif typing.get_origin(hint) is tuple:
             kwargs |= {"nargs": "+", "type": typing.get_args(hint)[0]}
         else:
             kwargs["type"] = hint
-        text = f.metadata["help"]
-        if f.default is dataclasses.MISSING:
-            said = "required"
-        else:  # a help that names its default in words says it better than the value
-            said = "" if "(default:" in text else f"default: {f.default}"
-        said = f"{note}{said}".removesuffix("; ")
-        help_text = f"{text} ({said})" if said else text
-        parser.add_argument(f"--{name.replace('_', '-')}", help=help_text, **kwargs)
+        flag = f"--{name.replace('_', '-')}"
+        vllm: VllmFlag | None = f.metadata.get("vllm")
+        # A vLLM flag that writes its value as epd does is another name of epd's own.
+        aliases = [vllm.name] if vllm and not vllm.parse and vllm.name != flag else []
+        parser.add_argument(flag, *aliases, help=help_text(f, note), **kwargs)
+        if vllm is not None and vllm.parse is not None:
+            parser.add_argument(
+                vllm.name,
+                dest=name,
+                type=vllm.parse,
+                default=argparse.SUPPRESS,
+                metavar="VALUE",
+                help=f"{flag} in vLLM's form: {vllm.form}",
+            )
+
+
+def help_text(f: dataclasses.Field[Any], note: str = "") -> str:
+    """A field's help, and in brackets the roles it goes to, its default and its vLLM flag."""
+    text, vllm = f.metadata["help"], f.metadata.get("vllm")
+    if f.default is dataclasses.MISSING:
+        said = ["required"]
+    else:  # a help that names its default in words says it better than the value
+        said = [] if "(default:" in text else [f"default: {f.default}"]
+    said += [f"vLLM: {vllm.name}"] if vllm else []
+    said_all = note + "; ".join(said)
+    return f"{text} ({said_all.removesuffix('; ')})" if said_all else text
 
 
 # Settings `epd serve` decides for its children: the loopback addresses that join them.
@@ -154,8 +197,18 @@ def add_child_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def flag_values(args: argparse.Namespace, cls: type) -> dict[str, Any]:
-    given = {k: v for k, v in vars(args).items() if k in _fields(cls)}
-    return {k: tuple(v) if isinstance(v, list) else v for k, v in given.items()}
+    """The settings of `cls` given as flags; a checkpoint given first (`epd serve MODEL`, as
+    vLLM's) is the model, and an error if --model names another."""
+    fields = _fields(cls)
+    given = {
+        k: list_items(v, k) if isinstance(v, list) else v
+        for k, v in vars(args).items()
+        if k in fields
+    }
+    first = vars(args).get("model_path")
+    if first is not None and "model" in fields and given.setdefault("model", first) != first:
+        raise ValueError(f"two models: {first} first, and --model {given['model']}")
+    return given
 
 
 def resolve(cls: type[T], role: str, args: argparse.Namespace) -> T:

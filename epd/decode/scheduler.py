@@ -75,15 +75,22 @@ class Scheduler:
         max_batch_size: int = 64,
         max_kv_tokens: int = 0,
         preallocate: bool = False,
+        context_length: int = 0,
+        memory_share: float = 0.0,
     ) -> None:
+        """`context_length`: the most tokens of a sequence (0: the model's); `memory_share`:
+        of the device's memory, for an automatic KV budget (`kv_memory`)."""
         self.lm, self.tokenizer, self.eos_ids = lm, tokenizer, eos_ids
         self.max_batch_size = max_batch_size
+        self.context_length = context_length or lm.config.max_position_embeddings
         self.max_waiting = 4 * max_batch_size  # each holds its cache: bound what one peer can park
         self.device = lm.lm_head.weight.device
         self.running: dict[tuple[str, int], Sequence] = {}  # by (request id, choice)
         self.waiting: deque[Sequence] = deque()
         config, dtype = lm.config, lm.lm_head.weight.dtype
-        budget = max_kv_tokens or default_kv_tokens(config, max_batch_size, self.device, dtype)
+        budget = max_kv_tokens or default_kv_tokens(
+            config, max_batch_size, self.device, dtype, self.context_length, memory_share
+        )
         layers, width = config.num_hidden_layers, config.latent_dim
         try:
             self.pool = LatentPool(
@@ -129,11 +136,10 @@ class Scheduler:
         if any(not 0 <= t < config.vocab_size for t in handoff.sampling.token_ids()):
             raise ValueError("logit_bias or stop_token_ids name a token outside the vocabulary")
         total = handoff.prompt_tokens + handoff.sampling.max_tokens
-        if total > config.max_position_embeddings:
+        if total > self.context_length:
             raise ValueError(
                 f"{handoff.prompt_tokens} prompt tokens and max_tokens "
-                f"{handoff.sampling.max_tokens} exceed the context length "
-                f"{config.max_position_embeddings}"
+                f"{handoff.sampling.max_tokens} exceed the context length {self.context_length}"
             )
         if total > self.pool.max_tokens:
             raise TooLarge(
@@ -361,19 +367,35 @@ def paged(sequence: Sequence) -> PagedCache:
 
 
 def default_kv_tokens(
-    config: TextConfig, max_batch_size: int, device: torch.device, dtype: torch.dtype
+    config: TextConfig,
+    max_batch_size: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    context: int = 0,
+    memory_share: float = 0.0,
 ) -> int:
-    """Decode's KV cache budget when none is set: every batch slot at the full context, or what
-    half the device's free memory holds if that is less, but always one whole context. On a
-    CPU the pool keeps a gathered copy of the running caches beside it, of at most its own
-    size (`LatentPool`'s `keeps_gathered`): there the pool takes a quarter."""
+    """Decode's KV cache budget when none is set: every batch slot at the full context (the
+    model's, or `context`), or what `kv_memory` holds if that is less, but always one whole
+    context."""
     per_token = config.num_hidden_layers * config.latent_dim * dtype.itemsize
-    context = config.max_position_embeddings
+    context = context or config.max_position_embeddings
+    room = kv_memory(device, memory_share)
+    return max(context, min(max_batch_size * context, room // per_token))
+
+
+def kv_memory(device: torch.device, share: float = 0.0) -> int:
+    """Bytes an automatic KV budget may take. With a `share` of the device's memory (vLLM's
+    gpu_memory_utilization): on a GPU what the share leaves once this process's weights are
+    loaded, within the memory free; on a CPU the share of the memory free now. Without one,
+    half the memory free. On a CPU the pool keeps a gathered copy of the running caches beside
+    it, of at most its own size (`LatentPool`'s `keeps_gathered`): it gets half of that."""
     if device.type == "cuda":
-        share = torch.cuda.mem_get_info(device)[0] // 2
-    else:
-        share = available_memory() // (4 if keeps_gathered(device) else 2)
-    return max(context, min(max_batch_size * context, share // per_token))
+        free, total = torch.cuda.mem_get_info(device)
+        if not share:
+            return free // 2
+        return max(0, min(free, int(share * total) - torch.cuda.memory_reserved(device)))
+    copies = 2 if keeps_gathered(device) else 1
+    return int(available_memory() * (share or 0.5)) // copies
 
 
 def keeps_gathered(device: torch.device) -> bool:

@@ -16,7 +16,7 @@ import time
 import torch
 import zmq
 
-from epd.checkpoint.config import load_model_config
+from epd.checkpoint.config import context_length, load_model_config
 from epd.checkpoint.progress import phase
 from epd.checkpoint.tokenizer import load_tokenizer, stop_token_ids
 from epd.checkpoint.weights import load_model
@@ -233,6 +233,7 @@ def largest_frame(checkpoint: str) -> int:
 
 def load_scheduler(config: DecodeConfig) -> Scheduler:
     """The model, tokenizer and limits the config names, as a scheduler."""
+    context = context_length(load_model_config(config.model).text, config.max_model_len)
     model = load_model(
         config.model,
         "language",
@@ -249,6 +250,8 @@ def load_scheduler(config: DecodeConfig) -> Scheduler:
         config.max_batch_size,
         config.max_kv_tokens,
         preallocate=torch.device(config.device).type == "cuda",  # a GPU of its own: take it now
+        context_length=context,
+        memory_share=config.gpu_memory_utilization,
     )
     with phase("warming up: the grammar tables", "warmed up"):
         prepare(scheduler.grammars)  # built now (or found unavailable), not at the first grammar

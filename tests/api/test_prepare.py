@@ -191,3 +191,14 @@ def test_the_prompt_may_end_after_the_last_turn_or_inside_it(tiny_checkpoint, tm
     only_image = [{"role": "user", "content": [image]}]
     with pytest.raises(APIError, match="could not find any text to continue"):
         prompt_text(builder, {"messages": only_image} | goes_on | ends)
+
+
+def test_max_model_len_caps_the_context_and_may_not_pass_the_checkpoints(tiny_checkpoint):
+    tokenizer = load_tokenizer(tiny_checkpoint)
+    builder = PromptBuilder.from_checkpoint(tiny_checkpoint, tokenizer, 16, max_model_len=64)
+    assert builder.context_length == 64
+    with pytest.raises(APIError, match="asks for 60 more, over the context length of 64"):
+        sampling(builder, max_tokens=60)  # 10 prompt tokens
+    own = PromptBuilder.from_checkpoint(tiny_checkpoint, tokenizer, 16).context_length
+    with pytest.raises(CheckpointError, match=f"max_model_len={own + 1} is more than the chec"):
+        PromptBuilder.from_checkpoint(tiny_checkpoint, tokenizer, 16, max_model_len=own + 1)

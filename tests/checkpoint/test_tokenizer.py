@@ -119,6 +119,30 @@ def test_the_chat_template_file_comes_first(checkpoint_in, tmp_path):
     assert decode_text(tokenizer, render_prompt(tokenizer, MESSAGES[1:])) == MESSAGES[1]["content"]
 
 
+@pytest.mark.parametrize("as_file", [False, True])
+def test_a_given_chat_template_replaces_the_checkpoints(checkpoint_in, tmp_path, as_file):
+    """--chat-template, as vLLM's: the template itself, or a file holding it."""
+    template = "{% for m in messages %}<{{ m.content }}>{% endfor %}"
+    if as_file:
+        (tmp_path / "t.jinja").write_text(template)
+    given = str(tmp_path / "t.jinja") if as_file else template
+    tokenizer = load_tokenizer(checkpoint_in("appended"), chat_template=given)
+    assert tokenizer.chat_template == template
+    assert decode_text(tokenizer, render_prompt(tokenizer, MESSAGES[1:])).startswith("<What")
+
+
+@pytest.mark.parametrize(
+    "given,message",
+    [
+        ("no/such/template.jinja", "neither a template nor a file to read"),
+        ("{% for m in messages %}", "is not a Jinja template"),
+    ],
+)
+def test_a_chat_template_that_cannot_be_used_is_refused_at_start(checkpoint_in, given, message):
+    with pytest.raises(CheckpointError, match=message):
+        load_tokenizer(checkpoint_in("appended"), chat_template=given)
+
+
 def broken(checkpoint_in, tmp_path, edit):
     path = shutil.copytree(checkpoint_in("tiktoken"), tmp_path / "c")
     edit(path)

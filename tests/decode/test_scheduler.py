@@ -7,7 +7,7 @@ import torch
 from epd.checkpoint.config import load_generation_config, load_model_config
 from epd.checkpoint.tokenizer import load_tokenizer
 from epd.checkpoint.weights import load_model
-from epd.decode.scheduler import Busy, Scheduler, TooLarge, default_kv_tokens
+from epd.decode.scheduler import Busy, Scheduler, TooLarge, default_kv_tokens, kv_memory
 from epd.generation.grammar import choice_grammar
 from epd.generation.params import SamplingParams
 from epd.prefill.engine import PrefillEngine
@@ -421,3 +421,21 @@ def test_a_kv_budget_that_does_not_fit_says_which_setting_to_lower(parts, monkey
     monkeypatch.setattr("epd.decode.scheduler.LatentPool", out_of_memory)
     with pytest.raises(RuntimeError, match="KV cache of 4096 tokens .* smaller --max-kv-tokens"):
         Scheduler(lm, tokenizer, eos, max_kv_tokens=4096, preallocate=True)
+
+
+def test_max_model_len_and_a_memory_share_size_the_default_budget(parts, monkeypatch):
+    config, cpu = parts[0].config, torch.device("cpu")
+    per_token = config.num_hidden_layers * config.latent_dim * 4
+    monkeypatch.setattr("epd.decode.scheduler.available_memory", lambda: 1000 * per_token)
+    assert kv_memory(cpu) == 250 * per_token  # half the free memory, half of that for the copy
+    assert kv_memory(cpu, 0.9) == 450 * per_token  # the pool and its copy take 0.9 together
+    assert default_kv_tokens(config, 4, cpu, torch.float32, context=32) == 4 * 32
+    assert default_kv_tokens(config, 64, cpu, torch.float32, 64, 0.9) == 450
+
+
+def test_a_shorter_context_refuses_a_hand_off_past_it(parts):
+    lm, tokenizer, engine, eos = parts
+    scheduler = Scheduler(lm, tokenizer, eos, context_length=16)
+    with pytest.raises(ValueError, match="exceed the context length 16"):
+        scheduler.add(engine.run("long", [9] * 10, None, SamplingParams(7, temperature=0)).handoff)
+    scheduler.add(engine.run("fits", [9] * 10, None, SamplingParams(6, temperature=0)).handoff)

@@ -1,0 +1,87 @@
+"""The machinery of settings: a field's default, help and vLLM flag (`option`), and the checks
+every value passes (`Settings`), whichever dataclass holds it; `roles` holds the roles' own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from epd.config.vllm import VllmFlag
+from epd.dtypes import MODEL_DTYPES
+
+DTYPE_CHOICES = ("auto", *MODEL_DTYPES)
+ADDRESS_SCHEMES = ("tcp://", "ipc://", "inproc://")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+UVICORN_LOG_LEVELS = (*LOG_LEVELS, "critical", "trace")
+REASONING_PARSERS = ("auto", "none", "kimi_vl")
+AUTOMATIC = (  # 0: by device, or by the checkpoint
+    "threads",
+    "batch_patches",
+    "max_prefill_tokens",
+    "max_kv_tokens",
+    "max_model_len",
+)
+
+
+def option(default: Any, help: str, vllm: str | VllmFlag = "") -> Any:
+    """A setting: its default, its help, and the vLLM flag it stands for, if one does."""
+    return field(default=default, metadata=metadata(help, vllm))
+
+
+def required(help: str, vllm: str | VllmFlag = "") -> Any:
+    return field(metadata=metadata(help, vllm))
+
+
+def metadata(help: str, vllm: str | VllmFlag) -> dict[str, Any]:
+    if isinstance(vllm, str):  # the name alone: vLLM writes the value as epd does
+        return {"help": help, "vllm": VllmFlag(vllm) if vllm else None}
+    return {"help": help, "vllm": vllm}
+
+
+def _check_value(name: str, value: Any) -> str | None:
+    """Why `value` is not acceptable for a setting called `name`, or None."""
+    if isinstance(value, float) and not math.isfinite(value):  # a NaN passes `< 0` and `>= 1`
+        return "must be a finite number"
+    if name == "dtype" and value not in DTYPE_CHOICES:
+        return f"must be one of {', '.join(DTYPE_CHOICES)}"
+    if name.endswith("port") and not 0 < value < 65536:
+        return "must be a port number, 1 to 65535"
+    if name.endswith("_s") and not value > 0:
+        return "must be a positive number of seconds"
+    if name in AUTOMATIC:
+        return "must be 0 (automatic) or a positive number" if value < 0 else None
+    if name == "min_chunk_tokens" and value < 0:
+        return "must be 0 (off) or a positive number"
+    if name == "busy_threads" and value < 0:
+        return "must be 0 (as threads) or a positive number"
+    if name == "gpu_memory_utilization" and not 0 <= value <= 1:
+        return "must be a share in (0, 1], or 0 (automatic)"
+    if name.startswith("max_") and not value >= 1:
+        return "must be at least 1"
+    if name == "log_level" and value.lower() not in ("", *LOG_LEVELS):
+        return f"must be one of {', '.join(LOG_LEVELS)}"
+    if name == "uvicorn_log_level" and value not in ("", *UVICORN_LOG_LEVELS):
+        return f"must be one of {', '.join(UVICORN_LOG_LEVELS)}"
+    if name == "reasoning_parser" and value not in REASONING_PARSERS:
+        return f"must be one of {', '.join(REASONING_PARSERS)}"
+    if name == "log_format" and value not in ("text", "json"):
+        return "must be text or json"
+    addresses = value if isinstance(value, tuple) else (value,)
+    is_address = name in ("bind", "encoders", "decoders", "prefills") or (
+        name == "advertise" and value
+    )
+    if is_address and not (addresses and all(a.startswith(ADDRESS_SCHEMES) for a in addresses)):
+        return "must be ZeroMQ addresses such as tcp://127.0.0.1:7101"
+    return None
+
+
+@dataclass(frozen=True)
+class Settings:
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            problem = _check_value(f.name, getattr(self, f.name))
+            if problem:
+                raise ValueError(f"{f.name}={getattr(self, f.name)!r}: {problem}")
