@@ -141,7 +141,7 @@ def test_serve_exits_with_the_error_of_a_child_that_cannot_start(tmp_path):
             "epd.cli",
             "serve",
             "--model",
-            str(tmp_path / "missing"),
+            str(tmp_path),  # a folder, but no checkpoint: the children fail as they load it
             "--port",
             str(base + 20),
             "--internal-base-port",

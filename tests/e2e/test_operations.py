@@ -14,6 +14,7 @@ from pathlib import Path
 
 import openai
 import pytest
+import requests
 import torch
 import zmq
 from PIL import Image
@@ -71,6 +72,12 @@ def test_the_client_needs_the_key(locked_stack):
     wrong = openai.OpenAI(base_url=url, api_key="k-7f3b", max_retries=0)
     with pytest.raises(openai.AuthenticationError, match="API key"):
         wrong.models.list()
+    for docs in ("/docs", "/redoc", "/openapi.json"):  # they list every route
+        assert requests.get(f"http://127.0.0.1:{base + 20}{docs}", timeout=5).status_code == 401
+    schema = requests.get(
+        f"http://127.0.0.1:{base + 20}/openapi.json", headers={"Authorization": f"Bearer {KEY}"}
+    )
+    assert "/v1/chat/completions" in schema.json()["paths"]
 
 
 def test_the_key_is_in_no_command_line(locked_stack):

@@ -90,3 +90,15 @@ def test_image_work_that_cannot_be_encoded_in_time_is_refused_at_once(tiny_check
         assert health["encode_patches_per_s"] > 0
     finally:
         assert stack.stop() == 0, stack.output
+
+
+def test_a_field_of_the_wrong_type_is_a_400_naming_it(stack):
+    _, base = stack
+    api = f"http://127.0.0.1:{base + 20}/v1"
+    user = [{"role": "user", "content": "hi"}]
+    for route, body, param in [
+        ("responses", {"input": "hi", "include": [{}]}, "include.0"),
+        ("chat/completions", {"messages": user, "modalities": 5}, "modalities"),
+    ]:
+        answer = requests.post(f"{api}/{route}", json=body, timeout=30)
+        assert answer.status_code == 400 and answer.json()["error"]["param"] == param
