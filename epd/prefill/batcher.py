@@ -20,10 +20,12 @@ fails.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import time
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -34,11 +36,20 @@ from epd.prefill.metrics import PrefillMetrics
 from epd.prefill.prefix_cache import PrefixCache
 from epd.runtime.process import set_torch_threads
 
+log = logging.getLogger(__name__)
 WAITING_TOKENS = 32768  # prompt tokens that may wait, at least: 8 forwards at the GPU budget
 # Tokens per forward unless configured. On a CPU, a forward of 512 (two 240-token prompts)
 # gave 1.3x the output tokens of 4096 at 16 streams: long forwards make decode wait for whole
 # waves of requests (docs/benchmarks.md). The GPU figure is the earlier default, unmeasured.
 CPU_BUDGET, GPU_BUDGET = 512, 4096
+
+
+def stored(done: Future[None]) -> None:
+    """A store into the prefix cache that failed is logged: the cache is only a help."""
+    if (error := done.exception()) is not None:
+        log.warning(
+            "keeping a prompt in the prefix cache failed: %s: %s", type(error).__name__, error
+        )
 
 
 def token_budget(configured: int, device: torch.device) -> int:
@@ -101,28 +112,37 @@ class PrefillBatcher:
         waiting = sum(job.left for job in self.waiting)
         if waiting >= self.max_waiting_tokens:
             raise Unavailable(f"prefill is full: {waiting} prompt tokens are waiting")
-        future: asyncio.Future[Prefilled] = asyncio.get_running_loop().create_future()
-        self.waiting.append(self.job(prompt, future))
-        self.arrived.set()
-        return await future
-
-    def job(self, prompt: Prompt, future: asyncio.Future[Prefilled]) -> Job:
-        """A prompt's job, begun from its longest cached prefix if there is one."""
-        job = Job(prompt, future)
+        loop = asyncio.get_running_loop()
+        job = Job(prompt, loop.create_future())
         if self.prefix_cache is not None and prompt.cacheable:
-            cached = self.prefix_cache.lookup(prompt.prompt_ids, prompt.image_spans or ())
-            self.metrics.prefix_cache_queries.inc(len(prompt.prompt_ids))
-            if cached is not None:
-                job.done, job.past = cached.length, Partial(cached)
-                self.metrics.prefix_cache_hits.inc(cached.length)
-        return job
+            # On the engine's thread, as every use of the cache: a hit's rows are copied (at
+            # Kimi-VL's widths 62 KB a token), which would hold up every stream on the loop.
+            await loop.run_in_executor(self.executor, self.begin_cached, job)
+        self.waiting.append(job)
+        self.arrived.set()
+        return await job.future
+
+    def begin_cached(self, job: Job) -> None:
+        """Start a job from its prompt's longest cached prefix, if there is one."""
+        assert self.prefix_cache is not None
+        prompt = job.prompt
+        cached = self.prefix_cache.lookup(prompt.prompt_ids, prompt.image_spans or ())
+        self.metrics.prefix_cache_queries.inc(len(prompt.prompt_ids))
+        if cached is not None:
+            job.done, job.past = cached.length, Partial(cached)
+            self.metrics.prefix_cache_hits.inc(cached.length)
 
     def keep(self, job: Job, prefilled: Prefilled) -> None:
-        """Store a prefilled prompt's blocks in the prefix cache (from its hand-off, which holds
-        its whole cache)."""
-        prompt, handoff = job.prompt, prefilled.handoff
-        if self.prefix_cache is not None and prompt.cacheable and handoff is not None:
-            self.prefix_cache.store(prompt.prompt_ids, prompt.image_spans or (), handoff.cache)
+        """Store a prefilled prompt's blocks in the prefix cache, from its hand-off (which holds
+        its whole cache), on the engine's thread before its next forward."""
+        prompt, handoff, cache = job.prompt, prefilled.handoff, self.prefix_cache
+        if cache is None or not prompt.cacheable or handoff is None:
+            return
+        rows, spans = handoff.cache, prompt.image_spans or ()
+        with contextlib.suppress(RuntimeError):  # the batcher has stopped: nothing more is kept
+            self.executor.submit(cache.store, prompt.prompt_ids, spans, rows).add_done_callback(
+                stored
+            )
 
     async def run(self) -> None:
         """Prefill whatever waits, batch after batch, until cancelled."""
