@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# A mixed soak for the prefix cache: does it stay within its budget, and prefill's memory flat?
+#
+#   scripts/soak_prefix_cache.sh [MINUTES] [BUDGET_BYTES] [MODEL]
+#
+# Starts `epd serve` with --prefix-cache-bytes BUDGET (default 64 MiB: small, so that it fills
+# and evicts), then for MINUTES (default 30) runs `epd bench` workloads in turn: conversations
+# with an image, 8 streams sharing a system prompt, and prompts that share nothing. Every 15 s
+# it prints the cache's bytes and cached tokens (from /health) and prefill's resident memory.
+set -euo pipefail
+minutes=${1:-30}
+budget=${2:-67108864}
+model=${3:-checkpoints/kimi-vl-shapes}
+port=8750
+cd "$(dirname "$0")/.."
+python=.venv/bin/python
+$python -m epd.cli serve --model "$model" --port $port --internal-base-port 7750 \
+  --prefix-cache-bytes "$budget" > /tmp/soak_serve.log 2>&1 &
+server=$!
+trap 'kill -INT $server 2>/dev/null; wait $server 2>/dev/null || true' EXIT
+until curl -sf http://127.0.0.1:$port/health > /dev/null; do sleep 1; done
+prefill=$(pgrep -f "epd.cli prefill.*--port $port" | head -1)
+
+sample() {
+  while true; do
+    cache=$(curl -sf http://127.0.0.1:$port/health | $python -c \
+      'import json,sys; c=json.load(sys.stdin)["prefix_cache"]; print(c["bytes"], c["cached_tokens"], c["hit_rate"])')
+    rss=$(awk '/VmRSS/ {print int($2 / 1024)}' /proc/"$prefill"/status)
+    echo "$(date +%T) cache_bytes cached_tokens hit_rate: $cache  prefill_rss_mb: $rss"
+    sleep 15
+  done
+}
+sample &
+sampler=$!
+trap 'kill $sampler 2>/dev/null; kill -INT $server 2>/dev/null; wait $server 2>/dev/null || true' EXIT
+
+bench() { $python -m epd.cli bench --base-url http://127.0.0.1:$port/v1 "$@" 2>/dev/null \
+  | grep -E "completed" || true; }
+end=$((SECONDS + minutes * 60))
+seed=0
+while [ $SECONDS -lt $end ]; do
+  seed=$((seed + 1))
+  bench --seed $seed --system-prompt-tokens 600 --images 1 --turns 3 --requests 9 \
+    --prompt-tokens 30 --output-tokens 16 --concurrency 2
+  bench --seed $seed --system-prompt-tokens 800 --requests 16 --prompt-tokens 30 \
+    --output-tokens 16 --concurrency 8
+  bench --seed $seed --requests 16 --prompt-tokens 200 --output-tokens 16 --concurrency 4
+done
