@@ -65,7 +65,7 @@ class EncodeLoad:
         yet, the most it can be, from its oldest part out (P patches not back after T seconds:
         at most P / T). None when nothing is known of any."""
         now, rates = time.perf_counter(), {}
-        for sent in sorted(self.sent.values(), key=lambda s: -s.at):  # the oldest last: kept
+        for sent in reversed(self.sent.values()):  # in the order sent: the oldest last, kept
             if sent.encoder not in self.paces:
                 rates[sent.encoder] = sent.patches / max(now - sent.at, 1e-9)
         rates |= {encoder: p.rate for encoder, p in self.paces.items() if p.seconds > 0}
