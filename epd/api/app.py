@@ -106,11 +106,13 @@ class Service:
         if self.coordinator is None:
             return {}
         coordinator = self.coordinator
+        router = coordinator.router
         requests: dict[str, object] = {"in_flight": self.gate.in_flight, "waiting": self.waiting}
-        outbox = coordinator.outbox
-        requests["peers"] = {a: "up" if outbox.is_up(a) else "down" for a in coordinator.peers()}
-        refused = {"refused_messages": coordinator.inbox.refusals.total}
-        images = coordinator.images.status() | coordinator.load.status()
+        requests["by_status"] = coordinator.counts()
+        outbox = router.outbox
+        requests["peers"] = {a: "up" if outbox.is_up(a) else "down" for a in router.peers()}
+        refused = {"refused_messages": router.inbox.refusals.total}
+        images = coordinator.images.status() | router.load.status()
         return requests | refused | images | coordinator.batcher.status()
 
     @contextmanager
@@ -146,9 +148,9 @@ class Service:
         found = [DRAINING] if self.gate.draining else []
         if self.coordinator is None:
             return [*found, "starting"]
-        coordinator = self.coordinator
-        for peers in (coordinator.encoders, coordinator.decoders):
-            if not any(coordinator.outbox.is_up(a) for a in peers.current):
+        router = self.coordinator.router
+        for peers in (router.encoders, router.decoders):
+            if not any(router.outbox.is_up(a) for a in peers.current):
                 tried = ", ".join(peers.current or peers.configured)
                 found.append(f"no {peers.role} server answers (tried {tried})")
         return found
@@ -428,8 +430,7 @@ async def generate(service: Service, prepared: PreparedRequest) -> Started:
     assert coordinator is not None
     if prepared.sampling.grammar:  # off the loop: the first one builds llguidance's tokenizer
         await service.off_loop(check_grammar, service.engine, prepared.sampling)
-    images = await coordinator.encode(prepared)
-    stream = await coordinator.prefill(prepared, images)
+    stream = await coordinator.submit(prepared)
     return Started(coordinator.deltas(stream), stream.prompt_logprobs)
 
 

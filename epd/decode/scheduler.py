@@ -32,6 +32,7 @@ from epd.generation.logits import NoTokenAllowed, adjust, require_a_token
 from epd.generation.reasoning import gate
 from epd.generation.sampling import restore_generator, sample_batch
 from epd.generation.sequence import Sequence
+from epd.generation.status import Status
 from epd.generation.transcript import Output
 from epd.memory import available_memory
 from epd.model.config import TextConfig
@@ -41,6 +42,7 @@ from epd.model.latent_pool import LatentPool, PagedCache, PoolFull
 from epd.wire.messages import KVHandoff
 
 log = logging.getLogger(__name__)
+IN_DECODE = (Status.WAITING, Status.RUNNING, Status.PREEMPTED)
 
 
 class NonFinite(ValueError):
@@ -262,6 +264,7 @@ class Scheduler:
                 step.failed.append((sequence, f"decode failed: {type(e).__name__}: {e}"))
                 continue
             self.running[sequence.key] = sequence
+            sequence.status = Status.RUNNING
 
     def _make_room(self, step: Step) -> None:
         """A row for every running sequence's next token. When no block is free, the sequence
@@ -287,12 +290,19 @@ class Scheduler:
             self._fail(step, sequence, e)
             return
         self.waiting.appendleft(sequence)
+        sequence.status = Status.PREEMPTED
         step.preempted += 1
         log.info("request %s waits for KV cache blocks", sequence.request_id)
 
     def _leave(self, sequence: Sequence) -> None:
         del self.running[sequence.key]
         self.pool.release(paged(sequence))
+        sequence.status = Status.FINISHED
+
+    def counts(self) -> dict[str, int]:
+        """Sequences by status: waiting (not yet run), running, preempted (waiting again)."""
+        statuses = [s.status for s in self.sequences()]
+        return {status.value: statuses.count(status) for status in IN_DECODE}
 
     def _fail(self, step: Step, sequence: Sequence, error: Exception) -> None:
         if isinstance(error, NoTokenAllowed | GrammarError):  # what it asked for, not a fault

@@ -187,6 +187,7 @@ class DecodeServer:
         return {
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
+            "by_status": self.scheduler.counts(),
             "refused_messages": self.inbox.refusals.total,
         }
 

@@ -11,6 +11,7 @@ from transformers import PreTrainedTokenizerBase
 from epd.generation.params import SamplingParams, TokenLogprob
 from epd.generation.reasoning import Gate
 from epd.generation.sampling import token_logprob
+from epd.generation.status import Status
 from epd.generation.transcript import Transcript
 from epd.model.latent_cache import LatentCache
 from epd.model.latent_pool import PagedCache
@@ -32,6 +33,7 @@ class Sequence(Transcript):
         super().__init__(sampling, tokenizer, eos_ids, prompt_ids, grammar)
         self.request_id, self.index = request_id, index  # index: the choice (n > 1)
         self.generator, self.cache = generator, cache
+        self.status = Status.WAITING  # the scheduler's to move on
 
     @property
     def key(self) -> tuple[str, int]:

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from epd.generation.status import Status
 from epd.prefill.engine import Chunk, Partial, Prefilled, PrefillEngine, Prompt
 from epd.prefill.errors import Unavailable
 from epd.prefill.metrics import PrefillMetrics
@@ -84,9 +85,11 @@ class PrefillBatcher:
         busy_threads: int = 0,
         others_running: Callable[[], bool] = lambda: False,
         prefix_cache: PrefixCache | None = None,
+        moved: Callable[[str, Status], None] = lambda request_id, status: None,
     ) -> None:
         self.engine, self.max_tokens, self.reply_to = engine, max_tokens, reply_to
         self.prefix_cache = prefix_cache  # None: every prompt prefilled from its start
+        self.moved = moved  # told as a request's forward starts, and as its chunk ends
         # torch threads for a forward (0: leave them as they are), and while other requests
         # run (0: the same), at most as many
         self.threads = threads
@@ -188,6 +191,8 @@ class PrefillBatcher:
                 job.started = started
                 self.metrics.queue_time.observe(started - job.queued_at)
         self.busy, self.forward = True, [job for job, _ in batch]
+        for job in self.forward:
+            self.moved(job.prompt.request_id, Status.RUNNING)
         try:
             results = await asyncio.get_running_loop().run_in_executor(
                 self.executor, self.run_chunks, self.forward_threads(), [c for _, c in batch]
@@ -201,6 +206,7 @@ class PrefillBatcher:
         for (job, chunk), result in zip(batch, results, strict=True):
             if isinstance(result, Partial):  # more chunks to come: it stays first in line
                 job.done, job.past = chunk.stop, result
+                self.moved(job.prompt.request_id, Status.WAITING)
                 continue
             if self.waiting and self.waiting[0] is job:  # a chunked prompt whose chunk failed
                 self.waiting.popleft()

@@ -1,9 +1,10 @@
-"""Prefill's side of the wire: send work to encoders and decoders, route their replies.
+"""A request's life in prefill, from the API's hand-over to its last token, in one place.
 
-Runs on the API's event loop. Each request waits on futures (image embeddings) and a queue
-(token deltas) keyed by its id; a Failure, a timeout or a peer that disconnects resolves them with
-an error, so no request waits on a dead process. A request's first tokens come from prefill
-itself, at once; decode sends the rest (and gets nothing to do if the first tokens end it).
+`submit` takes a prepared request through its images (from the image cache, or the encoders),
+its prefill (packed with whatever else waits, `PrefillBatcher`) and its hand-off to a decoder;
+`deltas` then streams its tokens: each choice's first, which prefill sampled, at once, and
+decode's after it. `Router` carries the messages to and from the peers; each request's `Status`
+says where it stands (on `/health`, by count).
 """
 
 from __future__ import annotations
@@ -11,22 +12,19 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import sys
 import time
 import weakref
-from collections import OrderedDict
+from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
 from typing import NamedTuple, TypeVar
 
 import torch
 
 from epd.config.roles import PrefillConfig
 from epd.generation.finite import overflows
-from epd.generation.sampling import Scored
+from epd.generation.status import Status
 from epd.multimodal.grids import kimi_vl_grids
 from epd.prefill.batcher import PrefillBatcher, token_budget
-from epd.prefill.encode_load import EncodeLoad
 from epd.prefill.engine import Prefilled, PrefillEngine, Prompt
 from epd.prefill.errors import (
     BadRequest,
@@ -35,44 +33,22 @@ from epd.prefill.errors import (
     PrefillError,
     TimedOut,
     Unavailable,
-    from_failure,
 )
 from epd.prefill.image_cache import ImageCache, digests
 from epd.prefill.metrics import PrefillMetrics
-from epd.prefill.peers import RESOLVE_S, PeerSet
 from epd.prefill.prefix_cache import PrefixCache, image_spans
-from epd.prefill.request import PreparedRequest
+from epd.prefill.request import PreparedRequest, Stream
+from epd.prefill.router import Router
 from epd.runtime.process import torch_threads
 from epd.runtime.watchdog import Watchdog
 from epd.wire.codec import WireError
-from epd.wire.curve import process_keys
-from epd.wire.messages import (
-    Abort,
-    EncodeRequest,
-    Failure,
-    ImageEmbeddings,
-    Message,
-    TokenDelta,
-)
-from epd.wire.outbox import Outbox
-from epd.wire.transport import Inbox, PerSecond, async_context
+from epd.wire.messages import EncodeRequest, ImageEmbeddings, TokenDelta
 
 log = logging.getLogger(__name__)
-PEER_POLL_S = 0.02
-PEER_GRACE_S = 0.5  # how long a request waits for a peer that is just connecting
-MAX_DISOWNED = 4096  # requests not ours that decoders were asked to drop, remembered
-# Requests not ours that decoders are asked to drop, at most, each second. Anyone may send a
-# 22-byte delta for a new id: unchecked, a flood of them became a flood of Aborts on the queue
-# that carries real hand-offs to decode (65 536 queued in 2.6 s, measured). Ours need few:
-# a request whose client left was aborted already when it was released.
-DISOWNED_PER_S = 64
-# How long what a lost peer sent before it went (its last tokens, a Failure saying why it
-# stopped) has to be read before its requests fail for the loss: the disconnect is seen on
-# another connection and can overtake them. Messages still unread then may hold them too, so
-# the loss waits for those, up to LAST_WORDS_MAX_S.
-LAST_WORDS_S, LAST_WORDS_MAX_S = 0.5, 2.5
 T = TypeVar("T")
 now = time.perf_counter
+# The statuses a request has between `submit` and its last delta.
+IN_PREFILL = (Status.ENCODING, Status.WAITING, Status.RUNNING, Status.DECODING)
 
 
 class Images(NamedTuple):
@@ -100,24 +76,6 @@ def prefix_cache(config: PrefillConfig, engine: PrefillEngine) -> PrefixCache | 
     except Exception as e:  # e.g. no memory for its first block on the device
         log.warning("prefill runs without a prefix cache: %s: %s", type(e).__name__, e)
         return None
-
-
-@dataclass
-class EncodeWait:
-    encoder: str
-    future: asyncio.Future[ImageEmbeddings]
-
-
-@dataclass
-class Stream:
-    request_id: str
-    decoder: str  # "" when the first tokens ended every choice: nothing was handed off
-    choices: int  # the request's n: it ends once each choice has had its last delta
-    first: tuple[TokenDelta, ...] = ()  # each choice's first token, from prefill
-    queue: asyncio.Queue[TokenDelta | PrefillError] = field(default_factory=asyncio.Queue)
-    sent_at: float = 0.0  # when the hand-off went to the decoder (perf_counter)
-    max_tokens: int = sys.maxsize  # the request's: no choice may have more
-    prompt_logprobs: tuple[Scored, ...] = ()  # scored prompt tokens, if asked (`Prompt`)
 
 
 async def within(awaitable: Awaitable[T], seconds: float, error: Exception) -> T:
@@ -149,20 +107,10 @@ class Coordinator:
     ) -> None:
         self.config, self.engine, self.watchdog = config, engine, watchdog
         self.metrics = metrics or PrefillMetrics(config.model_name)
-        keys = process_keys(config.zmq_curve_keys)
-        self.encoders = PeerSet("encode", config.encoders)
-        self.decoders = PeerSet("decode", config.decoders)
-        self.outbox = Outbox(pinned=self.peers(), curve=keys)
-        for peers in (self.encoders, self.decoders):
-            for address in peers.current:
-                self.metrics.watch_peer(peers.role, address, self.outbox.is_up)
         rows = config.max_images * max_image_tokens
         largest = rows * engine.lm.config.hidden_size * 4  # float32 embeddings of every image
-        self.inbox = Inbox(async_context(), config.bind, largest, curve=keys)
-        self.waits: dict[tuple[str, int], EncodeWait] = {}  # images being encoded
-        self.streams: dict[str, Stream] = {}  # requests handed to decode, not finished
-        self.disowned: OrderedDict[str, None] = OrderedDict()  # unknown requests aborted (LRU)
-        self.disowning = PerSecond(DISOWNED_PER_S)
+        self.router = Router(config, largest, self.metrics, polled=self.beat)
+        self.status: dict[str, Status] = {}  # requests between `submit` and their last delta
         budget = token_budget(config.max_prefill_tokens, engine.device)
         self.batcher = PrefillBatcher(
             engine,
@@ -174,163 +122,54 @@ class Coordinator:
             threads=torch_threads(config.threads, config.device),
             busy_threads=config.busy_threads,
             # API requests other than the forward's (in flight from arrival to their last
-            # byte): read and tokenised, encoding, waiting, decoding. `streams` and `waits`
-            # count those last where nothing counts requests (tests).
-            others_running=lambda: (
-                in_flight() > len(self.batcher.forward) or bool(self.streams or self.waits)
-            ),
+            # byte): read and tokenised, encoding, waiting, decoding. `status` counts those
+            # last where nothing counts requests (tests).
+            others_running=lambda: max(in_flight(), len(self.status)) > len(self.batcher.forward),
             prefix_cache=prefix_cache(config, engine),
+            moved=self.moved,
         )
         self.images = ImageCache(config.image_cache_bytes)
-        self.load = EncodeLoad(config.encode_timeout_s)
         self.tasks: list[asyncio.Task[None]] = []
 
     def start(self) -> None:
         self.batching = asyncio.create_task(self.batcher.run())
-        self.tasks = [
-            asyncio.create_task(self.read()),
-            asyncio.create_task(self.watch_peers()),
-            asyncio.create_task(self.follow_services()),
-            self.batching,
-        ]
+        self.tasks = [*self.router.tasks(), self.batching]
 
     async def stop(self) -> None:
         for task in self.tasks:
             task.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
         self.batcher.close()
-        self.inbox.close()
-        self.outbox.close()
+        self.router.close()
 
-    # Receiving.
-    async def read(self) -> None:
-        while True:
-            message = None
-            try:
-                message = await self.inbox.arecv()
-                if message is not None:
-                    self.route(message)
-            except Exception as e:  # one message (or a socket's hiccup) must not end the reading
-                self.inbox.refusals.log(f"reading a message failed: {type(e).__name__}: {e}")
-            del message  # an unclaimed payload must not stay alive until the next one comes
-            # A queued message makes arecv return at once, without yielding: let the API and
-            # the peer watch run between messages, or a flood would starve them.
-            await asyncio.sleep(0)
+    def beat(self) -> None:
+        """The loop is alive; so is prefill, when it has nothing to do."""
+        self.watchdog.beat("loop")
+        if not self.batcher.busy and not self.batching.done():
+            self.watchdog.beat("prefill")
 
-    def route(self, message: Message) -> None:
-        if isinstance(message, ImageEmbeddings):
-            self.load.replied((message.request_id, message.part_index))
-            wait = self.waits.get((message.request_id, message.part_index))
-            if wait and not wait.future.done():
-                wait.future.set_result(message)
-        elif isinstance(message, TokenDelta):
-            if (stream := self.streams.get(message.request_id)) is not None:
-                stream.queue.put_nowait(message)
-                self.decoder_reported(stream.decoder, message.kv_cache_usage)
-            else:
-                self.disown(message.request_id)
-        elif isinstance(message, Failure):
-            self.load.failed(message.request_id)
-            self.fail(message.request_id, from_failure(message))
-        else:
-            self.inbox.refusals.log(f"a {type(message).__name__}: prefill does not take it")
+    def moved(self, request_id: str, status: Status) -> None:
+        if request_id in self.status:
+            self.status[request_id] = status
 
-    def decoder_reported(self, decoder: str, kv_cache_usage: float | None) -> None:
-        """What a decoder said of its KV cache with a delta of a request it holds for this
-        prefill (not one it has stopped using: that series went with it)."""
-        if kv_cache_usage is not None and decoder in self.decoders.current:
-            self.metrics.decoder_reported(decoder, kv_cache_usage)
+    def counts(self) -> dict[str, int]:
+        """Requests by status, for /health."""
+        counted = Counter(self.status.values())
+        return {status.value: counted[status] for status in IN_PREFILL}
 
-    def disown(self, request_id: str) -> None:
-        """Tokens came for a request this prefill does not hold (its client left, it timed out,
-        or someone handed decode a request in this prefill's name): every decoder is asked,
-        once per request, to drop it, so that what holds decode's room is what is wanted; past
-        DISOWNED_PER_S such requests a second, the tokens are only refused."""
-        if request_id in self.disowned:
-            return
-        if not self.disowning.take():
-            self.inbox.refusals.log(f"tokens for {request_id}, not a request of this prefill")
-            return
-        self.disowned[request_id] = None
-        if len(self.disowned) > MAX_DISOWNED:
-            self.disowned.popitem(last=False)
-        for decoder in self.decoders.current:
-            self.outbox.send(decoder, Abort(request_id))
-
-    def fail(self, request_id: str, error: PrefillError) -> None:
-        for (rid, _), wait in self.waits.items():
-            if rid == request_id and not wait.future.done():
-                wait.future.set_exception(error)
-        if (stream := self.streams.get(request_id)) is not None:
-            stream.queue.put_nowait(error)
-
-    async def watch_peers(self) -> None:
-        """Fail every request held by a peer that disconnected (once its last words are read,
-        `fail_held_by`), or that its peer did not take in time."""
-        while True:
-            self.watchdog.beat("loop")
-            if not self.batcher.busy and not self.batching.done():  # idle and alive
-                self.watchdog.beat("prefill")
-            losses = self.outbox.poll()
-            for address in losses.peers:
-                log.warning("lost the connection to %s", address)
-                self.fail_held_by(address)
-            for address, request_id in losses.requests:
-                self.fail(request_id, Unavailable(f"{address} did not take this request in time"))
-            await asyncio.sleep(PEER_POLL_S)
-
-    def peers(self) -> tuple[str, ...]:
-        return (*self.encoders.current, *self.decoders.current)
-
-    async def follow_services(self) -> None:
-        """Resolve the peers given as host names again, now and then (see `peers`)."""
-        if not (self.encoders.services or self.decoders.services):
-            return
-        while True:
-            await asyncio.sleep(RESOLVE_S)
-            for peers in (self.encoders, self.decoders):
-                added, removed = await asyncio.to_thread(peers.resolve)
-                for address in added:
-                    self.metrics.watch_peer(peers.role, address, self.outbox.is_up)
-                for address in removed:
-                    self.metrics.forget_peer(peers.role, address)
-            self.outbox.pin(self.peers())
-
-    def fail_held_by(self, address: str) -> None:
-        """Fail the requests a lost peer holds now (not ones handed to it once it is back),
-        unless its last words end them first: LAST_WORDS_S from now, or once no message waits
-        unread, up to LAST_WORDS_MAX_S."""
-        error = f"lost the connection to {address} while it held this request"
-        self.load.lost(address)
-        waits = [wait.future for wait in self.waits.values() if wait.encoder == address]
-        streams = [stream for stream in self.streams.values() if stream.decoder == address]
-        loop = asyncio.get_running_loop()
-        give_up = loop.time() + LAST_WORDS_MAX_S
-
-        def fail() -> None:
-            if self.inbox.pending() and loop.time() < give_up:  # unread: its last words, maybe
-                loop.call_later(PEER_POLL_S, fail)
-                return
-            for future in waits:
-                if not future.done():
-                    future.set_exception(Unavailable(error))
-            for stream in streams:
-                if self.streams.get(stream.request_id) is stream:  # not released yet
-                    stream.queue.put_nowait(Unavailable(error))
-
-        loop.call_later(LAST_WORDS_S, fail)  # harmless if the coordinator has stopped by then
-
-    # Sending.
-    async def pick(self, peers: PeerSet, role: str) -> list[str]:
-        """Live peers of a role, rotated; a short grace lets a (re)connecting peer finish."""
-        deadline = asyncio.get_running_loop().time() + PEER_GRACE_S
-        while not (live := [a for a in peers.current if self.outbox.is_up(a)]):
-            if asyncio.get_running_loop().time() > deadline:
-                tried = ", ".join(peers.current or peers.configured)
-                raise Unavailable(f"no {role} server is reachable (tried {tried})")
-            await asyncio.sleep(PEER_POLL_S)
-        start = next(peers.turns) % len(live)
-        return live[start:] + live[:start]
+    # A request's path.
+    async def submit(self, request: PreparedRequest) -> Stream:
+        """Encode a request's images, prefill it and hand it to a decoder (unless its first
+        tokens end it); raises, before any reply is sent, what kept it from decode. Its
+        deltas then come from `deltas`, which ends its life."""
+        self.status[request.request_id] = Status.ENCODING
+        try:
+            images = await self.encode(request)
+            self.status[request.request_id] = Status.WAITING
+            return await self.prefill(request, images)
+        except BaseException:
+            del self.status[request.request_id]
+            raise
 
     async def encode(self, request: PreparedRequest) -> Images | None:
         """Every image's embeddings, in prompt order: from the cache, or from the encoders."""
@@ -357,26 +196,26 @@ class Coordinator:
         self, request: PreparedRequest, indices: list[int]
     ) -> list[ImageEmbeddings]:
         """The embeddings of the images at `indices`, split over the live encoders."""
-        encoders = await self.pick(self.encoders, "encode")
+        router = self.router
+        encoders = await router.pick(router.encoders, "encode")
         parts = [indices[start:stop] for start, stop in split(len(indices), len(encoders))]
         patches = [sum(h * w for h, w in (request.grids[i] for i in part)) for part in parts]
-        self.load.expire(2 * self.config.encode_timeout_s)
+        router.load.expire(2 * self.config.encode_timeout_s)
         try:
-            self.load.admit(sum(patches))
+            router.load.admit(sum(patches))
         except Overloaded:
             self.metrics.refused.labels("encode_backlog").inc()
             raise
         waits = []
         for part, (images, encoder) in enumerate(zip(parts, encoders, strict=False)):
-            future: asyncio.Future[ImageEmbeddings] = asyncio.get_running_loop().create_future()
-            self.waits[(request.request_id, part)] = EncodeWait(encoder, future)
-            self.load.sending((request.request_id, part), encoder, patches[part])
+            future = router.expect(request.request_id, part, encoder)
+            router.load.sending((request.request_id, part), encoder, patches[part])
             waits.append(future)
             files = tuple(request.images[i] for i in images)
             message = EncodeRequest(
                 request.request_id, part, files, tuple(images), self.config.reply_address
             )
-            if not self.outbox.send(encoder, message):
+            if not router.outbox.send(encoder, message):
                 future.set_exception(Unavailable(f"encode server {encoder} is not reachable"))
         limit, start = self.config.encode_timeout_s, time.perf_counter()
         try:
@@ -387,8 +226,7 @@ class Coordinator:
             self.metrics.embedding_bytes.inc(sum(r.embeddings.nbytes for r in replies))
             return replies
         finally:
-            for part in range(len(parts)):
-                self.waits.pop((request.request_id, part), None)
+            router.forget(request.request_id, len(parts))
 
     async def prefill(self, request: PreparedRequest, images: Images | None) -> Stream:
         """Prefill the request, packed with whatever else waits for prefill, and hand it to a
@@ -411,7 +249,8 @@ class Coordinator:
         handoff, scored = prefilled.handoff, prefilled.prompt_logprobs
         if handoff is None:
             return Stream(request_id, "", len(first), first, prompt_logprobs=scored)
-        decoder = (await self.pick(self.decoders, "decode"))[0]
+        router = self.router
+        decoder = (await router.pick(router.decoders, "decode"))[0]
         stream = Stream(
             request_id,
             decoder,
@@ -421,18 +260,19 @@ class Coordinator:
             max_tokens=handoff.sampling.max_tokens,
             prompt_logprobs=scored,
         )
-        self.streams[request_id] = stream
+        router.open(stream)
         try:
-            sent = self.outbox.send(decoder, handoff)
+            sent = router.outbox.send(decoder, handoff)
         except WireError as e:  # its settings (grammar, stop strings, logprobs...) add up past it
-            del self.streams[request_id]
+            router.release(stream, finished=True)
             raise BadRequest(f"the request is too large to hand to decode: {e}") from None
         except BaseException:  # e.g. a value the wire cannot carry: no stream to wait for
-            del self.streams[request_id]
+            router.release(stream, finished=True)
             raise
         if not sent:
-            del self.streams[request_id]
+            router.release(stream, finished=True)
             raise Unavailable(f"decode server {decoder} is not reachable")
+        self.moved(request_id, Status.DECODING)
         self.metrics.handoff_bytes.inc(handoff.cache.nbytes)
         return stream
 
@@ -450,12 +290,10 @@ class Coordinator:
         return deltas
 
     def release(self, stream: Stream, finished: bool = False) -> None:
-        """The stream is over: forgotten, and aborted in decode unless it finished there (once,
-        whichever of its ends comes first)."""
-        if self.streams.get(stream.request_id) is stream:
-            del self.streams[stream.request_id]
-            if not finished:
-                self.outbox.send(stream.decoder, Abort(stream.request_id))
+        """The request's life is over: its stream forgotten (and aborted in decode unless it
+        finished there), once, whichever of its ends comes first."""
+        self.status.pop(stream.request_id, None)
+        self.router.release(stream, finished)
 
     async def read_deltas(self, stream: Stream) -> AsyncIterator[TokenDelta]:
         """Prefill's first deltas, then decode's, each of which must carry on its choice: a
@@ -479,25 +317,32 @@ class Coordinator:
                 if stream.sent_at:  # decode's first delta: the hand-off's round trip is done
                     self.metrics.handoff_seconds.observe(now() - stream.sent_at)
                     stream.sent_at = 0.0
-                choice = f"choice {item.index} of {stream.choices}"
-                if item.index not in open_choices:
-                    raise Internal(f"decode sent a delta for {choice}, which is not open")
-                if item.completion_tokens != tokens[item.index] + len(item.token_ids):
-                    raise Internal(
-                        f"decode's delta for {choice} does not follow on: {item.completion_tokens}"
-                        f" tokens in all, after {tokens[item.index]} and {len(item.token_ids)} new"
-                    )
-                if item.completion_tokens > stream.max_tokens:
-                    raise Internal(
-                        f"decode sent {item.completion_tokens} tokens for {choice}, past the "
-                        f"request's max_tokens of {stream.max_tokens}"
-                    )
+                check_follows(item, stream, tokens, open_choices)
                 tokens[item.index] = item.completion_tokens
                 if item.finish_reason is not None:
                     open_choices.discard(item.index)
                 yield item
         finally:  # client gone or failure: free the request's KV in decode
             self.release(stream, finished=not open_choices)
+
+
+def check_follows(
+    item: TokenDelta, stream: Stream, tokens: list[int], open_choices: set[int]
+) -> None:
+    """Raise Internal unless decode's delta carries on an open choice, within max_tokens."""
+    choice = f"choice {item.index} of {stream.choices}"
+    if item.index not in open_choices:
+        raise Internal(f"decode sent a delta for {choice}, which is not open")
+    if item.completion_tokens != tokens[item.index] + len(item.token_ids):
+        raise Internal(
+            f"decode's delta for {choice} does not follow on: {item.completion_tokens}"
+            f" tokens in all, after {tokens[item.index]} and {len(item.token_ids)} new"
+        )
+    if item.completion_tokens > stream.max_tokens:
+        raise Internal(
+            f"decode sent {item.completion_tokens} tokens for {choice}, past the "
+            f"request's max_tokens of {stream.max_tokens}"
+        )
 
 
 def on_loop(loop: asyncio.AbstractEventLoop, fn: Callable[..., object], *args: object) -> None:

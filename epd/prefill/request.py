@@ -1,11 +1,17 @@
-"""A request as prefill takes it from the API: prompt ids with expanded image slots, and images."""
+"""A request in prefill: as the API hands it over (`PreparedRequest`) and, once prefilled, the
+stream its tokens come back on (`Stream`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import asyncio
+import sys
+from dataclasses import dataclass, field
 
 from epd.generation.params import SamplingParams
+from epd.generation.sampling import Scored
 from epd.multimodal.grids import Grid
+from epd.prefill.errors import PrefillError
+from epd.wire.messages import TokenDelta
 
 
 @dataclass(frozen=True)
@@ -17,3 +23,17 @@ class PreparedRequest:
     image_tokens: tuple[int, ...]  # placeholder slots per image
     sampling: SamplingParams
     prompt_logprobs: int | None = None  # score the prompt's tokens, with this many alternatives
+
+
+@dataclass
+class Stream:
+    """A prefilled request's tokens: each choice's first from prefill, the rest from `decoder`."""
+
+    request_id: str
+    decoder: str  # "" when the first tokens ended every choice: nothing was handed off
+    choices: int  # the request's n: it ends once each choice has had its last delta
+    first: tuple[TokenDelta, ...] = ()  # each choice's first token, from prefill
+    queue: asyncio.Queue[TokenDelta | PrefillError] = field(default_factory=asyncio.Queue)
+    sent_at: float = 0.0  # when the hand-off went to the decoder (perf_counter)
+    max_tokens: int = sys.maxsize  # the request's: no choice may have more
+    prompt_logprobs: tuple[Scored, ...] = ()  # scored prompt tokens, if asked (`Prompt`)

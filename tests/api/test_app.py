@@ -657,7 +657,7 @@ def test_peers_named_by_host_follow_their_dns_answers(tiny_checkpoint, tmp_path,
     import socket
     import time
 
-    import epd.prefill.coordinator as coordinator
+    import epd.prefill.router as router
 
     answers: dict[str, list[str]] = {}
     real = socket.getaddrinfo
@@ -670,7 +670,7 @@ def test_peers_named_by_host_follow_their_dns_answers(tiny_checkpoint, tmp_path,
         return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (ip, port)) for ip in answers[host]]
 
     monkeypatch.setattr(socket, "getaddrinfo", resolve)
-    monkeypatch.setattr(coordinator, "RESOLVE_S", 0.05)
+    monkeypatch.setattr(router, "RESOLVE_S", 0.05)
     service = "tcp://decode.epd.svc:7999"
     with api(tiny_checkpoint, tmp_path, decoders=(service,)) as client:
 

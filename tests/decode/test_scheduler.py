@@ -350,6 +350,10 @@ def run_all(scheduler, handoffs):
         stayed = [before.index(key) for key in before if key in scheduler.running]
         assert all(before.index(key) > max(stayed, default=-1) for key in back)
         assert waiting[: len(back)] == back
+        statuses = {s.key: s.status.value for s in scheduler.sequences()}
+        assert all(statuses[key] == "preempted" for key in back)
+        assert all(statuses[key] == "running" for key in scheduler.running)
+        assert scheduler.counts()["preempted"] >= len(back)
         preempted += step.preempted
         for sequence, delta in step.produced:
             produced.setdefault(sequence.key, []).extend(delta.token_ids)

@@ -17,21 +17,15 @@ from epd.api.app import create_app
 from epd.api.server import build_service
 from epd.config.roles import PrefillConfig
 from epd.generation.params import SamplingParams
+from epd.generation.status import Status
 from epd.generation.transcript import Output
-from epd.prefill import coordinator as coordinator_module
-from epd.prefill.coordinator import (
-    DISOWNED_PER_S,
-    Coordinator,
-    EncodeWait,
-    Stream,
-    check_payloads,
-    split,
-    within,
-)
+from epd.prefill import router as router_module
+from epd.prefill.coordinator import Coordinator, check_payloads, split, within
 from epd.prefill.engine import Prefilled
 from epd.prefill.errors import BadRequest, PrefillError
 from epd.prefill.metrics import PrefillMetrics
-from epd.prefill.request import PreparedRequest
+from epd.prefill.request import PreparedRequest, Stream
+from epd.prefill.router import DISOWNED_PER_S, EncodeWait
 from epd.wire.codec import WireError
 from epd.wire.messages import Abort, Failure, ImageEmbeddings, TokenDelta
 
@@ -176,12 +170,13 @@ def test_the_prefill_budget_and_min_chunk_reach_the_batcher(tiny_checkpoint, tmp
         service.gate.in_flight = 0
         assert batcher.forward_threads() == 2
         batcher.forward = []
-        coordinator.streams["decoding"] = object()  # type: ignore[assignment]
+        coordinator.status["decoding"] = Status.DECODING
         assert batcher.forward_threads() == 1
-        del coordinator.streams["decoding"]
-        coordinator.waits[("encoding", 0)] = object()  # type: ignore[assignment]
+        assert coordinator.counts() == {"encoding": 0, "waiting": 0, "running": 0, "decoding": 1}
+        del coordinator.status["decoding"]
+        coordinator.status["encoding"] = Status.ENCODING
         assert batcher.forward_threads() == 1
-        del coordinator.waits[("encoding", 0)]
+        del coordinator.status["encoding"]
         assert batcher.forward_threads() == 2
 
 
@@ -195,9 +190,9 @@ def test_a_stream_is_released_once_however_its_reply_ends(tiny_checkpoint, tmp_p
     async def main():
         coordinator = Coordinator(config, service.engine, 64, service.watchdog)
         sent = []
-        coordinator.outbox.send = lambda peer, message: sent.append(message) or True
+        coordinator.router.outbox.send = lambda peer, message: sent.append(message) or True
         stream = Stream("r1", "decoder", choices=1)
-        coordinator.streams["r1"] = stream
+        coordinator.router.streams["r1"] = stream
         deltas = coordinator.deltas(stream)
         if read:
             stream.queue.put_nowait(
@@ -209,7 +204,7 @@ def test_a_stream_is_released_once_however_its_reply_ends(tiny_checkpoint, tmp_p
         await asyncio.sleep(0)
         running = coordinator.batcher.others_running()
         await coordinator.stop()
-        return sent, running, dict(coordinator.streams)
+        return sent, running, dict(coordinator.router.streams)
 
     sent, running, streams = asyncio.run(main())
     assert streams == {} and not running  # prefill no longer counts it as running
@@ -227,15 +222,15 @@ def test_a_hand_off_the_wire_cannot_carry_leaves_no_stream_behind(tiny_checkpoin
 
     async def main():
         coordinator = Coordinator(config, service.engine, 64, service.watchdog)
-        coordinator.outbox.send = refuse
-        coordinator.outbox.is_up = lambda address: True
+        coordinator.router.outbox.send = refuse
+        coordinator.router.outbox.is_up = lambda address: True
         first = (Output(token_ids=(7,), text="", completion_tokens=1),)
         with pytest.raises(OverflowError):
             handoff = SimpleNamespace(sampling=SamplingParams(4))
             await coordinator.hand_off("r1", Prefilled(first, handoff))  # type: ignore[arg-type]
         running = coordinator.batcher.others_running()
         await coordinator.stop()
-        return running, dict(coordinator.streams)
+        return running, dict(coordinator.router.streams)
 
     assert asyncio.run(main()) == (False, {})
 
@@ -251,14 +246,14 @@ def test_a_hand_off_too_large_for_decode_is_the_requests_bad_request(tiny_checkp
 
     async def main():
         coordinator = Coordinator(config, service.engine, 64, service.watchdog)
-        coordinator.outbox.send = refuse
-        coordinator.outbox.is_up = lambda address: True
+        coordinator.router.outbox.send = refuse
+        coordinator.router.outbox.is_up = lambda address: True
         first = (Output(token_ids=(7,), text="", completion_tokens=1),)
         with pytest.raises(BadRequest, match="too large to hand to decode: its 70000-byte"):
             handoff = SimpleNamespace(sampling=SamplingParams(4))
             await coordinator.hand_off("r1", Prefilled(first, handoff))  # type: ignore[arg-type]
         await coordinator.stop()
-        return dict(coordinator.streams)
+        return dict(coordinator.router.streams)
 
     assert asyncio.run(main()) == {}
 
@@ -270,9 +265,9 @@ def reply_of(config, service, first, from_decode):
     async def main():
         coordinator = Coordinator(config, service.engine, 64, service.watchdog)
         sent = []
-        coordinator.outbox.send = lambda peer, message: sent.append(message) or True
+        coordinator.router.outbox.send = lambda peer, message: sent.append(message) or True
         stream = Stream("r1", "decoder", choices=2, first=first, max_tokens=4)
-        coordinator.streams["r1"] = stream
+        coordinator.router.streams["r1"] = stream
         for delta in from_decode:
             stream.queue.put_nowait(delta)
         got = []
@@ -325,7 +320,7 @@ def test_a_lost_decoders_last_words_come_before_the_loss(tiny_checkpoint, tmp_pa
     overtake them: a request it ended in its last words ends with its reason; one it left
     open (and an image it was encoding) fails for the loss, but not at once; one handed to it
     once it is back is not its to fail."""
-    monkeypatch.setattr(coordinator_module, "LAST_WORDS_S", 0.2)
+    monkeypatch.setattr(router_module, "LAST_WORDS_S", 0.2)
     config = ipc_config(tiny_checkpoint, tmp_path)
     service = build_service(config)
 
@@ -339,21 +334,23 @@ def test_a_lost_decoders_last_words_come_before_the_loss(tiny_checkpoint, tmp_pa
 
     async def main():
         coordinator = Coordinator(config, service.engine, 64, service.watchdog)
-        coordinator.outbox.send = lambda peer, message: True
+        coordinator.router.outbox.send = lambda peer, message: True
         said, silent, later = (Stream(r, "decoder", choices=1) for r in ("r1", "r2", "r3"))
         for stream in (said, silent):
-            coordinator.streams[stream.request_id] = stream
+            coordinator.router.streams[stream.request_id] = stream
         encoding = EncodeWait("decoder", asyncio.get_running_loop().create_future())
-        coordinator.waits[("r4", 0)] = encoding
+        coordinator.router.waits[("r4", 0)] = encoding
         endings = [asyncio.ensure_future(ending(coordinator, s)) for s in (said, silent, later)]
-        coordinator.fail_held_by("decoder")
+        coordinator.router.fail_held_by("decoder")
         for _ in range(3):
             await asyncio.sleep(0)
         assert silent.queue.empty() and not encoding.future.done()  # not at once
-        coordinator.route(Failure("r1", "unavailable", "decode stopped before it finished"))
-        coordinator.streams["r3"] = later  # the decoder is back, and takes a new request
+        coordinator.router.route(Failure("r1", "unavailable", "decode stopped before it finished"))
+        coordinator.router.streams["r3"] = later  # the decoder is back, and takes a new request
         await asyncio.sleep(0.4)
-        coordinator.route(TokenDelta("r3", (7,), "", completion_tokens=1, finish_reason="stop"))
+        coordinator.router.route(
+            TokenDelta("r3", (7,), "", completion_tokens=1, finish_reason="stop")
+        )
         results = await asyncio.gather(*endings)
         results.append(str(encoding.future.exception()))
         await coordinator.stop()
@@ -378,12 +375,12 @@ def route_deltas(
     async def main():
         coordinator = Coordinator(config, service.engine, 64, service.watchdog, metrics)
         sent = []
-        coordinator.outbox.send = lambda peer, message: sent.append((peer, message)) or True
-        coordinator.streams |= {stream.request_id: stream for stream in streams}
-        refused = coordinator.inbox.refusals.total
+        coordinator.router.outbox.send = lambda peer, message: sent.append((peer, message)) or True
+        coordinator.router.streams |= {stream.request_id: stream for stream in streams}
+        refused = coordinator.router.inbox.refusals.total
         for delta in deltas:
-            coordinator.route(delta)
-        refused = coordinator.inbox.refusals.total - refused
+            coordinator.router.route(delta)
+        refused = coordinator.router.inbox.refusals.total - refused
         await coordinator.stop()
         return sent, refused
 
