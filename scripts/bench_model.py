@@ -22,13 +22,13 @@ import yaml
 
 from epd.checkpoint.synthetic import make_checkpoint
 from epd.checkpoint.weights import load_model
-from epd.decode.scheduler import keeps_gathered
 from epd.dtypes import MODEL_DTYPES, TENSOR_DTYPES
 from epd.model.config import KimiVLConfig, TextConfig
 from epd.model.deepseek import DeepseekV3ForCausalLM
 from epd.model.latent_cache import LatentCache
 from epd.model.latent_pool import BLOCK_TOKENS, LatentPool
 from epd.model.moe import Experts, Router
+from epd.model.paged import GatherEachStep
 
 
 def best_seconds(fn: Callable[[], object], repeats: int) -> float:
@@ -94,8 +94,8 @@ def decode_step_seconds(
     t = lm.config
     dtype, device = lm.lm_head.weight.dtype, lm.lm_head.weight.device
     budget = batch * (context + repeats + 2 * BLOCK_TOKENS)
-    keep = kept and keeps_gathered(device)
-    pool = LatentPool(t.num_hidden_layers, t.latent_dim, device, dtype, budget, keeps_gathered=keep)
+    reader = lm.block_reader() if kept else GatherEachStep()
+    pool = LatentPool(t.num_hidden_layers, t.latent_dim, device, dtype, budget, reader=reader)
     shape = (t.num_hidden_layers, context, t.latent_dim)
     caches = [
         pool.admit(LatentCache.from_tensor(torch.randn(shape, dtype=dtype, device=device)))

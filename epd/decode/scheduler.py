@@ -90,14 +90,19 @@ class Scheduler:
         self.running: dict[tuple[str, int], Sequence] = {}  # by (request id, choice)
         self.waiting: deque[Sequence] = deque()
         config, dtype = lm.config, lm.lm_head.weight.dtype
+        reader = lm.block_reader()  # how steps read the pool: what it keeps beside it
         budget = max_kv_tokens or default_kv_tokens(
-            config, max_batch_size, self.device, dtype, self.context_length, memory_share
+            config,
+            max_batch_size,
+            self.device,
+            dtype,
+            self.context_length,
+            memory_share,
+            reader.copies,
         )
         layers, width = config.num_hidden_layers, config.latent_dim
         try:
-            self.pool = LatentPool(
-                layers, width, self.device, dtype, budget, preallocate, keeps_gathered(self.device)
-            )
+            self.pool = LatentPool(layers, width, self.device, dtype, budget, preallocate, reader)
         except torch.OutOfMemoryError as e:
             raise RuntimeError(
                 f"decode's KV cache of {budget} tokens does not fit in memory: set a smaller "
@@ -383,34 +388,26 @@ def default_kv_tokens(
     dtype: torch.dtype,
     context: int = 0,
     memory_share: float = 0.0,
+    copies: int = 1,
 ) -> int:
     """Decode's KV cache budget when none is set: every batch slot at the full context (the
     model's, or `context`), or what `kv_memory` holds if that is less, but always one whole
     context."""
     per_token = config.num_hidden_layers * config.latent_dim * dtype.itemsize
     context = context or config.max_position_embeddings
-    room = kv_memory(device, memory_share)
+    room = kv_memory(device, memory_share, copies)
     return max(context, min(max_batch_size * context, room // per_token))
 
 
-def kv_memory(device: torch.device, share: float = 0.0) -> int:
+def kv_memory(device: torch.device, share: float = 0.0, copies: int = 1) -> int:
     """Bytes an automatic KV budget may take. With a `share` of the device's memory (vLLM's
     gpu_memory_utilization): on a GPU what the share leaves once this process's weights are
     loaded, within the memory free; on a CPU the share of the memory free now. Without one,
-    half the memory free. On a CPU the pool keeps a gathered copy of the running caches beside
-    it, of at most its own size (`LatentPool`'s `keeps_gathered`): it gets half of that."""
+    half the memory free. On a CPU, `copies` share it: the pool and what its reader keeps beside
+    it (`BlockReader.copies`: a gathered copy of at most the pool's size)."""
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         if not share:
             return free // 2
         return max(0, min(free, int(share * total) - torch.cuda.memory_reserved(device)))
-    copies = 2 if keeps_gathered(device) else 1
     return int(available_memory() * (share or 0.5)) // copies
-
-
-def keeps_gathered(device: torch.device) -> bool:
-    """Whether decode's pool keeps the running caches gathered between steps: on a CPU, where
-    no paged attention kernel reads the blocks in place and gathering them every step took
-    9-21% of a step of 16-64 requests over 1000-token caches (docs/benchmarks.md). Elsewhere
-    unmeasured, and memory is tighter."""
-    return device.type == "cpu"

@@ -9,10 +9,12 @@ import torch
 from torch import nn
 
 from epd.model.config import TextConfig
+from epd.model.cpu_gathered import KeepGathered
 from epd.model.latent_cache import DecodeBatch, LatentCache
 from epd.model.mla import MLAttention
 from epd.model.moe import MLP, MoE
 from epd.model.norm import RMSNorm
+from epd.model.paged import BlockReader, GatherEachStep
 from epd.model.rope import rotor, text_angles
 
 
@@ -102,6 +104,15 @@ class DeepseekV3ForCausalLM(nn.Module):
             x, latent = layer.prefill(x, angles, lengths, rows)
             latents.append(latent)
         return self.model.norm(x), LatentCache.from_tensor(torch.stack(latents))
+
+    def block_reader(self) -> BlockReader:
+        """How decode steps read a `LatentPool`'s blocks on this model's device: on a CPU, where
+        no paged attention kernel reads them in place and memory is plentiful, from a copy kept
+        gathered between steps; elsewhere gathered every step (a kept copy is unmeasured there,
+        and device memory tighter)."""
+        if self.lm_head.weight.device.type == "cpu":
+            return KeepGathered()
+        return GatherEachStep()
 
     def decode(
         self, input_ids: torch.Tensor, caches: list[LatentCache] | DecodeBatch

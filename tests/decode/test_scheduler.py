@@ -394,14 +394,15 @@ def test_a_request_larger_than_the_kv_budget_is_refused(parts):
 def test_the_default_kv_budget_is_every_slot_at_full_context_if_memory_allows(parts, monkeypatch):
     config, cpu = parts[0].config, torch.device("cpu")
     context = config.max_position_embeddings
-    assert default_kv_tokens(config, 4, cpu, torch.float32) == 4 * context  # the tiny model
+    assert default_kv_tokens(config, 4, cpu, torch.float32, copies=2) == 4 * context
     per_token = config.num_hidden_layers * config.latent_dim * 4
     free = [6 * context * per_token]
     monkeypatch.setattr("epd.decode.scheduler.available_memory", lambda: free[0])
     # a quarter of free: the pool keeps a gathered copy of up to its size beside it
-    assert default_kv_tokens(config, 4, cpu, torch.float32) == 6 * context // 4
+    assert default_kv_tokens(config, 4, cpu, torch.float32, copies=2) == 6 * context // 4
+    assert default_kv_tokens(config, 4, cpu, torch.float32, copies=1) == 6 * context // 2
     free[0] //= 10
-    assert default_kv_tokens(config, 4, cpu, torch.float32) == context  # but one whole context
+    assert default_kv_tokens(config, 4, cpu, torch.float32, copies=2) == context  # one, at least
 
 
 def test_the_first_in_line_waits_for_blocks_and_nobody_passes_it(parts):
@@ -431,10 +432,10 @@ def test_max_model_len_and_a_memory_share_size_the_default_budget(parts, monkeyp
     config, cpu = parts[0].config, torch.device("cpu")
     per_token = config.num_hidden_layers * config.latent_dim * 4
     monkeypatch.setattr("epd.decode.scheduler.available_memory", lambda: 1000 * per_token)
-    assert kv_memory(cpu) == 250 * per_token  # half the free memory, half of that for the copy
-    assert kv_memory(cpu, 0.9) == 450 * per_token  # the pool and its copy take 0.9 together
+    assert kv_memory(cpu, copies=2) == 250 * per_token  # half the free memory, half for the copy
+    assert kv_memory(cpu, 0.9, copies=2) == 450 * per_token  # the pool and its copy take 0.9
     assert default_kv_tokens(config, 4, cpu, torch.float32, context=32) == 4 * 32
-    assert default_kv_tokens(config, 64, cpu, torch.float32, 64, 0.9) == 450
+    assert default_kv_tokens(config, 64, cpu, torch.float32, 64, 0.9, 2) == 450
 
 
 def test_a_shorter_context_refuses_a_hand_off_past_it(parts):

@@ -1,19 +1,16 @@
 """Caches in the pool's blocks give what separate caches give, through joins, leaves, growth
-and evictions, and the pool never holds more blocks than its budget."""
+and evictions, read either way (gathered every step, or kept gathered as on a CPU), and the
+pool never holds more blocks than its budget."""
 
 import pytest
 import torch
 
 from epd.checkpoint.weights import load_model
+from epd.model.block_manager import BLOCK_TOKENS, PoolFull
+from epd.model.cpu_gathered import HEADROOM_BLOCKS, Gathered, KeepGathered, KeptBatch
 from epd.model.latent_cache import LatentCache
-from epd.model.latent_pool import (
-    BLOCK_TOKENS,
-    HEADROOM_BLOCKS,
-    Gathered,
-    LatentPool,
-    PoolFull,
-    by_length,
-)
+from epd.model.latent_pool import LatentPool
+from epd.model.paged import GatherEachStep, by_length
 
 PROMPTS = [[5, 17, 42, 99], [7, 300, 12, 64, 128, 3, 250], [31, 77], [9] * 20]
 
@@ -28,6 +25,7 @@ def prefilled(lm, ids):
 
 
 def pool_for(lm, max_tokens=4096, keeps_gathered=False):
+    """A pool on the CPU; `keeps_gathered`: read through the CPU's kept copy."""
     config = lm.config
     cpu = torch.device("cpu")
     return LatentPool(
@@ -36,7 +34,7 @@ def pool_for(lm, max_tokens=4096, keeps_gathered=False):
         cpu,
         torch.float32,
         max_tokens,
-        keeps_gathered=keeps_gathered,
+        reader=KeepGathered() if keeps_gathered else GatherEachStep(),
     )
 
 
@@ -204,7 +202,7 @@ def test_a_kept_copy_serves_until_the_batch_changes_or_outgrows_it(lm):
             pool.make_room(cache)
         tokens = torch.tensor([3 + step] * len(pooled))
         batch = pool.batch(pooled)
-        copies.append(batch.kept)
+        copies.append(getattr(batch, "kept", None))
         ours = lm.logits(lm.decode(tokens, batch))
         torch.testing.assert_close(ours, lm.logits(lm.decode(tokens, separate)))
     made = [i for i, kept in enumerate(copies) if i == 0 or kept is not copies[i - 1]]
@@ -214,10 +212,10 @@ def test_a_kept_copy_serves_until_the_batch_changes_or_outgrows_it(lm):
     assert made == [0, 5, 9, 9 + room - 20], made
     assert all(kept is not None for kept in copies)
     pool.release(pooled[0])
-    assert pool.kept is not None  # the others still run
+    assert pool.reader.kept is not None  # the others still run
     for cache in pooled[1:]:
         pool.release(cache)
-    assert pool.kept is None  # the memory goes with the last
+    assert pool.reader.kept is None  # the memory goes with the last
 
 
 @torch.inference_mode()
@@ -230,7 +228,7 @@ def test_no_copy_is_kept_that_would_take_more_than_the_budget(lm):
     # for each of the others (one part)
     assert Gathered.nbytes_for(pooled, pool.storage) > pool.max_bytes
     batch = pool.batch(pooled)
-    assert batch.kept is None and pool.kept is None  # gathered step by step, as without
+    assert not isinstance(batch, KeptBatch) and pool.reader.kept is None  # step by step
     tokens = torch.tensor([4] * len(pooled))
     ours = lm.logits(lm.decode(tokens, batch))
     separate = [prefilled(lm, p) for p in PROMPTS]
