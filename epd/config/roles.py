@@ -95,6 +95,11 @@ class EncodeConfig(ModelOptions):
         "image patches encoded together in one forward, across waiting requests (0: 16384 on "
         "a GPU; one request at a time on a CPU, where batching measured slower)",
     )
+    alone_threads: int = option(
+        0,
+        "torch threads for a forward of requests whose prefill had no other request in flight "
+        "(0: threads); on a CPU epd serve sets the machine's cores: the other roles then wait",
+    )
     watchdog_s: float = watchdog_option()
 
 

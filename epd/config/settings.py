@@ -55,7 +55,7 @@ def _check_value(name: str, value: Any) -> str | None:
         return "must be 0 (automatic) or a positive number" if value < 0 else None
     if name == "min_chunk_tokens" and value < 0:
         return "must be 0 (off) or a positive number"
-    if name == "busy_threads" and value < 0:
+    if name in ("busy_threads", "alone_threads") and value < 0:
         return "must be 0 (as threads) or a positive number"
     if name == "gpu_memory_utilization" and not 0 <= value <= 1:
         return "must be a share in (0, 1], or 0 (automatic)"

@@ -19,6 +19,7 @@ from epd.encode.metrics import EncodeMetrics
 from epd.multimodal.image_processor import ImageProcessor
 from epd.multimodal.images import ImageError
 from epd.runtime.metrics import folder_name
+from epd.runtime.process import set_torch_threads
 from epd.runtime.role import run_role
 from epd.runtime.watchdog import Watchdog
 from epd.wire.addresses import Prefills
@@ -165,10 +166,19 @@ class EncodeServer:
             message = self.inbox.recv(timeout_ms=0)
         if not ready:
             return
+        self.use_threads(all(request.alone for request, _ in ready))
         replies = encode_prepared(self.encoder, ready)
         self.metrics.batch_size.observe(len(ready))
         for (request, _), reply in zip(ready, replies, strict=True):
             self.answer(request, reply, time.perf_counter() - start)
+
+    def use_threads(self, alone: bool) -> None:
+        """Every core for a forward while nothing else works (its prefill said it had no other
+        request in flight: `alone_threads`), this encoder's share otherwise."""
+        config = self.config
+        threads = config.alone_threads if alone and config.alone_threads else config.threads
+        if threads and torch.get_num_threads() != threads:
+            set_torch_threads(threads)
 
     def admit(self, message: object) -> EncodeRequest | None:
         """The message, if it is a request this encoder takes; a Failure goes back at once for

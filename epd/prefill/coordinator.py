@@ -106,6 +106,7 @@ class Coordinator:
         in_flight: Callable[[], int] = lambda: 0,
     ) -> None:
         self.config, self.engine, self.watchdog = config, engine, watchdog
+        self.in_flight = in_flight
         self.metrics = metrics or PrefillMetrics(config.model_name)
         rows = config.max_images * max_image_tokens
         largest = rows * engine.lm.config.hidden_size * 4  # float32 embeddings of every image
@@ -147,6 +148,11 @@ class Coordinator:
         self.watchdog.beat("loop")
         if not self.batcher.busy and not self.batching.done():
             self.watchdog.beat("prefill")
+
+    def alone(self) -> bool:
+        """Whether the one request in flight is the one asking (its encode may then take the
+        cores that the other roles leave idle)."""
+        return max(self.in_flight(), len(self.status)) <= 1 and not self.batcher.busy
 
     def moved(self, request_id: str, status: Status) -> None:
         if request_id in self.status:
@@ -206,14 +212,14 @@ class Coordinator:
         except Overloaded:
             self.metrics.refused.labels("encode_backlog").inc()
             raise
-        waits = []
+        waits, alone = [], self.alone()
         for part, (images, encoder) in enumerate(zip(parts, encoders, strict=False)):
             future = router.expect(request.request_id, part, encoder)
             router.load.sending((request.request_id, part), encoder, patches[part])
             waits.append(future)
             files = tuple(request.images[i] for i in images)
             message = EncodeRequest(
-                request.request_id, part, files, tuple(images), self.config.reply_address
+                request.request_id, part, files, tuple(images), self.config.reply_address, alone
             )
             if not router.outbox.send(encoder, message):
                 future.set_exception(Unavailable(f"encode server {encoder} is not reachable"))

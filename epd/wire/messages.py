@@ -55,6 +55,9 @@ class EncodeRequest(WireMessage, frozen=True):
     images: Annotated[tuple[bytes, ...], Meta(max_length=MAX_ITEMS)]  # PNG, JPEG, WebP, GIF files
     image_indices: Annotated[tuple[int, ...], Meta(max_length=MAX_ITEMS)]  # each in the request
     reply_to: Address
+    # Prefill had no other request in flight as it sent this: nothing else works meanwhile, and
+    # the encoder may use the cores the other roles leave idle (`alone_threads`).
+    alone: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -186,6 +186,17 @@ def test_serve_sets_prefills_busy_threads_on_a_cpu_unless_given(tmp_path):
     assert gpu["prefill"].busy_threads == 0  # a forward on the GPU: its threads only feed it
 
 
+def test_serve_lets_a_lone_requests_encode_take_every_core_on_a_cpu(tmp_path):
+    path = write(tmp_path, "model: /m\n")
+    _, children = plan(args("serve", "--config", path))
+    assert children["encode"].alone_threads == available_cores()
+    assert children["encode"].threads == core_shares(available_cores())["encode"]
+    _, given = plan(args("serve", "--config", path, "--alone-threads", "1"))
+    assert given["encode"].alone_threads == 1
+    _, gpu = plan(args("serve", "--config", path, "--device", "cuda:0"))
+    assert gpu["encode"].alone_threads == 0
+
+
 @pytest.mark.parametrize(
     ("cores", "encode", "decode", "prefill"),
     [(1, 1, 1, 1), (2, 1, 1, 2), (3, 1, 1, 2), (16, 5, 5, 11)],

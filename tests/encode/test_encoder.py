@@ -127,3 +127,31 @@ def test_rows_that_overflowed_fail_their_request_alone(encoder, monkeypatch):
     assert isinstance(red, ImageEmbeddings) and isinstance(green, ImageEmbeddings)
     assert isinstance(blue, Failure) and blue.request_id == "r1" and blue.code == "internal"
     assert "NaN or infinite" in blue.message
+
+
+def test_a_lone_requests_forward_takes_the_idle_cores(encoder, tiny_checkpoint):
+    """A batch of requests whose prefill had nothing else in flight runs on `alone_threads`;
+    any other on the encoder's own share."""
+    from epd.config.roles import EncodeConfig
+    from epd.encode.server import EncodeServer
+    from epd.wire.addresses import Prefills
+
+    config = EncodeConfig(model=str(tiny_checkpoint), threads=1, alone_threads=2)
+    server = EncodeServer(encoder, None, None, config, Prefills.parse(()))  # type: ignore[arg-type]
+    before = torch.get_num_threads()
+    try:
+        server.use_threads(alone=True)
+        assert torch.get_num_threads() == 2
+        server.use_threads(alone=False)
+        assert torch.get_num_threads() == 1
+        unset = EncodeServer(
+            encoder,
+            None,
+            None,
+            EncodeConfig(model=str(tiny_checkpoint), threads=1),
+            Prefills.parse(()),
+        )  # type: ignore[arg-type]
+        unset.use_threads(alone=True)
+        assert torch.get_num_threads() == 1  # 0: as threads
+    finally:
+        torch.set_num_threads(before)

@@ -26,8 +26,8 @@ from epd.prefill.errors import BadRequest, PrefillError
 from epd.prefill.metrics import PrefillMetrics
 from epd.prefill.request import PreparedRequest, Stream
 from epd.prefill.router import DISOWNED_PER_S, EncodeWait
-from epd.wire.codec import WireError
-from epd.wire.messages import Abort, Failure, ImageEmbeddings, TokenDelta
+from epd.wire.codec import WireError, decode
+from epd.wire.messages import Abort, EncodeRequest, Failure, ImageEmbeddings, TokenDelta
 
 
 def ipc_config(checkpoint, tmp_path, **settings) -> PrefillConfig:
@@ -133,6 +133,22 @@ def test_silent_encoder_times_out(silent_peers):
     assert response.status_code == 504
     assert "no image embeddings within 0.5s" in response.json()["error"]["message"]
     assert encode_sink.poll(1000)  # the request did reach the encoder
+    sent = decode(encode_sink.recv_multipart())
+    assert isinstance(sent, EncodeRequest) and sent.alone  # nothing else was in flight
+
+
+def test_an_encode_is_alone_only_while_no_other_request_is_in_flight(tiny_checkpoint, tmp_path):
+    service = build_service(ipc_config(tiny_checkpoint, tmp_path))
+    with TestClient(create_app(service)):
+        coordinator = service.coordinator
+        service.gate.in_flight = 1  # the asking request
+        coordinator.status["asking"] = Status.ENCODING
+        assert coordinator.alone()
+        coordinator.status["another"] = Status.DECODING
+        assert not coordinator.alone()
+        del coordinator.status["another"]
+        service.gate.in_flight = 2
+        assert not coordinator.alone()
 
 
 def test_silent_decoder_times_out(silent_peers):
