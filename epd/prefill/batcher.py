@@ -181,7 +181,16 @@ class PrefillBatcher:
         per thread, so they are set here)."""
         if threads and torch.get_num_threads() != threads:
             set_torch_threads(threads)
-        return self.engine.run_chunks(chunks, self.reply_to)
+        results = self.engine.run_chunks(chunks, self.reply_to)
+        short = [i for i, r in enumerate(results) if isinstance(r, torch.OutOfMemoryError)]
+        if short and self.prefix_cache is not None and self.prefix_cache.nbytes:
+            # The cache's blocks are only a help: the memory goes to the prompts, which run again.
+            freed = self.prefix_cache.clear()
+            log.warning("out of memory in a forward: emptied the prefix cache (%d bytes)", freed)
+            again = self.engine.run_chunks([chunks[i] for i in short], self.reply_to)
+            for i, result in zip(short, again, strict=True):
+                results[i] = result
+        return results
 
     async def prefill_batch(self, batch: list[tuple[Job, Chunk]]) -> None:
         self.sizes.append(len(batch))

@@ -9,7 +9,8 @@ prompt takes a copy of the rows of its longest cached prefix of whole blocks, le
 its last token to compute (its logits give the first token), and its prefill starts there, as
 a chunk continues the chunks before it. Blocks nobody holds are evicted least recently used
 first, the last blocks of a prompt before its first (a prefix is found from its start), within
-`max_bytes`. The storage grows by doubling up to that budget, so an idle cache costs nothing.
+`max_bytes`. The storage grows by doubling up to that budget, so an idle cache costs nothing;
+a forward that runs out of memory empties it (`clear`) and runs again: requests come first.
 """
 
 from __future__ import annotations
@@ -93,6 +94,14 @@ class PrefixCache:
             self.storage = grown
             self.blocks.grow(grown.shape[1])
         return self.blocks.allocate(1)
+
+    def clear(self) -> int:
+        """Forget every cached block and give the storage's memory back (a forward that needs
+        it comes first); the bytes freed. Only between lookups and stores: none is held."""
+        freed = self.storage.nbytes - self.storage[:, :1].nbytes
+        self.storage = self.storage[:, :1].clone()
+        self.blocks = BlockManager(1)
+        return freed
 
     @property
     def nbytes(self) -> int:

@@ -126,3 +126,27 @@ def test_the_cache_keeps_within_its_budget_evicting_the_least_recently_used(engi
     assert cache.storage.shape[1] == 5 and cache.blocks.cached == 4  # + the zero block
     served(engine, [text("again", prompts[2].prompt_ids)], cache)
     assert cache.hits == 2 * BLOCK_TOKENS  # the latest prompt's blocks were kept
+
+
+def test_a_forward_out_of_memory_empties_the_cache_and_runs_again(engine, monkeypatch):
+    """The cache holds memory a request needs: the request gets it, and is served."""
+    cache = cache_for(engine)
+    first = text("a", [*SYSTEM, 11, 12, 13])
+    served(engine, [first], cache)
+    assert cache.blocks.cached and cache.nbytes > cache.storage[:, :1].nbytes
+    real, calls = engine.run_chunks, []
+
+    def short_of_memory_while_cached(chunks, reply_to=""):
+        calls.append(cache.nbytes)
+        if cache.blocks.cached:
+            return [torch.OutOfMemoryError("no memory") for _ in chunks]
+        return real(chunks, reply_to)
+
+    monkeypatch.setattr(engine, "run_chunks", short_of_memory_while_cached)
+    second = text("b", [*SYSTEM, 21, 22])
+    (handoff,) = served(engine, [second], cache)
+    one_block = cache.storage[:, :1].nbytes
+    assert len(calls) == 2 and calls[0] > one_block  # it ran short with blocks cached,
+    assert calls[1] == one_block  # and again on the memory they gave back
+    monkeypatch.undo()
+    assert_as_alone(engine, second, handoff)
