@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from epd.config.roles import ROLES, EncodeConfig, PrefillConfig, ServeConfig
+from epd.config.roles import ROLES, DecodeConfig, EncodeConfig, PrefillConfig, ServeConfig
 from epd.config.sources import (
     SHARED,
     build,
@@ -158,8 +158,9 @@ def plan(args: argparse.Namespace) -> tuple[ServeConfig, dict[str, Any]]:
     dtype, ...) given to `serve` itself, then serve's flags for its role's settings (e.g.
     `--max-batch-size` for decode, `--max-image-bytes` for encode and prefill), then the
     loopback addresses `serve` owns, and, unless its threads are set, its share of this
-    machine's cores (`core_shares`); on a CPU, prefill's `busy_threads` and encode's
-    `alone_threads` (every core: a lone request's encode has the machine to itself) unless set.
+    machine's cores (`core_shares`); on a CPU, prefill's `busy_threads`, and encode's and
+    decode's `alone_threads` (every core: for a lone request's encode, and for decode's steps
+    while the others leave their cores idle) unless set.
     """
     raw = read_config_file(args.config) if args.config else {}
     flags = flag_values(args, ServeConfig)
@@ -181,10 +182,11 @@ def plan(args: argparse.Namespace) -> tuple[ServeConfig, dict[str, Any]]:
     if prefill.device == "cpu" and not prefill.busy_threads:
         busy = busy_threads(prefill.threads, children["decode"].threads, CORES)
         children["prefill"] = dataclasses.replace(prefill, busy_threads=busy)
-    encode = children["encode"]
-    assert isinstance(encode, EncodeConfig)
-    if encode.device == "cpu" and not encode.alone_threads:  # a lone request's encode
-        children["encode"] = dataclasses.replace(encode, alone_threads=CORES)
+    for role in ("encode", "decode"):  # a lone request's encode; decode while nothing else runs
+        child = children[role]
+        assert isinstance(child, EncodeConfig | DecodeConfig)
+        if child.device == "cpu" and not child.alone_threads:
+            children[role] = dataclasses.replace(child, alone_threads=CORES)
     return config, children
 
 

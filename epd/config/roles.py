@@ -132,6 +132,11 @@ class DecodeConfig(ModelOptions):
         "on SIGTERM, how long the sequences under way may take to finish (new hand-offs "
         "are refused)",
     )
+    alone_threads: int = option(
+        0,
+        "torch threads for a step while the machine's other processes leave its cores idle "
+        "(0: threads); on a CPU epd serve sets the machine's cores",
+    )
     watchdog_s: float = watchdog_option()
 
 

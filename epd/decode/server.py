@@ -27,7 +27,9 @@ from epd.dtypes import model_dtype
 from epd.generation.reasoning import prepare
 from epd.generation.sequence import Sequence
 from epd.generation.transcript import Output
+from epd.runtime.idle import OthersIdle
 from epd.runtime.metrics import folder_name
+from epd.runtime.process import set_torch_threads, torch_threads
 from epd.runtime.role import run_role
 from epd.runtime.watchdog import Watchdog
 from epd.wire.addresses import Prefills
@@ -53,8 +55,14 @@ class DecodeServer:
         outbox: Outbox,
         prefills: Prefills,
         model_name: str,
+        threads: int = 0,
+        alone_threads: int = 0,
     ) -> None:
+        """`threads`: torch threads for a step (0: as they are); `alone_threads`: while the
+        machine's other processes leave its cores idle (0: threads)."""
         self.scheduler, self.inbox, self.outbox, self.prefills = scheduler, inbox, outbox, prefills
+        self.threads, self.alone_threads = threads, alone_threads
+        self.others_idle = OthersIdle()
         self.metrics = DecodeMetrics(model_name)
         self.registry = self.metrics.registry
         self.metrics.running.set_function(lambda: len(scheduler.running))
@@ -203,9 +211,19 @@ class DecodeServer:
         self.inbox.close()
         self.outbox.close(linger_ms=500)
 
+    def use_threads(self) -> None:
+        """The machine's idle cores for the step too, while the other processes leave them
+        (at one stream: prefill and encode wait for the next request); its share otherwise."""
+        threads = self.threads
+        if self.alone_threads and self.scheduler.running and self.others_idle():
+            threads = self.alone_threads
+        if threads and torch.get_num_threads() != threads:
+            set_torch_threads(threads)
+
     def step(self) -> None:
         self.check_peers()
         self.take_messages()
+        self.use_threads()
         start = time.perf_counter()
         try:
             step = self.scheduler.step()
@@ -268,6 +286,7 @@ def run(config: DecodeConfig) -> None:
         inbox = Inbox(context, config.bind, largest_frame(config.model), curve=keys)
         # The prefills named exactly stay connected: never closed as idle nor pushed out.
         outbox = Outbox(context, prefills.exact, curve=keys)
-        return DecodeServer(scheduler, inbox, outbox, prefills, folder_name(config.model))
+        name, threads = folder_name(config.model), torch_threads(config.threads, config.device)
+        return DecodeServer(scheduler, inbox, outbox, prefills, name, threads, config.alone_threads)
 
     run_role("decode", config, build, config.drain_timeout_s)

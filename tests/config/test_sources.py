@@ -186,15 +186,16 @@ def test_serve_sets_prefills_busy_threads_on_a_cpu_unless_given(tmp_path):
     assert gpu["prefill"].busy_threads == 0  # a forward on the GPU: its threads only feed it
 
 
-def test_serve_lets_a_lone_requests_encode_take_every_core_on_a_cpu(tmp_path):
+def test_serve_lets_encode_and_decode_take_the_idle_cores_on_a_cpu(tmp_path):
     path = write(tmp_path, "model: /m\n")
     _, children = plan(args("serve", "--config", path))
     assert children["encode"].alone_threads == available_cores()
     assert children["encode"].threads == core_shares(available_cores())["encode"]
+    assert children["decode"].alone_threads == available_cores()
     _, given = plan(args("serve", "--config", path, "--alone-threads", "1"))
-    assert given["encode"].alone_threads == 1
+    assert given["encode"].alone_threads == given["decode"].alone_threads == 1
     _, gpu = plan(args("serve", "--config", path, "--device", "cuda:0"))
-    assert gpu["encode"].alone_threads == 0
+    assert gpu["encode"].alone_threads == gpu["decode"].alone_threads == 0
 
 
 @pytest.mark.parametrize(

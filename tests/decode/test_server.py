@@ -232,3 +232,24 @@ def test_a_request_larger_than_the_kv_budget_is_the_clients_to_change(wired):
     failure = received()
     assert isinstance(failure, Failure) and failure.request_id == "large"
     assert failure.code == "bad_request" and "KV cache of 32 tokens" in failure.message
+
+
+def test_a_step_takes_the_idle_cores_only_while_the_others_leave_them(wired):
+    server, send, handoff, _ = wired
+    server.threads, server.alone_threads = 1, 2
+    idle = [True]
+    server.others_idle = lambda: idle[0]
+    before = torch.get_num_threads()
+    try:
+        server.use_threads()
+        assert torch.get_num_threads() == 1  # nothing running: its share
+        send(handoff("r1", max_tokens=8))
+        server.take_messages()
+        server.scheduler.step()  # r1 runs
+        server.use_threads()
+        assert torch.get_num_threads() == 2
+        idle[0] = False  # prefill took a new request
+        server.use_threads()
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)

@@ -1,0 +1,41 @@
+"""The others count as idle while they keep less than a share of a core busy."""
+
+import pytest
+
+from epd.runtime import idle
+from epd.runtime.idle import OthersIdle
+
+
+@pytest.fixture
+def machine(monkeypatch):
+    """A fake machine: ticks of every process, of this one, and the clock (seconds)."""
+    state = {"all": 0, "own": 0, "now": 0.0}
+    monkeypatch.setattr(idle, "machine_busy_ticks", lambda: state["all"])
+    monkeypatch.setattr(idle, "own_busy_ticks", lambda: state["own"])
+    monkeypatch.setattr(idle, "TICKS", 100)
+    return state
+
+
+def test_others_are_idle_while_they_use_little_of_a_core(machine):
+    others_idle = OthersIdle(window_s=0.1, idle_cores=0.3, clock=lambda: machine["now"])
+    assert not others_idle()  # nothing measured yet
+    machine.update(now=0.2, all=40, own=38)  # this process on 1.9 cores, the others 0.1
+    assert others_idle()
+    machine.update(now=0.25, all=100)  # within the window: the verdict holds
+    assert others_idle()
+    machine.update(now=0.4, all=100, own=58)  # 60 ticks in 0.2 s, 20 of them ours: 2 cores
+    assert not others_idle()
+
+
+def test_without_proc_the_others_never_count_as_idle(monkeypatch):
+    def unreadable():
+        raise OSError("no /proc")
+
+    monkeypatch.setattr(idle, "machine_busy_ticks", unreadable)
+    clock = iter([0.0, 1.0, 2.0, 3.0])
+    others_idle = OthersIdle(clock=lambda: next(clock))
+    assert not others_idle() and not others_idle()
+
+
+def test_this_machines_counts_are_read():
+    assert idle.own_busy_ticks() >= 0 and idle.machine_busy_ticks() >= idle.own_busy_ticks()
