@@ -116,6 +116,8 @@ class DecodeServer:
             self.outbox.send(reply_to, Failure(request_id, code, why))
             return
         self.metrics.handoff_bytes.inc(handoff.cache.nbytes)
+        if handoff.alone:  # its prefill has nothing else to do: no need to wait a window to see
+            self.others_idle.assume_idle()
         # Prefill has sent each choice's first output: the deltas from here are the rest.
         open_choices = sum(output.finish_reason is None for _, output in added)
         if open_choices:  # else every choice ended at its first token: nothing to say

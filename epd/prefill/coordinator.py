@@ -247,6 +247,7 @@ class Coordinator:
             request.sampling,
             request.prompt_logprobs,
             image_spans=spans,
+            alone=self.alone(),  # its decoder may then take the idle cores from its first step
         )
         return await self.hand_off(request.request_id, await self.batcher.prefill(prompt))
 

@@ -61,6 +61,7 @@ class Prompt:
     # Where each image's rows go and what the image was (by digest), for the prefix cache;
     # None: unknown, and a prompt with images is then never cached.
     image_spans: tuple[ImageSpan, ...] | None = None
+    alone: bool = False  # no other request was in flight: said to decode (`KVHandoff.alone`)
 
     @property
     def cacheable(self) -> bool:
@@ -280,6 +281,7 @@ class PrefillEngine:
                 rng_states=torch.stack([g.get_state() for g in generators]),
                 cache=past.cache.tensor().contiguous().cpu(),  # its own memory, off the loop
                 prompt_ids=ids,
+                alone=prompt.alone,
             )
             return Prefilled(outputs, handoff, past.scored)
         except (NoTokenAllowed, GrammarError) as e:  # what the request asked for: a 400

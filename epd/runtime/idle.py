@@ -52,6 +52,11 @@ class OthersIdle:
         except (OSError, ValueError):  # no /proc here
             return None
 
+    def assume_idle(self) -> None:
+        """The others said they have nothing to do (prefill, with a lone request's hand-off):
+        idle from now, until the next full window says otherwise."""
+        self.idle, self.since = True, self.sample()
+
     def __call__(self) -> bool:
         """Whether the others used less than `idle_cores` in the last full window."""
         if self.since is None or self.clock() - self.since[0] < self.window_s:

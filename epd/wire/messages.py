@@ -109,6 +109,9 @@ class KVHandoff(WireMessage, frozen=True):
     rng_states: torch.Tensor  # (n, state) uint8: each choice's generator after its first token
     cache: torch.Tensor  # latent KV (layers, prompt_tokens, kv_lora_rank + qk_rope_head_dim)
     prompt_ids: torch.Tensor  # (prompt_tokens,) int64, for penalties on the prompt's tokens
+    # Prefill had no other request in flight as it sent this: until something else comes, the
+    # decoder may take the cores the other roles leave idle (`alone_threads`).
+    alone: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -251,5 +251,11 @@ def test_a_step_takes_the_idle_cores_only_while_the_others_leave_them(wired):
         idle[0] = False  # prefill took a new request
         server.use_threads()
         assert torch.get_num_threads() == 1
+        told = []
+        server.others_idle.assume_idle = lambda: told.append(True)  # type: ignore[attr-defined]
+        send(handoff("r2", alone=True))  # a prefill with nothing else in flight
+        send(handoff("r3"))
+        server.take_messages()
+        assert told == [True]
     finally:
         torch.set_num_threads(before)

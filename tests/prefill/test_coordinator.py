@@ -27,7 +27,14 @@ from epd.prefill.metrics import PrefillMetrics
 from epd.prefill.request import PreparedRequest, Stream
 from epd.prefill.router import DISOWNED_PER_S, EncodeWait
 from epd.wire.codec import WireError, decode
-from epd.wire.messages import Abort, EncodeRequest, Failure, ImageEmbeddings, TokenDelta
+from epd.wire.messages import (
+    Abort,
+    EncodeRequest,
+    Failure,
+    ImageEmbeddings,
+    KVHandoff,
+    TokenDelta,
+)
 
 
 def ipc_config(checkpoint, tmp_path, **settings) -> PrefillConfig:
@@ -159,6 +166,8 @@ def test_silent_decoder_times_out(silent_peers):
     assert response.status_code == 504
     assert "decode sent nothing for 0.5s" in response.json()["error"]["message"]
     assert decode_sink.poll(1000)
+    sent = decode(decode_sink.recv_multipart())
+    assert isinstance(sent, KVHandoff) and sent.alone  # nothing else was in flight
 
 
 def test_the_prefill_budget_and_min_chunk_reach_the_batcher(tiny_checkpoint, tmp_path):
