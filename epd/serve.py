@@ -208,8 +208,9 @@ def core_shares(cores: int) -> dict[str, int]:
 
     Decode works without pause while anything is generating; prefill works in bursts that set
     each request's time to first token, and a request's encode comes before its prefill rather
-    than beside it. Measured on 2 cores (docs/benchmarks.md): prefill on both, beside decode's
-    one, beat one thread each at every load; encode on both too was worse under image load.
+    than beside it. On 2 cores prefill on both, beside decode's one, beat one thread each at
+    every load, and encode on both too lost under image load (docs/benchmarks.md, "Prefill's
+    threads"); `alone_threads` gives encode and decode the idle cores when they are alone.
     """
     third = cores // 3
     return {"encode": max(1, third), "decode": max(1, third), "prefill": max(1, cores - third)}

@@ -1,7 +1,8 @@
 """One streamed chat request, timed: when it started, when each token arrived, what it cost.
 
 aiohttp, as vLLM's and SGLang's benchmarks use: the client shares the machine's cores with the
-server it times, and it read a stream for about half httpx's CPU (docs/benchmarks.md).
+server it times, and it reads a stream for less CPU than httpx (docs/benchmarks.md, "`epd
+bench` reads its streams with aiohttp").
 """
 
 from __future__ import annotations

@@ -107,8 +107,8 @@ class EncodeServer:
         self.metrics = EncodeMetrics(folder_name(config.model))
         self.registry = self.metrics.registry
         # On a CPU the vision tower is compute-bound already, and a batch holds back the first
-        # request's prefill (which runs beside encode on other cores): 10-15% fewer image
-        # requests/s at 8 concurrent (docs/benchmarks.md). A GPU gains from larger launches.
+        # request's prefill, which runs beside encode on other cores (docs/benchmarks.md,
+        # "Batching images on a CPU"). A GPU gains from larger launches.
         gpu = encoder.device.type == "cuda"
         self.batch_patches = config.batch_patches or (GPU_BATCH_PATCHES if gpu else 1)
 

@@ -4,9 +4,9 @@ strings, fed each new character once.
 The automaton's state after a character stands for the longest tail of the text that is a
 prefix of some stop string. That tail is what the client does not get yet (it may still grow
 into a stop string), and a state where a stop string ends says where the reply is cut. So a
-token costs its own characters, however many and however long the stop strings are; looking
-for each stop string in the tail again at every token cost up to ~140 µs a token with one of
-256 characters (docs/benchmarks.md).
+token costs its own characters, however many and however long the stop strings are, where
+looking for each stop string in the tail again at every token grew with their lengths
+(docs/benchmarks.md, "Stop strings at every token").
 
 A reply stops at the first character that completes a stop string, and is cut before the
 longest one that ends there: where a token's text completes two, the one that ends first wins,

@@ -116,8 +116,8 @@ def latent_attention(
 def fused_latent_attention(
     q: torch.Tensor, cache: torch.Tensor, visible: torch.Tensor, scale: float
 ) -> torch.Tensor:
-    """`latent_attention` in one fused kernel, never writing the (N, H, K) scores: on a CPU a
-    decode step's attention ran 4-5% faster this way (docs/benchmarks.md)."""
+    """`latent_attention` in one fused kernel, never writing the (N, H, K) scores (where it
+    wins: docs/benchmarks.md, "Kernels that depend on the CPU")."""
     n, heads = q.shape[:2]
     if cache.dim() == 2:  # shared: all N·H query rows in one batch
         q, cache = q.flatten(0, 1)[None], cache[None]  # (1, N·H, L), (1, K, L)

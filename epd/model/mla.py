@@ -195,8 +195,8 @@ class MLAttention(nn.Module):
         contiguous float32 copies.
 
         There, the two batched products over bfloat16 views copied W_uvᵀ into new memory on
-        every call and ran a slow kernel: 170 µs a layer at one token, 45 from the float32
-        copies, and a decode step ran 3-6% faster (docs/benchmarks.md). The copies (a layer's
+        every call and ran a slow kernel (docs/benchmarks.md, "The absorbed products in
+        float32"). The copies (a layer's
         kv_b_proj in float32: 8 MiB for Kimi-VL-A3B) are made again whenever the weight moves
         or changes (its address or version), as plain tensors even in inference mode. Where
         autograd records the weight, the views serve: gradients reach it.

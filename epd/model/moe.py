@@ -118,9 +118,9 @@ class Experts(nn.Module):
         order = ids.flatten().argsort(stable=True)  # (T·k,) slots grouped by expert
         y = self(x.index_select(0, order // k), counts)  # (T·k, D), in slot order
         # Each token's j-th choice at (j, t): summed over the leading dim, the k choices add up
-        # along whole contiguous rows. Over the middle dim of (T, k, D), a CPU's bfloat16 sum
-        # took 8x its float32 time (1088 µs at T 240, k 4, D 512; docs/benchmarks.md). The
-        # fixed order of the sum keeps the result deterministic.
+        # along whole contiguous rows (over the middle dim of (T, k, D), a CPU's bfloat16 sum
+        # runs a slow strided kernel). The fixed order of the sum keeps the result
+        # deterministic.
         landed = order.argsort().view(tokens, k).t().flatten()  # (k·T,) rows of y
         per_choice = y.index_select(0, landed).view(k, tokens, x.shape[-1])  # (k, T, D)
         return (per_choice * weights.t().to(x.dtype)[..., None]).sum(0)

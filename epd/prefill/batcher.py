@@ -9,7 +9,7 @@ most the budget's new tokens whatever a prompt's length (its attention still rea
 past), and forwards stay short enough that hand-offs reach decode as a stream, not in waves.
 With `min_chunk` set, prompts that fit whole may also pass a chunked one, into what of each
 forward its chunk does not need, so one long prompt does not hold every request behind it for
-all of its chunks (a trade measured in docs/benchmarks.md: the long prompt itself takes longer).
+all of its chunks (a trade: the long prompt itself takes longer).
 
 A request whose caller has gone is skipped (its chunks so far dropped); at most
 `max_waiting_tokens` prompt tokens may wait, and a request beyond that is refused at once (503)
@@ -39,9 +39,9 @@ from epd.runtime.process import set_torch_threads
 
 log = logging.getLogger(__name__)
 WAITING_TOKENS = 32768  # prompt tokens that may wait, at least: 8 forwards at the GPU budget
-# Tokens per forward unless configured. On a CPU, a forward of 512 (two 240-token prompts)
-# gave 1.3x the output tokens of 4096 at 16 streams: long forwards make decode wait for whole
-# waves of requests (docs/benchmarks.md). The GPU figure is the earlier default, unmeasured.
+# Tokens per forward unless configured. On a CPU a short forward (two 240-token prompts): long
+# forwards make decode wait for whole waves of requests (docs/benchmarks.md, "Prefill's token
+# budget on a CPU, 512"). The GPU figure is the earlier default, unmeasured.
 CPU_BUDGET, GPU_BUDGET = 512, 4096
 
 

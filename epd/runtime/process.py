@@ -164,8 +164,8 @@ def on_passing_thread(fn: Callable[..., T], *args: Any) -> T:
     libgomp (torch's OpenMP on Linux) keeps a pool of workers for every thread that has run a
     parallel op, for as long as that thread lives. Once a process's pools hold more threads than
     it has cores, idle workers spin only briefly before they sleep, and each of a forward's many
-    small ops then waits for its workers to wake: a 240-token prefill on 2 cores took ~110 ms
-    instead of ~88 (docs/benchmarks.md). Work done once on a thread of its own takes its pool
+    small ops then waits for its workers to wake (docs/benchmarks.md, "Prefill's threads").
+    Work done once on a thread of its own takes its pool
     with it when the thread ends.
     """
     with ThreadPoolExecutor(1, thread_name_prefix="passing") as thread:
