@@ -29,7 +29,7 @@ from epd.generation.sequence import Sequence
 from epd.generation.transcript import Output
 from epd.runtime.idle import OthersIdle
 from epd.runtime.metrics import folder_name
-from epd.runtime.process import set_torch_threads, torch_threads
+from epd.runtime.process import torch_threads, use_torch_threads
 from epd.runtime.role import run_role
 from epd.runtime.watchdog import Watchdog
 from epd.wire.addresses import Prefills
@@ -219,8 +219,7 @@ class DecodeServer:
         threads = self.threads
         if self.alone_threads and self.scheduler.running and self.others_idle():
             threads = self.alone_threads
-        if threads and torch.get_num_threads() != threads:
-            set_torch_threads(threads)
+        use_torch_threads(threads)
 
     def step(self) -> None:
         self.check_peers()

@@ -19,7 +19,7 @@ from epd.encode.metrics import EncodeMetrics
 from epd.multimodal.image_processor import ImageProcessor
 from epd.multimodal.images import ImageError
 from epd.runtime.metrics import folder_name
-from epd.runtime.process import set_torch_threads
+from epd.runtime.process import use_torch_threads
 from epd.runtime.role import run_role
 from epd.runtime.watchdog import Watchdog
 from epd.wire.addresses import Prefills
@@ -177,8 +177,7 @@ class EncodeServer:
         request in flight: `alone_threads`), this encoder's share otherwise."""
         config = self.config
         threads = config.alone_threads if alone and config.alone_threads else config.threads
-        if threads and torch.get_num_threads() != threads:
-            set_torch_threads(threads)
+        use_torch_threads(threads)
 
     def admit(self, message: object) -> EncodeRequest | None:
         """The message, if it is a request this encoder takes; a Failure goes back at once for

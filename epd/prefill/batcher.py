@@ -35,7 +35,7 @@ from epd.prefill.engine import Chunk, Partial, Prefilled, PrefillEngine, Prompt
 from epd.prefill.errors import Unavailable
 from epd.prefill.metrics import PrefillMetrics
 from epd.prefill.prefix_cache import PrefixCache
-from epd.runtime.process import set_torch_threads
+from epd.runtime.process import use_torch_threads
 
 log = logging.getLogger(__name__)
 WAITING_TOKENS = 32768  # prompt tokens that may wait, at least: 8 forwards at the GPU budget
@@ -179,8 +179,7 @@ class PrefillBatcher:
     ) -> list[Prefilled | Partial | Exception]:
         """On the engine's thread: the forward, on `threads` torch threads (OpenMP counts them
         per thread, so they are set here)."""
-        if threads and torch.get_num_threads() != threads:
-            set_torch_threads(threads)
+        use_torch_threads(threads)
         results = self.engine.run_chunks(chunks, self.reply_to)
         short = [i for i, r in enumerate(results) if isinstance(r, torch.OutOfMemoryError)]
         if short and self.prefix_cache is not None and self.prefix_cache.nbytes:

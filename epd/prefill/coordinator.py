@@ -123,9 +123,8 @@ class Coordinator:
             threads=torch_threads(config.threads, config.device),
             busy_threads=config.busy_threads,
             # API requests other than the forward's (in flight from arrival to their last
-            # byte): read and tokenised, encoding, waiting, decoding. `status` counts those
-            # last where nothing counts requests (tests).
-            others_running=lambda: max(in_flight(), len(self.status)) > len(self.batcher.forward),
+            # byte): read and tokenised, encoding, waiting, decoding.
+            others_running=lambda: self.requests() > len(self.batcher.forward),
             prefix_cache=prefix_cache(config, engine),
             moved=self.moved,
         )
@@ -149,10 +148,15 @@ class Coordinator:
         if not self.batcher.busy and not self.batching.done():
             self.watchdog.beat("prefill")
 
+    def requests(self) -> int:
+        """Requests in flight: the API's count, or where nothing counts them (tests), those
+        between `submit` and their last delta."""
+        return max(self.in_flight(), len(self.status))
+
     def alone(self) -> bool:
         """Whether the one request in flight is the one asking (its encode may then take the
         cores that the other roles leave idle)."""
-        return max(self.in_flight(), len(self.status)) <= 1 and not self.batcher.busy
+        return self.requests() <= 1 and not self.batcher.busy
 
     def moved(self, request_id: str, status: Status) -> None:
         if request_id in self.status:

@@ -158,6 +158,13 @@ def set_torch_threads(threads: int) -> None:
     torch.get_num_threads()
 
 
+def use_torch_threads(threads: int) -> None:
+    """`set_torch_threads`, where `threads` is set (0: as they are) and differs from the count
+    now: a role that changes its count between forwards calls this before each."""
+    if threads and torch.get_num_threads() != threads:
+        set_torch_threads(threads)
+
+
 def on_passing_thread(fn: Callable[..., T], *args: Any) -> T:
     """fn(*args) on a thread that ends when it returns, e.g. loading a model at start.
 
