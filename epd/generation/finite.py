@@ -1,13 +1,12 @@
 """Whether tensors hold only finite values, read once: by their least and greatest values.
 
 NaN spreads to both bounds, +inf to the greatest, -inf to the least, so a tensor is finite
-exactly when both bounds are. `isfinite(t).all()` first writes a bool per value; on one CPU
-thread (docs/benchmarks.md):
-- a whole tensor, `all_finite`: one `aminmax` pass. A hand-off's bfloat16 cache of 61 MB took
-  15 ms against 135, time a decode step's batch waits while the hand-off is received;
-- rows, `finite_rows`: `amax` and `amin` along them (here faster than `aminmax` along a
-  dimension, 1.1 against 4.9 ms). 16 float32 rows of logits over Kimi-VL's 163 840-token
-  vocabulary took 1.1 ms against 10.4, every decode step.
+exactly when both bounds are. `isfinite(t).all()` first writes a bool per value, several
+times slower on a CPU (docs/benchmarks.md):
+- a whole tensor, `all_finite`: one `aminmax` pass. A hand-off's cache is checked while a
+  decode step's batch waits for it to be received;
+- rows, `finite_rows`: `amax` and `amin` along them (faster than `aminmax` along a
+  dimension). Every decode step checks its rows of logits over the whole vocabulary.
 """
 
 from __future__ import annotations

@@ -4,10 +4,10 @@ quantisation): `pack_for_cpu(model)` swaps each `Experts` for a `PackedExperts` 
 plain linears of bfloat16 weights for `RowBucketedLinear`s.
 
 Why: a decode step multiplies a few rows by each weight (1-16 by the dense ones, ~4 by each
-expert at batch 16), and MKL runs such products from row-major weights at a third to a half of
-this VM's memory bandwidth; oneDNN, from weights reordered once at load, runs them 1.3-1.9×
-faster. Small linears stay as they are: below `MIN_PACKED_LINEAR` weights, oneDNN's fixed cost
-per call (~10 µs) outweighs what it saves. Products of many rows (prefill's) run plain:
+expert at batch 16), and MKL runs such products from row-major weights well below the
+memory bandwidth they are bound by; oneDNN runs them faster from weights reordered once at
+load. Small linears stay as they are: below `MIN_PACKED_LINEAR` weights, oneDNN's fixed cost
+per call outweighs what it saves. Products of many rows (prefill's) run plain:
 oneDNN keeps a kernel per row count it meets (`MAX_PACKED_ROWS`); only a prompt's expert
 products in bfloat16, a few hundred rows each, run packed (`MAX_PACKED_EXPERT_ROWS`), and
 float32 ones of any count where MKL is slow (`packs_many_rows`: CPUs not Intel's). The
@@ -15,8 +15,8 @@ packed copies are extra memory (those weights twice, bfloat16 experts three time
 `PackedExperts`): the parameters stay, because state dicts name them (docs/benchmarks.md).
 
 oneDNN also runs the plain products of bfloat16 weights on a CPU, and builds a kernel for each
-row count it meets (~1 ms for a (256, 512) @ (512, 1408) product that then takes 0.5 ms): a
-prompt of each length would pay for its own. So their products of more than MAX_PACKED_ROWS
+row count it meets, which costs more than the product it is built for: a prompt of each
+length would pay for its own. So their products of more than MAX_PACKED_ROWS
 rows get their rows padded (`bucket`): to a multiple of 32 below 512 rows, then of an eighth of
 the power of two below them, so 14 kernels per weight shape up to 512 rows and 8 more a
 doubling, and at most 1/8 more rows past 256 (docs/benchmarks.md, "bfloat16 on a CPU").
@@ -50,10 +50,10 @@ MIN_PACKED_LINEAR = 256 * 512
 # doubling past it, as many as bfloat16's plain products meet (`bucket`).
 MAX_PACKED_ROWS, ROW_STEP = 64, 8
 # An expert's products in bfloat16 run packed up to this many rows, padded past MAX_PACKED_ROWS
-# to a multiple of ROW_BUCKET (6 more kernels per shape): a prompt's ~T·k/E rows per expert ran
-# 25-30% faster so than from the plain weight, a 240-token prefill ~7% (docs/benchmarks.md). In
-# float32 on an Intel CPU the plain weight was as fast, and the prefill slower packed (elsewhere
-# MKL is slow: `packs_many_rows`).
+# to a multiple of ROW_BUCKET (6 more kernels per shape): a prompt's ~T·k/E rows per expert run
+# faster so than from the plain weight (docs/benchmarks.md). In float32 on an Intel CPU the
+# plain weight was as fast, and the prefill slower packed (elsewhere MKL is slow:
+# `packs_many_rows`).
 MAX_PACKED_EXPERT_ROWS = 256
 # Up to this many rows, every expert runs at once when at least half have rows (`mix`); past
 # it the products the tokens do not need cost more than the calls it saves. Only in bfloat16:
@@ -118,11 +118,10 @@ def packs_many_rows(dtype: torch.dtype) -> bool:
 @functools.cache
 def blas_is_slow_here() -> bool:
     """Whether torch's BLAS, MKL, runs float32 products slowly on this CPU: it takes its fast
-    kernels on Intel's CPUs only. On an AMD EPYC (zen 5) a (256, 1024) @ (1024, 2816) product
-    took 2.3× as long as through the packed weight, and a 240-token float32 prefill 1.5×
-    (docs/benchmarks.md, "Kernels that depend on the CPU"); on an Intel Xeon the two were as
-    fast. There, float32 products of any row count run packed, their rows bucketed as
-    bfloat16's are (`bucket`)."""
+    kernels on Intel's CPUs only. On an AMD EPYC its products of a prompt's rows were much
+    slower than oneDNN's through the packed weight (docs/benchmarks.md, "Kernels that depend
+    on the CPU"); on an Intel Xeon the two were as fast. Where MKL is slow, float32 products of
+    any row count run packed, their rows bucketed as bfloat16's are (`bucket`)."""
     return torch.backends.mkl.is_available() and cpu.vendor() not in ("GenuineIntel", "")
 
 
@@ -397,8 +396,8 @@ class PackedExperts(Repacked, Experts):
         not routed to are zero, so the down product sums just its k experts. It multiplies
         E/k times the useful products, but one oneDNN call instead of two per expert costs
         less on the few rows of a decode step (docs/benchmarks.md, "Every expert at once").
-        The shared expert runs in the same two products (`fold`), weighted 1: three calls fewer
-        (a batch-16 step ~5% faster). Every row then passes through every expert: an expert
+        The shared expert runs in the same two products (`fold`), weighted 1: three calls
+        fewer. Every row then passes through every expert: an expert
         whose output is not finite would spoil rows not routed to it (0 · NaN), where the loop
         would spoil only its own.
         """
