@@ -10,9 +10,10 @@ fresh processes, one after the other, the first side alternating: epd's prefill 
 rows over ~300-token caches in a `LatentPool`, as its roles run them; vLLM's one-token
 generations of the same lengths and its time per output token at 1 and 16 requests
 (`scripts/vllm/forward.py`). Both in float32 on every core. Prints each side's median over the
-rounds and the median of the rounds' ratios (epd ÷ vLLM). vLLM's prefill time holds its
-engine's step overhead too, so the prefill ratios lean in epd's favour. With --profile, each
-side's torch profile of one prompt and its decode steps goes into DIR. Not a test, never in CI.
+rounds and the median of the rounds' ratios (epd ÷ vLLM). vLLM's times are its engine's whole
+step (scheduling, sampling, the hand-offs between its processes) where epd's are the forward
+alone, so the ratios lean in epd's favour; --profile writes both sides' torch op tables into
+DIR, where vLLM's forward alone can be read. Not a test, never in CI.
 """
 
 from __future__ import annotations
@@ -84,7 +85,7 @@ def run_side(side: str, checkpoint: Path, venv: Path, profile: Path | None) -> d
 
 def table(rounds: list[dict[str, dict[str, Any]]]) -> str:
     lines = [
-        "| step | epd ms | vLLM ms | epd ÷ vLLM (median of rounds) |",
+        "| step | epd ms: the forward | vLLM ms: its engine's step | epd ÷ vLLM (rounds' median) |",
         "|---|---|---|---|",
     ]
     for part, keys, what in (
