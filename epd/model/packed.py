@@ -441,18 +441,29 @@ class PackedExperts(Repacked, Experts):
             return super().forward(x, counts)
         wide = self.down_proj.dtype == torch.bfloat16
         most = MAX_PACKED_EXPERT_ROWS if wide else MAX_PACKED_ROWS
-        out, end = torch.empty_like(x), 0
+        spans, end = [], 0  # (expert, its first row, the row after its last)
         for expert, rows in enumerate(counts.tolist()):
             if rows:
-                start, end = end, end + rows
-                gate_up = product(
-                    x[start:end], self.gate_up_proj[expert], self.gate_up[expert], max_rows=most
-                )
-                gate, up = gate_up.split(self.hidden, dim=-1)
-                out[start:end] = product(
-                    F.silu(gate) * up, self.down_proj[expert], self.down[expert], max_rows=most
-                )
-        return out
+                spans.append((expert, end, end + rows))
+                end += rows
+        if not spans:
+            return torch.empty_like(x)
+        # The products per expert; what lies between them once over all the rows: a decode
+        # step's experts have a row or a few each, and an op per expert costs more than its rows.
+        gate_up = torch.cat(
+            [
+                product(x[a:b], self.gate_up_proj[e], self.gate_up[e], max_rows=most)
+                for e, a, b in spans
+            ]
+        )  # (S, 2H)
+        gate, up = gate_up.split(self.hidden, dim=-1)
+        hidden = F.silu(gate) * up  # (S, H)
+        return torch.cat(
+            [
+                product(hidden[a:b], self.down_proj[e], self.down[e], max_rows=most)
+                for e, a, b in spans
+            ]
+        )  # (S, D)
 
 
 def weights_key(module: nn.Module) -> tuple[int, ...]:
