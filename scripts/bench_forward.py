@@ -28,7 +28,16 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from epd.checkpoint.synthetic import make_checkpoint
+from epd.checkpoint.weights import load_model
+
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from bench_model import best_seconds, decode_step_seconds  # noqa: E402  (scripts beside this one)
+from bench_serving import VLLM_ENV, vllm_copy  # noqa: E402
+
 PROMPT_LENGTHS = (240, 1024)
 BATCHES = (1, 16)
 CONTEXT = 300  # decode's cache rows: vLLM's requests hold 240-305 while they decode
@@ -36,13 +45,6 @@ CONTEXT = 300  # decode's cache rows: vLLM's requests hold 240-305 while they de
 
 def epd_side(checkpoint: Path, profile: Path | None) -> dict[str, dict[int, float]]:
     """epd's prefill forward (best of 5) and decode step (median of 40), in milliseconds."""
-    import torch
-
-    sys.path.insert(0, str(HERE))
-    from bench_model import best_seconds, decode_step_seconds
-
-    from epd.checkpoint.weights import load_model
-
     lm = load_model(checkpoint, role="language").language_model
     vocab = lm.config.vocab_size
 
@@ -64,16 +66,16 @@ def epd_side(checkpoint: Path, profile: Path | None) -> dict[str, dict[int, floa
     return {part: {k: round(s * 1e3, 2) for k, s in t.items()} for part, t in result.items()}
 
 
-def run_side(side: str, checkpoint: Path, venv: Path, profile: Path | None) -> dict[str, Any]:
-    """One side in a fresh process: its JSON line."""
+def run_side(
+    side: str, checkpoint: Path, copy: Path, venv: Path, profile: Path | None
+) -> dict[str, Any]:
+    """One side in a fresh process (vLLM's on `copy`, the checkpoint as it serves it): its
+    JSON line."""
     flags = ["--profile", str(profile)] if profile else []
     if side == "epd":
         command = [sys.executable, __file__, "--side", "epd", "--checkpoint", str(checkpoint)]
         env = None
     else:
-        from bench_serving import VLLM_ENV, vllm_copy
-
-        copy = vllm_copy(checkpoint, venv)
         command = [str(venv / "bin" / "python"), str(HERE / "vllm" / "forward.py"), str(copy)]
         env = os.environ | VLLM_ENV
     done = subprocess.run([*command, *flags], check=True, capture_output=True, text=True, env=env)
@@ -114,13 +116,9 @@ def main() -> None:
     if args.side == "epd":  # a round's epd process
         print(json.dumps(epd_side(args.checkpoint, args.profile)))
         return
-    sys.path.insert(0, str(HERE))
-    checkpoint = args.checkpoint
-    if checkpoint is None:
-        from epd.checkpoint.synthetic import make_checkpoint
-
-        checkpoint = make_checkpoint(Path("bench-results") / "small", "small", seed=3)
-    checkpoint = checkpoint.resolve()
+    small = Path("bench-results") / "small"
+    checkpoint = (args.checkpoint or make_checkpoint(small, "small", seed=3)).resolve()
+    copy = vllm_copy(checkpoint, args.vllm_venv)  # made once, for every round
     if args.profile:
         args.profile.mkdir(parents=True, exist_ok=True)
     rounds = []
@@ -128,7 +126,9 @@ def main() -> None:
         order = ("epd", "vllm") if index % 2 == 0 else ("vllm", "epd")
         started = time.strftime("%H:%M:%S")
         result = {
-            side: run_side(side, checkpoint, args.vllm_venv, args.profile if index == 0 else None)
+            side: run_side(
+                side, checkpoint, copy, args.vllm_venv, args.profile if index == 0 else None
+            )
             for side in order
         }
         print(f"round {index + 1} ({started}, {order[0]} first): {json.dumps(result)}")

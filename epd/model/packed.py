@@ -397,9 +397,9 @@ class PackedExperts(Repacked, Experts):
         E/k times the useful products, but one oneDNN call instead of two per expert costs
         less on the few rows of a decode step (docs/benchmarks.md, "Every expert at once").
         The shared expert runs in the same two products (`fold`), weighted 1: three calls
-        fewer. Every row then passes through every expert: an expert
-        whose output is not finite would spoil rows not routed to it (0 · NaN), where the loop
-        would spoil only its own.
+        fewer. Every row then passes through every expert: an expert whose output is not
+        finite would spoil rows not routed to it (0 · NaN), where the loop would spoil only
+        its own.
         """
         experts, tokens = len(self), x.shape[0]
         counts = torch.bincount(ids.flatten(), minlength=experts)  # (E,) rows per expert
