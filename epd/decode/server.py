@@ -215,9 +215,11 @@ class DecodeServer:
 
     def use_threads(self) -> None:
         """The machine's idle cores for the step too, while the other processes leave them
-        (at one stream: prefill and encode wait for the next request); its share otherwise."""
+        (at one stream: prefill and encode wait for the next request); its share otherwise.
+        A sequence that waits joins in this step: a lone request's first step takes the
+        cores as well."""
         threads = self.threads
-        if self.alone_threads and self.scheduler.running and self.others_idle():
+        if self.alone_threads and len(self.scheduler) and self.others_idle():
             threads = self.alone_threads
         use_torch_threads(threads)
 

@@ -245,7 +245,9 @@ def test_a_step_takes_the_idle_cores_only_while_the_others_leave_them(wired):
         assert torch.get_num_threads() == 1  # nothing running: its share
         send(handoff("r1", max_tokens=8))
         server.take_messages()
-        server.scheduler.step()  # r1 runs
+        server.use_threads()  # r1 joins in this step, its first: the cores from the start
+        assert torch.get_num_threads() == 2
+        server.scheduler.step()
         server.use_threads()
         assert torch.get_num_threads() == 2
         idle[0] = False  # prefill took a new request
