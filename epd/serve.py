@@ -37,6 +37,9 @@ from epd.runtime.process import SUPERVISOR_ENV, available_cores, stop_event, tor
 CHILDREN = ("encode", "decode", "prefill")
 HEALTHY_AFTER_S = 60.0  # a child that lived this long restarts without accumulated backoff
 CORES = available_cores()
+# Turns libgomp's threads spin after an op before they sleep, in prefill and encode (`openmp_env`).
+BRIEF_SPIN = 10_000
+OPENMP_WAITING = {"GOMP_SPINCOUNT", "OMP_WAIT_POLICY"}  # set by the user: left as they are
 STOP_TIMEOUT_S = 10.0  # children still running this long after SIGTERM are killed (< STOP_GRACE_S)
 
 
@@ -45,6 +48,7 @@ class Child:
     role: str
     argv: list[str]
     secrets: dict[str, str] = field(default_factory=dict)  # environment, not argv
+    env: dict[str, str] = field(default_factory=dict)  # more of its environment (`openmp_env`)
     process: subprocess.Popen[str] | None = None
     ready: threading.Event = field(default_factory=threading.Event)
     tail: collections.deque[str] = field(default_factory=lambda: collections.deque(maxlen=40))
@@ -64,7 +68,7 @@ class Child:
             # children in order (prefill drains first).
             start_new_session=True,
             # It ends when serve does; secrets go in its environment, which only it can read.
-            env=os.environ | self.secrets | {SUPERVISOR_ENV: str(os.getpid())},
+            env=os.environ | self.env | self.secrets | {SUPERVISOR_ENV: str(os.getpid())},
         )
         self.started_at, self.restart_at = time.monotonic(), None
         threading.Thread(target=self.relay, args=(self.process,), daemon=True).start()
@@ -202,6 +206,23 @@ def busy_threads(prefill: int, decode: int, cores: int) -> int:
     return max(1, min(prefill, cores - decode))
 
 
+def openmp_env(role: str, device: str) -> dict[str, str]:
+    """What a child's OpenMP runtime reads from its environment at start: on a CPU, prefill's
+    and encode's threads wait only briefly for more work after each op (`BRIEF_SPIN` turns of
+    libgomp's spin, ~0.2 ms, where its default, 300,000, lasts milliseconds), unless this
+    environment already says how they wait.
+
+    Their work comes in bursts, each ending in a hand-off to the next role on the same cores:
+    with the default, a forward's threads spun on after it, and decode's first step of the
+    request just handed to it ran beside them, 15-20 ms against 10 (docs/benchmarks.md,
+    "OpenMP's threads between roles"). Decode keeps the default: its steps follow one another,
+    and its threads asleep between them would wake at the cost of every step.
+    """
+    if device != "cpu" or role == "decode" or OPENMP_WAITING & os.environ.keys():
+        return {}
+    return {"GOMP_SPINCOUNT": str(BRIEF_SPIN)}
+
+
 def core_shares(cores: int) -> dict[str, int]:
     """Threads per role on a CPU: decode and encode a third of the cores each (at least one),
     prefill the cores that decode's third (rounded down) leaves, so both on 2 cores.
@@ -273,7 +294,8 @@ def run(config: ServeConfig, child_configs: dict[str, Any]) -> None:
     stop = stop_event(grace_s=drain_s + 3 * STOP_TIMEOUT_S)  # the stop below, and a margin
     base = [sys.executable, "-m", "epd.cli"]
     children = [
-        Child(role, [*base, role, *to_flags(c)], secret_env(c)) for role, c in child_configs.items()
+        Child(role, [*base, role, *to_flags(c)], secret_env(c), openmp_env(role, c.device))
+        for role, c in child_configs.items()
     ]
     start_all(children, stop)
     announce(config, child_configs["prefill"].model_name)

@@ -21,7 +21,7 @@ from epd.config.sources import (
     to_flags,
 )
 from epd.runtime.process import available_cores
-from epd.serve import busy_threads, core_shares, plan
+from epd.serve import BRIEF_SPIN, busy_threads, core_shares, openmp_env, plan
 
 CONFIGS = Path(__file__).parents[2] / "configs"
 
@@ -273,3 +273,14 @@ def test_a_help_that_names_its_default_is_not_given_a_second(capsys):
     text = " ".join(capsys.readouterr().out.split())
     model = text[text.index("--model MODEL model") : text.index("--api-key API_KEY sent")]
     assert model.count("default") == 1 and "(default: the server's first)" in model
+
+
+def test_prefill_and_encode_spin_briefly_on_a_cpu_unless_the_environment_says(monkeypatch):
+    for name in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY"):
+        monkeypatch.delenv(name, raising=False)
+    brief = {"GOMP_SPINCOUNT": str(BRIEF_SPIN)}
+    assert openmp_env("prefill", "cpu") == openmp_env("encode", "cpu") == brief
+    assert openmp_env("decode", "cpu") == {}  # its steps follow one another: libgomp's default
+    assert openmp_env("prefill", "cuda:0") == {}
+    monkeypatch.setenv("OMP_WAIT_POLICY", "active")  # the user's say wins
+    assert openmp_env("prefill", "cpu") == {}

@@ -12,6 +12,7 @@ import yaml
 from epd.cli import parser
 from epd.config.roles import ROLES
 from epd.config.sources import resolve
+from epd.serve import OPENMP_WAITING, openmp_env
 
 ROOT = Path(__file__).parents[2]
 COMPOSE = shutil.which("docker-compose")
@@ -46,7 +47,9 @@ def health_port(service: dict) -> int:
 
 
 @pytest.mark.parametrize("file,gpus", [("docker-compose.yml", 1), ("docker-compose.cpu.yml", 0)])
-def test_compose_file(file, gpus):
+def test_compose_file(file, gpus, monkeypatch):
+    for name in OPENMP_WAITING:  # what serve would set, whatever this environment says
+        monkeypatch.delenv(name, raising=False)
     services = parsed(file)["services"]
     assert set(services) == {"keys", "encode", "prefill", "decode"}
     keys = services.pop("keys")
@@ -70,6 +73,11 @@ def test_compose_file(file, gpus):
         assert sum(d["count"] for d in devices) == gpus
         expected = config.port if name == "prefill" else config.health_port
         assert health_port(service) == expected
+        # the containers share the host's cores on a CPU: as `epd serve` starts its children
+        assert service["environment"].get("GOMP_SPINCOUNT") == (
+            openmp_env(name, config.device).get("GOMP_SPINCOUNT")
+        )
+        assert service["environment"]["EPD_LOG_LEVEL"] == "INFO"
     prefill = configs["prefill"]
     assert prefill.model_name == "kimi-vl-shapes"  # the checkpoint's name, not its mount point
     published = services["prefill"]["ports"][0]

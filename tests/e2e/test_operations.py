@@ -5,6 +5,7 @@ lines with the access log; and set up by hand: overload, a hung peer, a drain, C
 import http.server
 import io
 import json
+import os
 import signal
 import threading
 import time
@@ -23,6 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from epd.checkpoint import progress
 from epd.local import LocalPipeline
 from epd.model.packed import packs_many_rows
+from epd.serve import BRIEF_SPIN, OPENMP_WAITING
 from epd.wire.curve import CurveKeys, make_keys
 
 from .stack import (
@@ -87,6 +89,25 @@ def test_the_key_is_in_no_command_line(locked_stack):
     assert len(pids) == 3
     for pid in [stack.popen.pid, *pids]:
         assert KEY.encode() not in Path(f"/proc/{pid}/cmdline").read_bytes()
+
+
+@pytest.mark.skipif(
+    bool(OPENMP_WAITING & os.environ.keys()), reason="this environment says how OpenMP waits"
+)
+def test_prefill_and_encode_threads_sleep_soon_after_their_work_on_a_cpu(locked_stack):
+    """The roles share this machine's cores: serve starts prefill and encode with a brief
+    OpenMP spin (`openmp_env`), and decode with libgomp's own."""
+    stack, _ = locked_stack
+    spins = {}
+    for line in stack.output.splitlines():
+        if "ready (pid" in line:
+            role = line.split("epd ")[1].split(" ")[0]
+            pid = int(line.split("(pid ")[1].split(")")[0])
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            given = [e for e in environ if e.startswith(b"GOMP_SPINCOUNT=")]
+            spins[role] = given[0].split(b"=")[1].decode() if given else None
+    brief = str(BRIEF_SPIN)
+    assert spins == {"encode": brief, "prefill": brief, "decode": None}
 
 
 def test_each_role_says_what_it_does_until_it_is_ready(locked_stack):
