@@ -37,7 +37,7 @@ from epd.runtime.process import SUPERVISOR_ENV, available_cores, stop_event, tor
 CHILDREN = ("encode", "decode", "prefill")
 HEALTHY_AFTER_S = 60.0  # a child that lived this long restarts without accumulated backoff
 CORES = available_cores()
-# Turns libgomp's threads spin after an op before they sleep, in prefill and encode (`openmp_env`).
+# Turns libgomp's threads spin after an op before they sleep, on a CPU (`openmp_env`).
 BRIEF_SPIN = 10_000
 OPENMP_WAITING = {"GOMP_SPINCOUNT", "OMP_WAIT_POLICY"}  # set by the user: left as they are
 STOP_TIMEOUT_S = 10.0  # children still running this long after SIGTERM are killed (< STOP_GRACE_S)
@@ -206,19 +206,20 @@ def busy_threads(prefill: int, decode: int, cores: int) -> int:
     return max(1, min(prefill, cores - decode))
 
 
-def openmp_env(role: str, device: str) -> dict[str, str]:
-    """What a child's OpenMP runtime reads from its environment at start: on a CPU, prefill's
-    and encode's threads wait only briefly for more work after each op (`BRIEF_SPIN` turns of
-    libgomp's spin, ~0.2 ms, where its default, 300,000, lasts milliseconds), unless this
-    environment already says how they wait.
+def openmp_env(device: str) -> dict[str, str]:
+    """What a child's OpenMP runtime reads from its environment at start: on a CPU, its threads
+    wait only briefly for more work after each op (`BRIEF_SPIN` turns of libgomp's spin, ~0.2
+    ms, where its default, 300,000, lasts milliseconds), unless this environment already says
+    how they wait.
 
-    Their work comes in bursts, each ending in a hand-off to the next role on the same cores:
-    with the default, a forward's threads spun on after it, and decode's first step of the
-    request just handed to it ran beside them, 15-20 ms against 10 (docs/benchmarks.md,
-    "OpenMP's threads between roles"). Decode keeps the default: its steps follow one another,
-    and its threads asleep between them would wake at the cost of every step.
+    The roles share the machine's cores, and a thread that spins keeps one from the others: after
+    a forward, prefill's spun while decode ran the first step of the request just handed to it
+    (15-20 ms against 10); and decode's, when a burst of new prompts took prefill and the API
+    from idle to busy, spun at every op waiting for a descheduled thread of the same step (steps
+    of 100-600 ms, every stream stalled; with the brief spin at most ~100 ms). docs/benchmarks.md,
+    "OpenMP's threads between roles".
     """
-    if device != "cpu" or role == "decode" or OPENMP_WAITING & os.environ.keys():
+    if device != "cpu" or OPENMP_WAITING & os.environ.keys():
         return {}
     return {"GOMP_SPINCOUNT": str(BRIEF_SPIN)}
 
@@ -294,7 +295,7 @@ def run(config: ServeConfig, child_configs: dict[str, Any]) -> None:
     stop = stop_event(grace_s=drain_s + 3 * STOP_TIMEOUT_S)  # the stop below, and a margin
     base = [sys.executable, "-m", "epd.cli"]
     children = [
-        Child(role, [*base, role, *to_flags(c)], secret_env(c), openmp_env(role, c.device))
+        Child(role, [*base, role, *to_flags(c)], secret_env(c), openmp_env(c.device))
         for role, c in child_configs.items()
     ]
     start_all(children, stop)

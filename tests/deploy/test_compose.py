@@ -75,7 +75,7 @@ def test_compose_file(file, gpus, monkeypatch):
         assert health_port(service) == expected
         # the containers share the host's cores on a CPU: as `epd serve` starts its children
         assert service["environment"].get("GOMP_SPINCOUNT") == (
-            openmp_env(name, config.device).get("GOMP_SPINCOUNT")
+            openmp_env(config.device).get("GOMP_SPINCOUNT")
         )
         assert service["environment"]["EPD_LOG_LEVEL"] == "INFO"
     prefill = configs["prefill"]
