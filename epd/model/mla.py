@@ -198,8 +198,8 @@ class MLAttention(nn.Module):
         every call and ran a slow kernel (docs/benchmarks.md, "The absorbed products in
         float32"). The copies (a layer's kv_b_proj in float32: 8 MiB for Kimi-VL-A3B) are made
         again whenever the weight moves or changes (its address or version), as plain tensors
-        even in inference mode. Where
-        autograd records the weight, the views serve: gradients reach it.
+        even in inference mode. Where autograd records the weight, the views serve: gradients
+        reach it.
         """
         weight = self.kv_b_proj.weight
         if (

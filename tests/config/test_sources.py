@@ -21,7 +21,7 @@ from epd.config.sources import (
     to_flags,
 )
 from epd.runtime.process import available_cores
-from epd.serve import BRIEF_SPIN, busy_threads, core_shares, openmp_env, plan
+from epd.serve import BRIEF_SPIN, OPENMP_WAITING, busy_threads, core_shares, openmp_env, plan
 
 CONFIGS = Path(__file__).parents[2] / "configs"
 
@@ -276,7 +276,7 @@ def test_a_help_that_names_its_default_is_not_given_a_second(capsys):
 
 
 def test_openmp_threads_spin_briefly_on_a_cpu_unless_the_environment_says(monkeypatch):
-    for name in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY"):
+    for name in OPENMP_WAITING:
         monkeypatch.delenv(name, raising=False)
     assert openmp_env("cpu") == {"GOMP_SPINCOUNT": str(BRIEF_SPIN)}
     assert openmp_env("cuda:0") == {}  # a role of its own GPU: its threads only feed it

@@ -95,6 +95,15 @@ class Process:
     def output(self) -> str:
         return "".join(self.lines)
 
+    def role_pids(self) -> dict[str, int]:
+        """Each role's pid, from its ready line (`epd ROLE ready (pid N): ...`)."""
+        pids = {}
+        for line in self.output.splitlines():
+            if "ready (pid" in line:
+                role = line.split("epd ")[1].split(" ")[0]
+                pids[role] = int(line.split("(pid ")[1].split(")")[0])
+        return pids
+
     def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> Process:
         deadline = time.monotonic() + timeout
         while not self.ready.wait(0.1):

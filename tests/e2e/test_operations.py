@@ -84,8 +84,7 @@ def test_the_client_needs_the_key(locked_stack):
 
 def test_the_key_is_in_no_command_line(locked_stack):
     stack, _ = locked_stack
-    lines = [line for line in stack.output.splitlines() if "ready (pid" in line]
-    pids = [int(line.split("(pid ")[1].split(")")[0]) for line in lines]
+    pids = list(stack.role_pids().values())
     assert len(pids) == 3
     for pid in [stack.popen.pid, *pids]:
         assert KEY.encode() not in Path(f"/proc/{pid}/cmdline").read_bytes()
@@ -99,13 +98,10 @@ def test_every_roles_threads_sleep_soon_after_their_work_on_a_cpu(locked_stack):
     (`openmp_env`)."""
     stack, _ = locked_stack
     spins = {}
-    for line in stack.output.splitlines():
-        if "ready (pid" in line:
-            role = line.split("epd ")[1].split(" ")[0]
-            pid = int(line.split("(pid ")[1].split(")")[0])
-            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-            given = [e for e in environ if e.startswith(b"GOMP_SPINCOUNT=")]
-            spins[role] = given[0].split(b"=")[1].decode() if given else None
+    for role, pid in stack.role_pids().items():
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        given = [e for e in environ if e.startswith(b"GOMP_SPINCOUNT=")]
+        spins[role] = given[0].split(b"=")[1].decode() if given else None
     brief = str(BRIEF_SPIN)
     assert spins == {"encode": brief, "prefill": brief, "decode": brief}
 
