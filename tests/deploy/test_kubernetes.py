@@ -13,6 +13,7 @@ import yaml
 from epd.cli import parser
 from epd.config.roles import ROLES
 from epd.config.sources import read_config_file, resolve
+from epd.serve import OPENMP_WAITING, openmp_env
 
 ROOT = Path(__file__).parents[2]
 KUSTOMIZE = ROOT / "deploy" / "kubernetes"
@@ -101,7 +102,9 @@ def test_the_cpu_demo_creates_its_namespace():
 
 
 @pytest.mark.parametrize("overlay", ["gpu", "cpu-demo"])
-def test_pods_agree_with_the_config_they_read(overlay, tmp_path):
+def test_pods_agree_with_the_config_they_read(overlay, tmp_path, monkeypatch):
+    for name in OPENMP_WAITING:  # what serve would set, whatever this environment says
+        monkeypatch.delenv(name, raising=False)
     objects = render(overlay)
     config_file = tmp_path / "epd.yaml"
     config_file.write_text(config_text(objects))
@@ -127,6 +130,9 @@ def test_pods_agree_with_the_config_they_read(overlay, tmp_path):
         assert security["readOnlyRootFilesystem"] and not security["allowPrivilegeEscalation"]
         assert security["capabilities"]["drop"] == ["ALL"]
         assert any(m["mountPath"] == "/tmp" for m in container["volumeMounts"])
+        # the pods of a node share its cores on a CPU: as `epd serve` starts its children
+        given = {e["name"]: e.get("value") for e in container.get("env", [])}
+        assert given.get("GOMP_SPINCOUNT") == openmp_env(config.device).get("GOMP_SPINCOUNT")
         gpus = container["resources"].get("limits", {}).get("nvidia.com/gpu")
         assert gpus == (1 if overlay == "gpu" else None)
         # the Service in front selects these pods and names real ports
