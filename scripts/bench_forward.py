@@ -32,6 +32,7 @@ import torch
 
 from epd.checkpoint.synthetic import make_checkpoint
 from epd.checkpoint.weights import load_model
+from epd.runtime.process import reuse_freed_memory
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -113,7 +114,8 @@ def main() -> None:
     parser.add_argument("--profile", type=Path, help="a directory for both sides' profiles")
     parser.add_argument("--side", choices=["epd"], help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.side == "epd":  # a round's epd process
+    if args.side == "epd":  # a round's epd process, its memory kept as a served role's
+        reuse_freed_memory()
         print(json.dumps(epd_side(args.checkpoint, args.profile)))
         return
     small = Path("bench-results") / "small"

@@ -29,6 +29,7 @@ from epd.model.latent_cache import LatentCache
 from epd.model.latent_pool import BLOCK_TOKENS, LatentPool
 from epd.model.moe import Experts, Router
 from epd.model.paged import GatherEachStep
+from epd.runtime.process import reuse_freed_memory
 
 
 def best_seconds(fn: Callable[[], object], repeats: int) -> float:
@@ -225,6 +226,7 @@ def main() -> None:
         help="decode gathers the caches out of the pool's blocks every step, as on a GPU",
     )
     args = parser.parse_args()
+    reuse_freed_memory()  # as a served role keeps its memory
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = args.checkpoint or make_checkpoint(Path(tmp) / "small", "small")
         dtype = TENSOR_DTYPES[args.dtype]

@@ -26,6 +26,13 @@ SUPERVISOR_ENV = "EPD_SUPERVISOR_PID"  # set by `epd serve`: its children end wh
 STOP_GRACE_S = 15.0  # a process asked to stop that has not finished by then exits at once
 PR_SET_PDEATHSIG = 1
 MAX_OPEN_FILES = 1 << 20  # the soft limit taken where the hard one is unlimited
+# glibc's mallopt parameters, and the values a CPU role sets (`reuse_freed_memory`): blocks
+# under 32 MiB (glibc's largest threshold) come from the heap, and up to 256 MiB freed at its
+# top stays there for the next forward.
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+MMAP_THRESHOLD, TRIM_THRESHOLD = 32 << 20, 256 << 20
+# An operator's own settings of glibc's allocator win over `reuse_freed_memory`.
+MALLOC_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNABLES")
 
 
 class ProcessOptions(Protocol):
@@ -191,8 +198,35 @@ def start_process(
     stop = stop_event(grace_s)
     follow_supervisor()
     raise_file_limit()
+    if not options.device.startswith("cuda"):
+        reuse_freed_memory()
     torch.set_num_threads(torch_threads(options.threads, options.device))
     return stop
+
+
+def reuse_freed_memory() -> bool:
+    """Keep the memory a forward frees for the next one, where the allocator is glibc's and the
+    environment leaves it as it is (MALLOC_SETTINGS; no other allocator preloaded): whether it
+    was set.
+
+    By default glibc gives a block of 128 KiB or more its own pages, returned when it is freed,
+    and returns the heap's free top past 128 KiB too. A forward on a CPU allocates and frees
+    tensors of a few MiB at every op, so each came back as fresh pages, and the kernel faults
+    them in 4 KiB at a time as the op first writes them (docs/benchmarks.md, "Memory a forward
+    reuses").
+    """
+    if any(name in os.environ for name in MALLOC_SETTINGS) or "malloc" in os.environ.get(
+        "LD_PRELOAD", ""
+    ):
+        return False
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):  # another C library
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(
+        mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)
+    )
 
 
 def raise_file_limit() -> None:

@@ -1,12 +1,14 @@
 """What every process sets up first: its log lines, its open files limit; and work that must
 not outlive its thread."""
 
+import json
 import os
 import resource
 import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import pytest
 import torch
@@ -104,3 +106,49 @@ def test_a_role_raises_its_open_files_limit_to_the_hard_one():
     )
     wanted = MAX_OPEN_FILES if hard == resource.RLIM_INFINITY else hard
     assert int(raised.stdout) == wanted > 256
+
+
+# Where glibc put a 4 MiB tensor (its own pages, or the heap), and how much of the heap stayed
+# free for the next after it was freed, after `reuse` ran or not.
+WHERE_MEMORY_GOES = """
+import ctypes, json, sys, torch
+from epd.runtime.process import reuse_freed_memory
+class Info(ctypes.Structure):  # glibc's struct mallinfo2
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split())]
+mallinfo = ctypes.CDLL(None).mallinfo2
+mallinfo.restype = Info
+was_set = reuse_freed_memory() if sys.argv[1] == "reuse" else False
+before = mallinfo().hblkhd
+tensor = torch.ones(1 << 20)
+own_pages = mallinfo().hblkhd - before
+del tensor
+print(json.dumps({"set": was_set, "own_pages": own_pages, "kept_free": mallinfo().fordblks}))
+"""
+
+
+def where_memory_goes(how: str, **env: str) -> dict[str, Any]:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("MALLOC_", "GLIBC_"))}
+    done = subprocess.run(
+        [sys.executable, "-c", WHERE_MEMORY_GOES, how],
+        env=clean | env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    result: dict[str, Any] = json.loads(done.stdout)
+    return result
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator")
+def test_a_role_keeps_the_memory_a_forward_freed_for_the_next():
+    """By default glibc gives a block of 4 MiB its own pages and returns them at free, so the
+    next op's output must be faulted in afresh; a role takes it from the heap and keeps it."""
+    plain, reused = where_memory_goes("plain"), where_memory_goes("reuse")
+    assert not plain["set"] and plain["own_pages"] >= 4 << 20 and plain["kept_free"] < 4 << 20
+    assert reused["set"] and reused["own_pages"] == 0 and reused["kept_free"] >= 4 << 20
+
+
+def test_an_operators_own_allocator_settings_are_left_alone():
+    for setting in ({"MALLOC_TRIM_THRESHOLD_": "131072"}, {"LD_PRELOAD": "libjemalloc.so.2"}):
+        assert where_memory_goes("reuse", **setting)["set"] is False
