@@ -116,7 +116,7 @@ class Experts(nn.Module):
         """`mix`, given the rows per expert (E,): the rows sorted by expert run through it."""
         tokens, k = ids.shape
         order = ids.flatten().argsort(stable=True)  # (T·k,) slots grouped by expert
-        y = self(x.index_select(0, order // k), counts)  # (T·k, D), in slot order
+        y = self.gathered(x, order // k, counts)  # (T·k, D), in slot order
         # Each token's j-th choice at (j, t): summed over the leading dim, the k choices add up
         # along whole contiguous rows (over the middle dim of (T, k, D), a CPU's bfloat16 sum
         # runs a slow strided kernel). The fixed order of the sum keeps the result
@@ -124,6 +124,11 @@ class Experts(nn.Module):
         landed = order.argsort().view(tokens, k).t().flatten()  # (k·T,) rows of y
         per_choice = y.index_select(0, landed).view(k, tokens, x.shape[-1])  # (k, T, D)
         return (per_choice * weights.t().to(x.dtype)[..., None]).sum(0)
+
+    def gathered(self, x: torch.Tensor, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """x (T, D), the row of each slot sorted by expert (S,), rows per expert (E,) → each
+        slot's row through its expert (S, D)."""
+        return self(x.index_select(0, rows), counts)
 
 
 def per_expert_names(

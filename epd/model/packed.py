@@ -49,11 +49,11 @@ MIN_PACKED_LINEAR = 256 * 512
 # float32 products of any count run packed (`packs_many_rows`), 14 more up to 512 rows and 8 a
 # doubling past it, as many as bfloat16's plain products meet (`bucket`).
 MAX_PACKED_ROWS, ROW_STEP = 64, 8
-# An expert's products in bfloat16 run packed up to this many rows, padded past MAX_PACKED_ROWS
-# to a multiple of ROW_BUCKET (6 more kernels per shape): a prompt's ~T·k/E rows per expert run
-# faster so than from the plain weight (docs/benchmarks.md). In float32 on an Intel CPU the
-# plain weight was as fast, and the prefill slower packed (elsewhere MKL is slow:
-# `packs_many_rows`).
+# An expert's products in bfloat16, and in float32 where MKL is slow (`packs_many_rows`), run
+# packed up to this many rows, padded to a multiple of ROW_STEP (24 more kernels per shape past
+# MAX_PACKED_ROWS; `expert_rows`): a prompt's ~T·k/E rows per expert run faster so than from the
+# plain weight (docs/benchmarks.md). In float32 on an Intel CPU the plain weight was as fast,
+# and the prefill slower packed.
 MAX_PACKED_EXPERT_ROWS = 256
 # Up to this many rows, every expert runs at once when at least half have rows (`mix`); past
 # it the products the tokens do not need cost more than the calls it saves. Only in bfloat16:
@@ -67,6 +67,9 @@ ROW_BUCKET = 32  # the finest step plain bfloat16 products pad their rows to (`b
 READ_DIRECTLY = ("kv_b_proj",)
 
 log = logging.getLogger(__name__)
+# An expert's rows in a product (`PackedExperts.spans`): the expert, its first row, the row
+# after its last, and the rows its products run on (0: through the plain weight).
+Span = tuple[int, int, int, int]
 
 
 def can_pack(weight: torch.Tensor) -> bool:
@@ -93,17 +96,14 @@ def product(
     weight: torch.Tensor,
     packed: torch.Tensor,
     bias: torch.Tensor | None = None,
-    max_rows: int = MAX_PACKED_ROWS,
 ) -> torch.Tensor:
     """x (N, in) → x @ weight.T + bias (N, out): through `packed` (weight packed by `pack`)
     for 1 to MAX_PACKED_ROWS rows, their count above ROW_STEP rounded up to a multiple of it
-    (zero rows added, their results dropped), and up to `max_rows` rounded up to a multiple of
-    ROW_BUCKET; through the plain weight for more rows, unless `packs_many_rows`."""
+    (zero rows added, their results dropped); through the plain weight for more rows, unless
+    `packs_many_rows`."""
     rows = x.shape[0]
     if 0 < rows <= MAX_PACKED_ROWS:
         return packed_product(x, packed, bias)
-    if 0 < rows <= max_rows:
-        return onednn_linear(padded(x, ROW_BUCKET), packed, bias)[:rows]
     if rows and packs_many_rows(weight.dtype):
         return onednn_linear(padded(x, bucket(rows)), packed, bias)[:rows]
     return bucketed_linear(x, weight, bias)
@@ -439,31 +439,79 @@ class PackedExperts(Repacked, Experts):
         """
         if not self.down or records_grad(x, self.gate_up_proj, self.down_proj):
             return super().forward(x, counts)
-        wide = self.down_proj.dtype == torch.bfloat16
-        most = MAX_PACKED_EXPERT_ROWS if wide else MAX_PACKED_ROWS
-        spans, end = [], 0  # (expert, its first row, the row after its last)
+        spans, tail = self.spans(counts, x.dtype)
+        return self.products(F.pad(x, (0, 0, 0, tail)) if tail else x, spans, tail)
+
+    def gathered(self, x: torch.Tensor, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """x (T, D), the row of each slot sorted by expert (S,), rows per expert (E,) → each
+        slot's row through its expert (S, D): `forward`, its tail gathered with the rows."""
+        if not self.down or records_grad(x, self.gate_up_proj, self.down_proj):
+            return super().gathered(x, rows, counts)
+        spans, tail = self.spans(counts, x.dtype)
+        # The tail repeats row 0: its results are dropped (`products`), and no copy pads x.
+        rows = F.pad(rows, (0, tail)) if tail else rows
+        return self.products(x.index_select(0, rows), spans, tail)
+
+    @staticmethod
+    def spans(counts: torch.Tensor, dtype: torch.dtype) -> tuple[list[Span], int]:
+        """Rows per expert (E,) → each expert with rows as (expert, its first row, the row after
+        its last, the rows its products run on: `expert_rows`), and the rows the last products
+        run on past all the rows (the tail)."""
+        spans, end = [], 0
         for expert, rows in enumerate(counts.tolist()):
             if rows:
-                spans.append((expert, end, end + rows))
+                spans.append((expert, end, end + rows, expert_rows(rows, dtype)))
                 end += rows
+        return spans, max((run - (b - a) for _, a, b, run in spans), default=0)
+
+    def products(self, x: torch.Tensor, spans: list[Span], tail: int) -> torch.Tensor:
+        """Rows sorted by expert and then `tail` more (S + tail, D) → the S rows each through
+        its expert (S, D).
+
+        An expert's products run on its rows and those after them up to the count oneDNN keeps
+        a kernel for (`expert_rows`): the next experts' rows, then the tail. Rows multiply on
+        their own, so the results past its own are dropped, and no expert's rows are copied to
+        pad them. What lies between the products runs once over all the rows: a decode step's
+        experts have a row or a few each, and an op per expert costs more than its rows.
+        """
         if not spans:
-            return torch.empty_like(x)
-        # The products per expert; what lies between them once over all the rows: a decode
-        # step's experts have a row or a few each, and an op per expert costs more than its rows.
+            return x[:0]
         gate_up = torch.cat(
-            [
-                product(x[a:b], self.gate_up_proj[e], self.gate_up[e], max_rows=most)
-                for e, a, b in spans
-            ]
-        )  # (S, 2H)
+            [self.run(x, span, self.gate_up_proj, self.gate_up) for span in spans]
+            + [x.new_zeros(tail, 2 * self.hidden)]
+        )  # (S + tail, 2H), the tail zero
         gate, up = gate_up.split(self.hidden, dim=-1)
-        hidden = F.silu(gate) * up  # (S, H)
-        return torch.cat(
-            [
-                product(hidden[a:b], self.down_proj[e], self.down[e], max_rows=most)
-                for e, a, b in spans
-            ]
-        )  # (S, D)
+        hidden = F.silu(gate) * up  # (S + tail, H)
+        return torch.cat([self.run(hidden, span, self.down_proj, self.down) for span in spans])
+
+    @staticmethod
+    def run(
+        x: torch.Tensor, span: Span, weights: torch.Tensor, packed: list[torch.Tensor]
+    ) -> torch.Tensor:
+        """An expert's rows of x (N, in) @ its weight.T → (N, out): through its packed weight on
+        the rows `span` says (`products`), else through the plain one on its own."""
+        expert, start, end, rows = span
+        if rows:
+            return onednn_linear(x[start : start + rows], packed[expert], None)[: end - start]
+        return bucketed_linear(x[start:end], weights[expert])
+
+
+def expert_rows(rows: int, dtype: torch.dtype) -> int:
+    """The rows an expert's product of `rows` (≥ 1) runs on through its packed weight: `rows` up
+    to ROW_STEP, then a multiple of ROW_STEP up to MAX_PACKED_EXPERT_ROWS (where its weights'
+    dtype runs prompts packed: bfloat16, and float32 where MKL is slow; MAX_PACKED_ROWS
+    elsewhere), then a multiple of `bucket(rows)` where any count runs packed; 0 past those, for
+    the plain weight."""
+    many = dtype == torch.bfloat16 or packs_many_rows(dtype)
+    if rows <= ROW_STEP:
+        return rows
+    if rows <= (MAX_PACKED_EXPERT_ROWS if many else MAX_PACKED_ROWS):
+        return round_up(rows, ROW_STEP)
+    return round_up(rows, bucket(rows)) if packs_many_rows(dtype) else 0
+
+
+def round_up(n: int, step: int) -> int:
+    return -(-n // step) * step
 
 
 def weights_key(module: nn.Module) -> tuple[int, ...]:
