@@ -10,16 +10,21 @@ softmax's weights to bfloat16, as the GPU path and transformers' eager attention
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
 from epd.model import cpu
 
+# Causal attention of q (H, T, d) over k (H, K, d) and v (H, K, dv) with a scale → (H, T, dv).
+Products = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
+
 # From this many queries over their own rows, bfloat16 decode attention runs as two batched
 # products on such a CPU (`products_win_on_cpu`).
 MIN_PRODUCT_QUERIES = 4
 # A prompt's attention runs as products in blocks of this many queries, up to this many keys
-# (`prompt_products_win`). A block's scores, heads × 128 × keys, take up to 8 bytes each (in
+# in bfloat16 (`prompt_products`). A block's scores, heads × 128 × keys, take up to 8 bytes each (in
 # bfloat16, their softmax in float32, its bfloat16 copy): 2 MiB for the small model's 8 heads
 # at 256 keys, 64 MiB for Kimi-VL's 16 at 4096. At 4096 the blocks gained only 1.1×; beyond,
 # unmeasured, the fused kernel runs, which writes no scores.
@@ -27,6 +32,9 @@ PROMPT_BLOCK_QUERIES = 128
 MAX_PROMPT_PRODUCT_KEYS = 4096
 # A block's queries and the rows it scores, padded to multiples of these (`causal_products`).
 QUERY_STEP, ROW_STEP = 32, 64
+# In float32 a prompt's attention runs as products in blocks of queries whose scores hold at
+# most this many elements (4 MiB), at least MIN_BLOCK_QUERIES queries (`blocked_products`).
+BLOCK_SCORES, MIN_BLOCK_QUERIES = 1 << 20, 16
 
 
 def bfloat16_products_win(dtype: torch.dtype) -> bool:
@@ -46,13 +54,48 @@ def products_win_on_cpu(q: torch.Tensor, cache: torch.Tensor) -> bool:
     return cache.dim() == 3 and q.shape[0] >= MIN_PRODUCT_QUERIES and bfloat16_products_win(q.dtype)
 
 
-def prompt_products_win(q: torch.Tensor, keys: int) -> bool:
-    """Whether a prompt's queries (T, H, d) over `keys` rows run faster as `causal_products`
-    than fused on this CPU: bfloat16 (`bfloat16_products_win`) and up to
-    MAX_PROMPT_PRODUCT_KEYS. On an AMD EPYC (zen 5), one thread, the fused kernel took 1.8-2.9×
-    the blocked products' time at 128-2048 tokens (8 heads of 96; 2.2-2.5× at Kimi-VL's 16 of
-    192, 240-2048 tokens) and 1.1× at 4096."""
-    return q.is_cpu and keys <= MAX_PROMPT_PRODUCT_KEYS and bfloat16_products_win(q.dtype)
+def prompt_products(q: torch.Tensor, keys: int) -> Products | None:
+    """The products a prompt's queries (T, H, d) over `keys` rows run as on this CPU, up to
+    MAX_PROMPT_PRODUCT_KEYS, or None for the fused kernel: `causal_products` in bfloat16 where
+    `bfloat16_products_win`, `blocked_products` in float32. The fused kernel takes one head
+    size for q, k and v, so values narrower than keys are padded for it, and in bfloat16 on an
+    AMD EPYC (zen 5) it took 1.8-2.9× the blocked products' time at 128-2048 tokens; float32:
+    docs/benchmarks.md, "A prompt's attention as products"."""
+    if not q.is_cpu or keys > MAX_PROMPT_PRODUCT_KEYS:
+        return None
+    if bfloat16_products_win(q.dtype):
+        return causal_products
+    return blocked_products if q.dtype == torch.float32 else None
+
+
+def blocked_products(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Causal attention as batched products in float32: q (H, T, d) over k (H, K, d) and v
+    (H, K, dv), the T queries the last T of the K rows (query i sees rows up to K - T + i) →
+    (H, T, dv).
+
+    A block of queries at a time, each over the rows it can see, as many as keep the block's
+    scores (H, queries, rows) within BLOCK_SCORES elements, so that they stay in the cores'
+    caches; the mask is added in the scores' product. Values keep their own width, where the
+    fused kernel takes them padded to the keys'. Row counts are any: float32's batched
+    products build no kernel per shape.
+    """
+    heads, queries = q.shape[:2]
+    past = k.shape[1] - queries
+    if past < 0:
+        raise ValueError(f"{queries} queries over {k.shape[1]} rows: they are the last of them")
+    out = q.new_empty(heads, queries, v.shape[-1])
+    step = max(MIN_BLOCK_QUERIES, BLOCK_SCORES // (heads * k.shape[1]))
+    for start in range(0, queries, step):
+        end = min(queries, start + step)
+        seen = past + end  # the rows the block's last query sees
+        hidden = torch.ones(end - start, seen, dtype=torch.bool, device=q.device)
+        mask = torch.zeros(end - start, seen, device=q.device, dtype=q.dtype)
+        mask.masked_fill_(hidden.triu(past + start + 1), float("-inf"))
+        scores = torch.baddbmm(mask, q[:, start:end], k[:, :seen].mT, alpha=scale)
+        out[:, start:end] = torch.bmm(scores.softmax(-1), v[:, :seen])
+    return out
 
 
 def causal_products(

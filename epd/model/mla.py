@@ -16,11 +16,10 @@ from torch import nn
 from torch.nn.attention.bias import causal_lower_right
 
 from epd.model.attention import (
-    causal_products,
     fused_latent_attention,
     latent_attention,
     products_win_on_cpu,
-    prompt_products_win,
+    prompt_products,
 )
 from epd.model.config import TextConfig
 from epd.model.latent_cache import DecodeBatch
@@ -136,16 +135,17 @@ class MLAttention(nn.Module):
         self, q_nope: torch.Tensor, q_pe: torch.Tensor, rows: torch.Tensor
     ) -> torch.Tensor:
         """Queries (T, H, ·) over the last T of rows (P + T, rank + rope), keys and values
-        expanded per head by kv_b_proj (`causal_products` or a fused kernel) → (T, H, v)."""
+        expanded per head by kv_b_proj (`prompt_products` or a fused kernel) → (T, H, v)."""
         q = torch.cat((q_nope, q_pe), dim=-1)  # (T, H, nope + rope)
         c_kv, k_pe = rows.split([self.rank, self.rope], dim=-1)
         k_nope, v = (
             self.kv_b_proj(c_kv).unflatten(-1, (self.heads, -1)).split([self.nope, self.v_dim], -1)
         )
         k = torch.cat((k_nope, k_pe[:, None, :].expand(-1, self.heads, -1)), dim=-1)
-        if prompt_products_win(q, k.shape[0]):  # (H, ·, ·) each
+        products = prompt_products(q, k.shape[0])
+        if products is not None:  # (H, ·, ·) each
             q, k, v = (t.transpose(0, 1) for t in (q, k, v))
-            return causal_products(q, k, v, self.scale).transpose(0, 1)
+            return products(q, k, v, self.scale).transpose(0, 1)
         # Fused attention kernels want one head size for q, k and v: pad v (v_dim < nope + rope)
         # with zeros and drop the padding after. Shapes (1, H, T, ·), the 4-D form they take.
         v = F.pad(v, (0, max(0, q.shape[-1] - self.v_dim)))

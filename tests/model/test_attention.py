@@ -4,12 +4,14 @@ import torch.nn.functional as F
 
 from epd.model import attention
 from epd.model.attention import (
+    BLOCK_SCORES,
     MAX_PROMPT_PRODUCT_KEYS,
     PROMPT_BLOCK_QUERIES,
+    blocked_products,
     causal_products,
     fused_latent_attention,
     latent_attention,
-    prompt_products_win,
+    prompt_products,
 )
 
 # Kimi-VL's latent rows: kv_lora_rank 512 + qk_rope_head_dim 64; 16 heads.
@@ -74,23 +76,59 @@ def test_causal_products_match_the_fused_kernel_they_replace():
 
 
 @pytest.mark.parametrize(
-    ("dtype", "keys", "amx", "native_bfloat16", "wins"),
+    ("dtype", "keys", "amx", "native_bfloat16", "products"),
     [
-        (torch.bfloat16, 240, False, True, True),
-        (torch.bfloat16, MAX_PROMPT_PRODUCT_KEYS, False, True, True),
-        (torch.bfloat16, MAX_PROMPT_PRODUCT_KEYS + 1, False, True, False),
-        (torch.bfloat16, 240, True, True, False),
-        (torch.bfloat16, 240, False, False, False),
-        (torch.float32, 240, False, True, False),
-        (torch.float16, 240, False, True, False),
+        (torch.bfloat16, 240, False, True, causal_products),
+        (torch.bfloat16, MAX_PROMPT_PRODUCT_KEYS, False, True, causal_products),
+        (torch.bfloat16, MAX_PROMPT_PRODUCT_KEYS + 1, False, True, None),
+        (torch.bfloat16, 240, True, True, None),
+        (torch.bfloat16, 240, False, False, None),
+        (torch.float32, 240, True, False, blocked_products),
+        (torch.float32, MAX_PROMPT_PRODUCT_KEYS + 1, False, True, None),
+        (torch.float16, 240, False, True, None),
     ],
 )
 def test_prompts_take_the_products_only_where_they_were_measured_faster(
-    monkeypatch, dtype, keys, amx, native_bfloat16, wins
+    monkeypatch, dtype, keys, amx, native_bfloat16, products
 ):
     monkeypatch.setattr(attention.cpu, "has_amx", lambda: amx)
     monkeypatch.setattr(attention.cpu, "runs_bfloat16", lambda: native_bfloat16)
-    assert prompt_products_win(torch.zeros(8, 2, 4, dtype=dtype), keys) is wins
+    assert prompt_products(torch.zeros(8, 2, 4, dtype=dtype), keys) is products
+
+
+@pytest.mark.parametrize(
+    ("queries", "past"),
+    [(1, 0), (1, 500), (40, 0), (300, 0), (170, 700), (600, 37)],
+)
+def test_blocked_products_equal_plain_causal_attention(queries, past):
+    """One block or two (a block scores at most BLOCK_SCORES: 600 queries over 637 rows in
+    blocks of 411), the last one short, after a past or none; values narrower than keys."""
+    assert BLOCK_SCORES // (4 * 637) == 411
+    generator = torch.Generator().manual_seed(queries + past)
+    q = torch.randn(4, queries, 24, generator=generator)
+    k = torch.randn(4, past + queries, 24, generator=generator)
+    v = torch.randn(4, past + queries, 16, generator=generator)
+    out = blocked_products(q, k, v, 0.2)
+    assert out.shape == (4, queries, 16) and out.dtype == torch.float32
+    torch.testing.assert_close(out, reference_causal(q, k, v, 0.2), atol=1e-5, rtol=1e-5)
+
+
+def test_blocked_products_run_several_blocks_for_a_long_prompt(monkeypatch):
+    monkeypatch.setattr(attention, "BLOCK_SCORES", 4 * 600 * 50)  # 50 queries over 600 rows
+    calls = []
+    real = torch.baddbmm
+    monkeypatch.setattr(
+        attention.torch, "baddbmm", lambda *a, **k: calls.append(1) or real(*a, **k)
+    )
+    q, k, v = torch.randn(4, 500, 8), torch.randn(4, 600, 8), torch.randn(4, 600, 8)
+    out = blocked_products(q, k, v, 0.3)
+    assert len(calls) == 10
+    torch.testing.assert_close(out, reference_causal(q, k, v, 0.3), atol=1e-5, rtol=1e-5)
+
+
+def test_blocked_products_refuse_more_queries_than_rows():
+    with pytest.raises(ValueError, match="last of them"):
+        blocked_products(torch.zeros(2, 5, 4), torch.zeros(2, 4, 4), torch.zeros(2, 4, 4), 1.0)
 
 
 def test_causal_products_meet_few_shapes_whatever_the_prompts_length(monkeypatch):

@@ -4,6 +4,7 @@ import torch
 from epd.model import attention as kernels
 from epd.model.attention import (
     MIN_PRODUCT_QUERIES,
+    causal_products,
     fused_latent_attention,
     latent_attention,
 )
@@ -127,9 +128,10 @@ def test_gradients_reach_kv_b_proj_through_the_absorbed_products():
 @pytest.mark.parametrize("products", [False, True], ids=["fused", "products"])
 def test_a_prompt_attends_alike_through_either_kernel_whole_and_in_chunks(monkeypatch, products):
     """Two prompts packed, the second also prefilled in two chunks, its second after a past:
-    each kernel (`prompt_products_win`) gives what float32 gives, to bfloat16's precision."""
+    each kernel (`prompt_products`) gives what float32 gives, to bfloat16's precision."""
     monkeypatch.setattr(  # float32, the reference, stays fused
-        "epd.model.mla.prompt_products_win", lambda q, keys: products and q.dtype == torch.bfloat16
+        "epd.model.mla.prompt_products",
+        lambda q, keys: causal_products if products and q.dtype == torch.bfloat16 else None,
     )
     attention = bfloat16_attention()
     generator = torch.Generator().manual_seed(4)
