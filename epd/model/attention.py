@@ -33,7 +33,8 @@ MAX_PROMPT_PRODUCT_KEYS = 4096
 # A block's queries and the rows it scores, padded to multiples of these (`causal_products`).
 QUERY_STEP, ROW_STEP = 32, 64
 # In float32 a prompt's attention runs as products in blocks of queries whose scores hold at
-# most this many elements (4 MiB), at least MIN_BLOCK_QUERIES queries (`blocked_products`).
+# most this many elements (4 MiB; their softmax as much again), at least MIN_BLOCK_QUERIES
+# queries (`blocked_products`).
 BLOCK_SCORES, MIN_BLOCK_QUERIES = 1 << 20, 16
 
 
@@ -57,7 +58,8 @@ def products_win_on_cpu(q: torch.Tensor, cache: torch.Tensor) -> bool:
 def prompt_products(q: torch.Tensor, keys: int) -> Products | None:
     """The products a prompt's queries (T, H, d) over `keys` rows run as on this CPU, up to
     MAX_PROMPT_PRODUCT_KEYS, or None for the fused kernel: `causal_products` in bfloat16 where
-    `bfloat16_products_win`, `blocked_products` in float32. The fused kernel takes one head
+    `bfloat16_products_win`, `blocked_products` in float32 where `float32_products_win`. The
+    fused kernel takes one head
     size for q, k and v, so values narrower than keys are padded for it, and in bfloat16 on an
     AMD EPYC (zen 5) it took 1.8-2.9× the blocked products' time at 128-2048 tokens; float32:
     docs/benchmarks.md, "A prompt's attention as products"."""
@@ -65,7 +67,14 @@ def prompt_products(q: torch.Tensor, keys: int) -> Products | None:
         return None
     if bfloat16_products_win(q.dtype):
         return causal_products
-    return blocked_products if q.dtype == torch.float32 else None
+    return blocked_products if float32_products_win(q.dtype) else None
+
+
+def float32_products_win(dtype: torch.dtype) -> bool:
+    """Whether `blocked_products` beat the fused kernel for a prompt in `dtype` on this CPU:
+    float32 on an AMD CPU, where they were measured (an EPYC, zen 5); elsewhere unmeasured,
+    the fused kernel stays."""
+    return dtype == torch.float32 and cpu.vendor() == "AuthenticAMD"
 
 
 def blocked_products(
@@ -86,6 +95,8 @@ def blocked_products(
     if past < 0:
         raise ValueError(f"{queries} queries over {k.shape[1]} rows: they are the last of them")
     out = q.new_empty(heads, queries, v.shape[-1])
+    if not queries:
+        return out
     step = max(MIN_BLOCK_QUERIES, BLOCK_SCORES // (heads * k.shape[1]))
     for start in range(0, queries, step):
         end = min(queries, start + step)

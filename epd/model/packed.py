@@ -455,14 +455,15 @@ class PackedExperts(Repacked, Experts):
     @staticmethod
     def spans(counts: torch.Tensor, dtype: torch.dtype) -> tuple[list[Span], int]:
         """Rows per expert (E,) → each expert with rows as (expert, its first row, the row after
-        its last, the rows its products run on: `expert_rows`), and the rows the last products
-        run on past all the rows (the tail)."""
+        its last, the rows its products run on: `expert_rows`), and how far past all the rows
+        the packed products reach (the tail; 0 where none does)."""
         spans, end = [], 0
         for expert, rows in enumerate(counts.tolist()):
             if rows:
                 spans.append((expert, end, end + rows, expert_rows(rows, dtype)))
                 end += rows
-        return spans, max((run - (b - a) for _, a, b, run in spans), default=0)
+        reach = max((start + run for _, start, _, run in spans if run), default=0)
+        return spans, max(0, reach - end)
 
     def products(self, x: torch.Tensor, spans: list[Span], tail: int) -> torch.Tensor:
         """Rows sorted by expert and then `tail` more (S + tail, D) → the S rows each through

@@ -31,8 +31,9 @@ MAX_OPEN_FILES = 1 << 20  # the soft limit taken where the hard one is unlimited
 # top stays there for the next forward.
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
 MMAP_THRESHOLD, TRIM_THRESHOLD = 32 << 20, 256 << 20
-# An operator's own settings of glibc's allocator win over `reuse_freed_memory`.
-MALLOC_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNABLES")
+# An operator's own settings of glibc's allocator win over `reuse_freed_memory`: these
+# variables, or GLIBC_TUNABLES naming a `glibc.malloc.` tunable.
+MALLOC_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
 
 
 class ProcessOptions(Protocol):
@@ -215,18 +216,18 @@ def reuse_freed_memory() -> bool:
     them in 4 KiB at a time as the op first writes them (docs/benchmarks.md, "Memory a forward
     reuses").
     """
-    if any(name in os.environ for name in MALLOC_SETTINGS) or "malloc" in os.environ.get(
-        "LD_PRELOAD", ""
-    ):
+    chosen = any(name in os.environ for name in MALLOC_SETTINGS)
+    chosen |= "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", "")
+    if chosen or "malloc" in os.environ.get("LD_PRELOAD", ""):
         return False
     try:
         mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):  # another C library
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(
-        mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)
-    )
+    mapped = mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)
+    trimmed = mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)
+    return bool(mapped and trimmed)
 
 
 def raise_file_limit() -> None:

@@ -93,7 +93,13 @@ def test_prompts_take_the_products_only_where_they_were_measured_faster(
 ):
     monkeypatch.setattr(attention.cpu, "has_amx", lambda: amx)
     monkeypatch.setattr(attention.cpu, "runs_bfloat16", lambda: native_bfloat16)
+    monkeypatch.setattr(attention.cpu, "vendor", lambda: "AuthenticAMD")
     assert prompt_products(torch.zeros(8, 2, 4, dtype=dtype), keys) is products
+
+
+def test_float32_prompts_stay_fused_on_cpus_the_products_were_not_measured_on(monkeypatch):
+    monkeypatch.setattr(attention.cpu, "vendor", lambda: "GenuineIntel")
+    assert prompt_products(torch.zeros(8, 2, 4), 240) is None
 
 
 @pytest.mark.parametrize(
@@ -126,9 +132,11 @@ def test_blocked_products_run_several_blocks_for_a_long_prompt(monkeypatch):
     torch.testing.assert_close(out, reference_causal(q, k, v, 0.3), atol=1e-5, rtol=1e-5)
 
 
-def test_blocked_products_refuse_more_queries_than_rows():
+def test_blocked_products_refuse_more_queries_than_rows_and_take_none():
     with pytest.raises(ValueError, match="last of them"):
         blocked_products(torch.zeros(2, 5, 4), torch.zeros(2, 4, 4), torch.zeros(2, 4, 4), 1.0)
+    empty = blocked_products(torch.zeros(2, 0, 4), torch.zeros(2, 0, 4), torch.zeros(2, 0, 3), 1.0)
+    assert empty.shape == (2, 0, 3)
 
 
 def test_causal_products_meet_few_shapes_whatever_the_prompts_length(monkeypatch):

@@ -407,6 +407,24 @@ def test_experts_with_many_or_rounded_rows_equal_a_plain_loop():
 
 
 @pytest.mark.parametrize(
+    "dtype, tolerance, rows",
+    [(torch.float32, 1e-6, 70), pytest.param(torch.bfloat16, 2e-2, 300, marks=BF16)],
+)
+@torch.inference_mode()
+def test_experts_that_all_run_plain_need_no_tail(monkeypatch, dtype, tolerance, rows):
+    """Where MKL is fast, float32 experts past 64 rows (bfloat16 past 256) run through the plain
+    weights: with every expert so, no packed product reaches past the rows."""
+    monkeypatch.setattr(packed, "blas_is_slow_here", lambda: False)
+    seen = packed_row_counts(monkeypatch)
+    moe = pack_for_cpu(moe_of(experts_of().to(dtype)))
+    ids = torch.tensor([0] * rows + [3] * (rows + 5))[:, None]
+    x, weights = torch.randn(len(ids), 16).to(dtype), torch.rand(len(ids), 1)
+    want = reference_routed(experts_of(), x.float(), weights, ids)
+    assert rel_err(moe.routed(x, weights, ids).float(), want) <= tolerance
+    assert seen == set()
+
+
+@pytest.mark.parametrize(
     "dtype, slow_blas, tolerance, packed_rows",
     [  # a prompt's expert products: packed up to 256 rows as a multiple of 8 (65 → 72) in
         # bfloat16 and where MKL is slow, else to 64; past 256 where MKL is slow, bucketed
