@@ -23,9 +23,9 @@ Products = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Ten
 # From this many queries over their own rows, bfloat16 decode attention runs as two batched
 # products on such a CPU (`products_win_on_cpu`).
 MIN_PRODUCT_QUERIES = 4
-# A prompt's attention runs as products in blocks of this many queries, up to this many keys
-# in bfloat16 (`prompt_products`). A block's scores, heads × 128 × keys, take up to 8 bytes each (in
-# bfloat16, their softmax in float32, its bfloat16 copy): 2 MiB for the small model's 8 heads
+# A prompt's attention runs as products up to this many keys (`prompt_products`), in bfloat16
+# in blocks of this many queries. A block's scores, heads × 128 × keys, take up to 8 bytes each
+# (in bfloat16, their softmax in float32, its bfloat16 copy): 2 MiB for the small model's 8 heads
 # at 256 keys, 64 MiB for Kimi-VL's 16 at 4096. At 4096 the blocks gained only 1.1×; beyond,
 # unmeasured, the fused kernel runs, which writes no scores.
 PROMPT_BLOCK_QUERIES = 128
@@ -59,10 +59,9 @@ def prompt_products(q: torch.Tensor, keys: int) -> Products | None:
     """The products a prompt's queries (T, H, d) over `keys` rows run as on this CPU, up to
     MAX_PROMPT_PRODUCT_KEYS, or None for the fused kernel: `causal_products` in bfloat16 where
     `bfloat16_products_win`, `blocked_products` in float32 where `float32_products_win`. The
-    fused kernel takes one head
-    size for q, k and v, so values narrower than keys are padded for it, and in bfloat16 on an
-    AMD EPYC (zen 5) it took 1.8-2.9× the blocked products' time at 128-2048 tokens; float32:
-    docs/benchmarks.md, "A prompt's attention as products"."""
+    fused kernel takes one head size for q, k and v, so values narrower than keys are padded
+    for it, and in bfloat16 on an AMD EPYC (zen 5) it took 1.8-2.9× the blocked products' time
+    at 128-2048 tokens; float32: docs/benchmarks.md, "A prompt's attention as products"."""
     if not q.is_cpu or keys > MAX_PROMPT_PRODUCT_KEYS:
         return None
     if bfloat16_products_win(q.dtype):
@@ -101,9 +100,9 @@ def blocked_products(
     for start in range(0, queries, step):
         end = min(queries, start + step)
         seen = past + end  # the rows the block's last query sees
-        hidden = torch.ones(end - start, seen, dtype=torch.bool, device=q.device)
-        mask = torch.zeros(end - start, seen, device=q.device, dtype=q.dtype)
-        mask.masked_fill_(hidden.triu(past + start + 1), float("-inf"))
+        # -inf past each query's last row (above the diagonal at past + start), 0 elsewhere
+        mask = torch.full((end - start, seen), float("-inf"), dtype=q.dtype, device=q.device)
+        mask.triu_(past + start + 1)
         scores = torch.baddbmm(mask, q[:, start:end], k[:, :seen].mT, alpha=scale)
         out[:, start:end] = torch.bmm(scores.softmax(-1), v[:, :seen])
     return out

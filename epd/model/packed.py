@@ -38,6 +38,7 @@ from torch import nn
 
 from epd.memory import available_memory
 from epd.model import cpu
+from epd.model.attention import round_up
 from epd.model.moe import MLP, Experts
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
@@ -509,10 +510,6 @@ def expert_rows(rows: int, dtype: torch.dtype) -> int:
     if rows <= (MAX_PACKED_EXPERT_ROWS if many else MAX_PACKED_ROWS):
         return round_up(rows, ROW_STEP)
     return round_up(rows, bucket(rows)) if packs_many_rows(dtype) else 0
-
-
-def round_up(n: int, step: int) -> int:
-    return -(-n // step) * step
 
 
 def weights_key(module: nn.Module) -> tuple[int, ...]:
