@@ -33,9 +33,10 @@ MAX_PROMPT_PRODUCT_KEYS = 4096
 # A block's queries and the rows it scores, padded to multiples of these (`causal_products`).
 QUERY_STEP, ROW_STEP = 32, 64
 # In float32 a prompt's attention runs as products in blocks of queries whose scores hold at
-# most this many elements (4 MiB; their softmax as much again), at least MIN_BLOCK_QUERIES
-# queries (`blocked_products`).
-BLOCK_SCORES, MIN_BLOCK_QUERIES = 1 << 20, 16
+# most BLOCK_SCORES elements (4 MiB; their softmax as much again), or PAST_BLOCK_SCORES (16
+# MiB) where the queries attend mostly to a past, at least MIN_BLOCK_QUERIES queries
+# (`blocked_products`).
+BLOCK_SCORES, PAST_BLOCK_SCORES, MIN_BLOCK_QUERIES = 1 << 20, 1 << 22, 16
 
 
 def bfloat16_products_win(dtype: torch.dtype) -> bool:
@@ -85,7 +86,10 @@ def blocked_products(
 
     A block of queries at a time, each over the rows it can see, as many as keep the block's
     scores (H, queries, rows) within BLOCK_SCORES elements, so that they stay in the cores'
-    caches; the mask is added in the scores' product. Values keep their own width, where the
+    caches and the blocks skip the rows no query of theirs sees. Queries after a past at least
+    as long as themselves skip few rows so, and every block reads the past's keys and values
+    again: their blocks' scores go up to PAST_BLOCK_SCORES. The mask is added in the scores'
+    product. Values keep their own width, where the
     fused kernel takes them padded to the keys'. Row counts are any: float32's batched
     products build no kernel per shape.
     """
@@ -96,7 +100,8 @@ def blocked_products(
     out = q.new_empty(heads, queries, v.shape[-1])
     if not queries:
         return out
-    step = max(MIN_BLOCK_QUERIES, BLOCK_SCORES // (heads * k.shape[1]))
+    budget = PAST_BLOCK_SCORES if past >= queries else BLOCK_SCORES
+    step = max(MIN_BLOCK_QUERIES, budget // (heads * k.shape[1]))
     for start in range(0, queries, step):
         end = min(queries, start + step)
         seen = past + end  # the rows the block's last query sees

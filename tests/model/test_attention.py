@@ -132,6 +132,25 @@ def test_blocked_products_run_several_blocks_for_a_long_prompt(monkeypatch):
     torch.testing.assert_close(out, reference_causal(q, k, v, 0.3), atol=1e-5, rtol=1e-5)
 
 
+def test_blocked_products_take_larger_blocks_after_a_past_as_long_as_their_queries(monkeypatch):
+    """Blocks after a long past skip few rows: the past's keys are read once per block, so
+    there the blocks' scores go up to PAST_BLOCK_SCORES."""
+    monkeypatch.setattr(attention, "BLOCK_SCORES", 4 * 600 * 50)  # 50 queries over 600 rows
+    monkeypatch.setattr(attention, "PAST_BLOCK_SCORES", 4 * 600 * 200)  # 200 over 600
+    calls = []
+    real = torch.baddbmm
+    monkeypatch.setattr(
+        attention.torch, "baddbmm", lambda *a, **k: calls.append(1) or real(*a, **k)
+    )
+    k, v = torch.randn(4, 600, 8), torch.randn(4, 600, 8)
+    for queries, blocks in ((300, 2), (301, 7)):  # after 300 rows of past, and after 299
+        calls.clear()
+        q = torch.randn(4, queries, 8)
+        out = blocked_products(q, k, v, 0.3)
+        assert len(calls) == blocks
+        torch.testing.assert_close(out, reference_causal(q, k, v, 0.3), atol=1e-5, rtol=1e-5)
+
+
 def test_blocked_products_refuse_more_queries_than_rows_and_take_none():
     with pytest.raises(ValueError, match="last of them"):
         blocked_products(torch.zeros(2, 5, 4), torch.zeros(2, 4, 4), torch.zeros(2, 4, 4), 1.0)
