@@ -433,6 +433,24 @@ class PackedExperts(Repacked, Experts):
         hidden = F.silu(gate) * up * mixing[..., None]  # (T, E + n, H)
         return packed_product(hidden.flatten(1), self.down_all)
 
+    def mix_sorted(
+        self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, counts: torch.Tensor
+    ) -> torch.Tensor:
+        """`Experts.mix_sorted`; one row (a decode step of one request) runs `one_row`."""
+        if x.shape[0] == 1 and self.down and not records_grad(x, self.gate_up_proj, self.down_proj):
+            return self.one_row(x, weights, ids)
+        return super().mix_sorted(x, weights, ids, counts)
+
+    def one_row(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """x (1, D), weights and expert ids (1, k) → Σ_k weight_k · expert_k(x) (1, D): its
+        experts one after another, in the order chosen, as `Experts.mix_sorted` sums them. For
+        one row, sorting and gathering rows by expert would cost more ops than its k products."""
+        out = x.new_zeros(x.shape)
+        for expert, weight in zip(ids[0].tolist(), weights[0].tolist(), strict=True):
+            gate, up = onednn_linear(x, self.gate_up[expert], None).split(self.hidden, dim=-1)
+            out.add_(onednn_linear(F.silu(gate) * up, self.down[expert], None), alpha=weight)
+        return out
+
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Rows sorted by expert (S, D), rows per expert (E,) → each row through its expert (S, D).
 

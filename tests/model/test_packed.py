@@ -55,6 +55,21 @@ def test_packed_experts_equal_a_plain_loop_including_unused_experts(dtype, toler
     assert got.dtype == dtype and rel_err(got.float(), want) <= tolerance
 
 
+@pytest.mark.parametrize("ids", [[[4, 1]], [[3, 3]]], ids=["two-experts", "one-twice"])
+@pytest.mark.parametrize("dtype, tolerance", DTYPES)
+@torch.inference_mode()
+def test_one_row_runs_its_experts_one_after_another(monkeypatch, dtype, tolerance, ids):
+    """A decode step of one request: no sorting or gathering by expert, the same sum."""
+    moe = pack_for_cpu(moe_of(experts_of().to(dtype)))
+    gathered = []
+    real = PackedExperts.gathered
+    monkeypatch.setattr(PackedExperts, "gathered", lambda *a: gathered.append(1) or real(*a))
+    x, weights, ids = torch.randn(1, 16).to(dtype), torch.rand(1, 2), torch.tensor(ids)
+    want = reference_routed(experts_of(), x.float(), weights, ids)
+    assert rel_err(moe.routed(x, weights, ids).float(), want) <= tolerance
+    assert not gathered
+
+
 @pytest.mark.parametrize(
     "rows, ids, at_once",
     [
