@@ -85,13 +85,13 @@ def blocked_products(
     (H, T, dv).
 
     A block of queries at a time, each over the rows it can see, as many as keep the block's
-    scores (H, queries, rows) within BLOCK_SCORES elements, so that they stay in the cores'
-    caches and the blocks skip the rows no query of theirs sees. Queries after a past at least
-    as long as themselves skip few rows so, and every block reads the past's keys and values
-    again: their blocks' scores go up to PAST_BLOCK_SCORES. The mask is added in the scores'
-    product. Values keep their own width, where the
-    fused kernel takes them padded to the keys'. Row counts are any: float32's batched
-    products build no kernel per shape.
+    scores (H, queries, rows) within BLOCK_SCORES elements (beyond it only at MIN_BLOCK_QUERIES,
+    over more rows than `prompt_products` gives it): the blocks skip the rows no query of theirs
+    sees, and their scores stay small. Queries after a past at least as long as themselves skip
+    few rows so, and every block reads the past's keys and values again: their blocks' scores
+    go up to PAST_BLOCK_SCORES. The mask is added in the scores' product. Values keep their own
+    width, where the fused kernel takes them padded to the keys'. Row counts are any: float32's
+    batched products build no kernel per shape.
     """
     heads, queries = q.shape[:2]
     past = k.shape[1] - queries

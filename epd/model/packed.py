@@ -443,13 +443,16 @@ class PackedExperts(Repacked, Experts):
 
     def one_row(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x (1, D), weights and expert ids (1, k) → Σ_k weight_k · expert_k(x) (1, D): its
-        experts one after another, in the order chosen, as `Experts.mix_sorted` sums them. For
-        one row, sorting and gathering rows by expert would cost more ops than its k products."""
-        out = x.new_zeros(x.shape)
-        for expert, weight in zip(ids[0].tolist(), weights[0].tolist(), strict=True):
+        experts one after another, weighted and summed as `Experts.mix_sorted` does (the same
+        roundings, so a request's row gets the same result alone as in a batch, and gradients
+        reach the weights). For one row, sorting and gathering rows by expert costs more ops
+        than its k products."""
+        outputs = []
+        for expert in ids[0].tolist():
             gate, up = onednn_linear(x, self.gate_up[expert], None).split(self.hidden, dim=-1)
-            out.add_(onednn_linear(F.silu(gate) * up, self.down[expert], None), alpha=weight)
-        return out
+            outputs.append(onednn_linear(F.silu(gate) * up, self.down[expert], None))
+        per_choice = torch.cat(outputs)[:, None]  # (k, 1, D)
+        return (per_choice * weights.t().to(x.dtype)[..., None]).sum(0)
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Rows sorted by expert (S, D), rows per expert (E,) → each row through its expert (S, D).

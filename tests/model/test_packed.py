@@ -59,15 +59,26 @@ def test_packed_experts_equal_a_plain_loop_including_unused_experts(dtype, toler
 @pytest.mark.parametrize("dtype, tolerance", DTYPES)
 @torch.inference_mode()
 def test_one_row_runs_its_experts_one_after_another(monkeypatch, dtype, tolerance, ids):
-    """A decode step of one request: no sorting or gathering by expert, the same sum."""
+    """A decode step of one request: no sorting or gathering by expert, the same sum, rounded
+    as the sort-and-gather path rounds it."""
     moe = pack_for_cpu(moe_of(experts_of().to(dtype)))
     gathered = []
     real = PackedExperts.gathered
     monkeypatch.setattr(PackedExperts, "gathered", lambda *a: gathered.append(1) or real(*a))
     x, weights, ids = torch.randn(1, 16).to(dtype), torch.rand(1, 2), torch.tensor(ids)
-    want = reference_routed(experts_of(), x.float(), weights, ids)
-    assert rel_err(moe.routed(x, weights, ids).float(), want) <= tolerance
+    got = moe.routed(x, weights, ids)
     assert not gathered
+    want = reference_routed(experts_of(), x.float(), weights, ids)
+    assert rel_err(got.float(), want) <= tolerance
+    counts = torch.bincount(ids.flatten(), minlength=5)
+    assert torch.equal(got, Experts.mix_sorted(moe.experts, x, weights, ids, counts))
+
+
+def test_one_rows_routing_weights_get_their_gradients():
+    moe = pack_for_cpu(moe_of(experts_of())).requires_grad_(False)
+    weights = torch.rand(1, 2, requires_grad=True)
+    moe.routed(torch.randn(1, 16), weights, torch.tensor([[4, 1]])).sum().backward()
+    assert weights.grad is not None and bool(weights.grad.abs().sum() > 0)
 
 
 @pytest.mark.parametrize(
