@@ -94,9 +94,7 @@ def blocked_products(
     batched products build no kernel per shape.
     """
     heads, queries = q.shape[:2]
-    past = k.shape[1] - queries
-    if past < 0:
-        raise ValueError(f"{queries} queries over {k.shape[1]} rows: they are the last of them")
+    past = rows_before(q, k)
     out = q.new_empty(heads, queries, v.shape[-1])
     if not queries:
         return out
@@ -127,9 +125,7 @@ def causal_products(
     prompts of every length would fill its cache, a long-running server's forwards slowing
     as they evict one another's kernels.
     """
-    queries, past = q.shape[1], k.shape[1] - q.shape[1]
-    if past < 0:
-        raise ValueError(f"{queries} queries over {k.shape[1]} rows: they are the last of them")
+    queries, past = q.shape[1], rows_before(q, k)
     rows = round_up(k.shape[1], ROW_STEP)
     k, v = padded(k, rows), padded(v, rows)  # (H, rows, ·)
     out = q.new_empty(*q.shape[:2], v.shape[-1])
@@ -144,6 +140,14 @@ def causal_products(
         weights = scores.softmax(-1, dtype=torch.float32).to(v.dtype)
         out[:, start:end] = torch.matmul(weights, v[:, :seen])[:, : end - start]
     return out
+
+
+def rows_before(q: torch.Tensor, k: torch.Tensor) -> int:
+    """The rows of k (H, K, d) before those of the T queries q (H, T, d), which are its last."""
+    past = k.shape[1] - q.shape[1]
+    if past < 0:
+        raise ValueError(f"{q.shape[1]} queries over {k.shape[1]} rows: they are the last of them")
+    return past
 
 
 def padded(x: torch.Tensor, rows: int) -> torch.Tensor:

@@ -123,12 +123,19 @@ class Experts(nn.Module):
         # deterministic.
         landed = order.argsort().view(tokens, k).t().flatten()  # (k·T,) rows of y
         per_choice = y.index_select(0, landed).view(k, tokens, x.shape[-1])  # (k, T, D)
-        return (per_choice * weights.t().to(x.dtype)[..., None]).sum(0)
+        return weighted_sum(per_choice, weights)
 
     def gathered(self, x: torch.Tensor, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x (T, D), the row of each slot sorted by expert (S,), rows per expert (E,) → each
         slot's row through its expert (S, D)."""
         return self(x.index_select(0, rows), counts)
+
+
+def weighted_sum(per_choice: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Each token's k expert outputs (k, T, D), weighted by its routing weights (T, k) in their
+    dtype and summed in that fixed order → (T, D): every path through the experts combines
+    them here, so a row rounds alike whichever path ran it."""
+    return (per_choice * weights.t().to(per_choice.dtype)[..., None]).sum(0)
 
 
 def per_expert_names(

@@ -39,7 +39,7 @@ from torch import nn
 from epd.memory import available_memory
 from epd.model import cpu
 from epd.model.attention import round_up
-from epd.model.moe import MLP, Experts
+from epd.model.moe import MLP, Experts, weighted_sum
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 # Linears of fewer weights run faster unpacked (a (512, 256) one gains; docs/benchmarks.md).
@@ -443,16 +443,14 @@ class PackedExperts(Repacked, Experts):
 
     def one_row(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x (1, D), weights and expert ids (1, k) → Σ_k weight_k · expert_k(x) (1, D): its
-        experts one after another, weighted and summed as `Experts.mix_sorted` does (the same
-        roundings, so a request's row gets the same result alone as in a batch, and gradients
-        reach the weights). For one row, sorting and gathering rows by expert costs more ops
-        than its k products."""
+        experts one after another, combined by `weighted_sum` as every path is (a request's row
+        rounds alike alone and in a batch, and gradients reach the weights). For one row,
+        sorting and gathering rows by expert costs more ops than its k products."""
         outputs = []
         for expert in ids[0].tolist():
             gate, up = onednn_linear(x, self.gate_up[expert], None).split(self.hidden, dim=-1)
             outputs.append(onednn_linear(F.silu(gate) * up, self.down[expert], None))
-        per_choice = torch.cat(outputs)[:, None]  # (k, 1, D)
-        return (per_choice * weights.t().to(x.dtype)[..., None]).sum(0)
+        return weighted_sum(torch.cat(outputs)[:, None], weights)  # (k, 1, D) → (1, D)
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Rows sorted by expert (S, D), rows per expert (E,) → each row through its expert (S, D).
