@@ -97,9 +97,16 @@ def test_prompts_take_the_products_only_where_they_were_measured_faster(
     assert prompt_products(torch.zeros(8, 2, 4, dtype=dtype), keys) is products
 
 
-def test_float32_prompts_stay_fused_on_cpus_the_products_were_not_measured_on(monkeypatch):
-    monkeypatch.setattr(attention.cpu, "vendor", lambda: "GenuineIntel")
-    assert prompt_products(torch.zeros(8, 2, 4), 240) is None
+@pytest.mark.parametrize(
+    ("vendor", "products"),
+    [("AuthenticAMD", blocked_products), ("GenuineIntel", blocked_products), ("", None)],
+)
+def test_float32_prompts_take_the_products_only_on_cpus_they_were_measured_on(
+    monkeypatch, vendor, products
+):
+    monkeypatch.setattr(attention.cpu, "vendor", lambda: vendor)
+    assert prompt_products(torch.zeros(8, 2, 4), 240) is products
+    assert prompt_products(torch.zeros(8, 2, 4, dtype=torch.float16), 240) is None
 
 
 @pytest.mark.parametrize(
