@@ -1,5 +1,6 @@
 """Dead peers: errors fast, the rest keeps serving, and a restarted process serves again."""
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -165,10 +166,26 @@ def test_children_end_when_serve_is_killed(tiny_checkpoint):
     deadline = time.monotonic() + 20
     while any(alive(pid) for pid in children) and time.monotonic() < deadline:
         time.sleep(0.2)
-    left = [pid for pid in children if alive(pid)]
-    assert not left, f"children {left} still run 20 s after serve was killed"
+    left = {pid: where(pid) for pid in children if alive(pid)}
+    for pid in left:  # so that a failure here leaves no process to the tests after it
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    # Which child stays and in what state, and what the roles said: a failure says why.
+    assert not left, f"children still run 20 s after serve was killed: {left}\n{stack.output}"
     again = serve(tiny_checkpoint, base)
     assert again.stop() == 0, again.output
+
+
+def where(pid: int) -> str:
+    """Which role a process is (its command line) and its state, from /proc."""
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            state = next(line for line in status if line.startswith("State:"))
+        with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+            command = cmdline.read().replace(b"\0", b" ").decode(errors="replace")[:200]
+        return f"{command}: {state.split(maxsplit=1)[1].strip()}"
+    except (FileNotFoundError, StopIteration):
+        return "gone"
 
 
 def alive(pid: int) -> bool:
