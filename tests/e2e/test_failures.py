@@ -179,20 +179,24 @@ def test_children_end_when_serve_is_killed(tiny_checkpoint):
 def where(pid: int) -> str:
     """Which role a process is (its command line) and its state, from /proc."""
     try:
-        with open(f"/proc/{pid}/status") as status:
-            state = next(line for line in status if line.startswith("State:"))
         with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
             command = cmdline.read().replace(b"\0", b" ").decode(errors="replace")[:200]
-        return f"{command}: {state.split(maxsplit=1)[1].strip()}"
-    except (FileNotFoundError, StopIteration):
+    except FileNotFoundError:
         return "gone"
+    return f"{command}: {state(pid) or 'gone'}"
 
 
 def alive(pid: int) -> bool:
     """Running, not ended: a zombie waiting for its new parent to reap it has ended."""
+    now = state(pid)
+    return now is not None and not now.startswith("Z")
+
+
+def state(pid: int) -> str | None:
+    """A process's state as /proc names it ("S (sleeping)"), or None once it is gone."""
     try:
         with open(f"/proc/{pid}/status") as status:
-            state = next(line for line in status if line.startswith("State:"))
+            line = next(line for line in status if line.startswith("State:"))
     except FileNotFoundError:
-        return False
-    return "Z" not in state.split()[1]
+        return None
+    return line.split(maxsplit=1)[1].strip()
