@@ -7,13 +7,15 @@ What the serving benchmark (`scripts/bench_serving.py`) cannot separate: how muc
 the model's own arithmetic and how much the serving around it. Each round runs both sides in
 fresh processes, one after the other, the first side alternating: epd's prefill forward of a
 240- and a 1,024-token prompt (and the last token's logits) and its decode step at 1 and 16
-rows over ~300-token caches in a `LatentPool`, as its roles run them; vLLM's one-token
-generations of the same lengths and its time per output token at 1 and 16 requests
-(`scripts/vllm/forward.py`). Both in float32 on every core. Prints each side's median over the
-rounds and the median of the rounds' ratios (epd ÷ vLLM). vLLM's times are its engine's whole
-step (scheduling, sampling, the hand-offs between its processes) where epd's are the forward
-alone, so the ratios lean in epd's favour; --profile writes both sides' torch op tables into
-DIR, where vLLM's forward alone can be read. Not a test, never in CI.
+rows over ~300-token caches in a `LatentPool`, as its roles run them, and the forward of 176
+new tokens after a 2,304-token past that a prefix cache holds (a conversation's next turn);
+vLLM's one-token generations of the same lengths (the last one after a prefix cache hit) and
+its time per output token at 1 and 16 requests (`scripts/vllm/forward.py`). Both in float32
+on every core. Prints each side's median over the rounds and the median of the rounds' ratios
+(epd ÷ vLLM). vLLM's times are its engine's whole step (scheduling, sampling, the hand-offs
+between its processes) where epd's are the forward alone, so the ratios lean in epd's favour;
+--profile writes both sides' torch op tables into DIR, where vLLM's forward alone can be read.
+Not a test, never in CI.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from bench_serving import VLLM_ENV, vllm_copy  # noqa: E402
 PROMPT_LENGTHS = (240, 1024)
 BATCHES = (1, 16)
 CONTEXT = 300  # decode's cache rows: vLLM's requests hold 240-305 while they decode
+CACHED_PAST, CACHED_NEW = 2304, 176  # a next turn: new tokens after a cached prefix
 
 
 def epd_side(checkpoint: Path, profile: Path | None) -> dict[str, dict[int, float]]:
@@ -53,10 +56,17 @@ def epd_side(checkpoint: Path, profile: Path | None) -> dict[str, dict[int, floa
         embeds = lm.embed(torch.randint(0, vocab, (tokens,)))
         return best_seconds(lambda: lm.logits(lm.prefill(embeds)[0][-1]), 5)
 
+    def after_past(tokens: int, past: int) -> float:
+        """As a prefix cache hit runs: the past's rows given, only the new tokens computed."""
+        rows = lm.prefill(lm.embed(torch.randint(0, vocab, (past,))))[1]
+        embeds = lm.embed(torch.randint(0, vocab, (tokens,)))
+        return best_seconds(lambda: lm.logits(lm.prefill(embeds, pasts=[rows])[0][-1]), 5)
+
     with torch.inference_mode():
         result = {
             "prefill": {n: prefill(n) for n in PROMPT_LENGTHS},
             "decode": {b: decode_step_seconds(lm, b, CONTEXT, 40) for b in BATCHES},
+            "cached": {CACHED_NEW: after_past(CACHED_NEW, CACHED_PAST)},
         }
         if profile is not None:
             with torch.profiler.profile() as recorded:
@@ -94,6 +104,7 @@ def table(rounds: list[dict[str, dict[str, Any]]]) -> str:
     for part, keys, what in (
         ("prefill", PROMPT_LENGTHS, "prefill, {}-token prompt"),
         ("decode", BATCHES, "decode step, {} rows"),
+        ("cached", (CACHED_NEW,), f"prefill, {{}} tokens after {CACHED_PAST:,} cached"),
     ):
         for key in keys:
             epd = [r["epd"][part][str(key)] for r in rounds]

@@ -7,9 +7,11 @@ Runs in vLLM's own virtual environment (imports nothing of epd's) on the copy of
 that `setup.sh` makes. Prints one JSON object, in milliseconds: `prefill` per prompt length
 (the best of 5 one-token generations, so it holds vLLM's step overhead as well as its forward)
 and `decode` per batch size (one output token's time: a 65-token generation's time less a
-1-token one's, over 64, the median of 3). Prefix caching is off so that each prompt is
-computed. With --profile, torch's profiler records one 240-token prompt and 64 decode steps
-and vLLM writes its op table into DIR.
+1-token one's, over 64, the median of 3); `cached` the best of 5 one-token generations of
+CACHED_NEW new tokens after a CACHED_PAST-token prefix that its prefix cache holds (the next
+turn of a conversation; asserted from its output's cached token count). Prompts are random, so
+no other prompt hits the cache. With --profile, torch's profiler records one 240-token prompt
+and 64 decode steps and vLLM writes its op table into DIR.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Any
 PROMPT_LENGTHS = (240, 1024)
 BATCHES = (1, 16)
 DECODE_PROMPT = 240
+CACHED_PAST, CACHED_NEW = 2304, 176  # whole blocks of 16 and of 128 tokens: both sides hit all
 
 
 def main() -> None:
@@ -41,7 +44,7 @@ def main() -> None:
         dtype="float32",
         trust_remote_code=True,
         max_model_len=4096,
-        enable_prefix_caching=False,
+        enable_prefix_caching=True,
         **extra,
     )
     vocab = llm.get_tokenizer().vocab_size
@@ -60,7 +63,19 @@ def main() -> None:
         llm.generate(batch, params, use_tqdm=False)
         return time.perf_counter() - start
 
+    def after_past(past: list[int]) -> float:
+        params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+        prompt = {"prompt_token_ids": past + prompts(1, CACHED_NEW)[0]["prompt_token_ids"]}
+        start = time.perf_counter()
+        (output,) = llm.generate([prompt], params, use_tqdm=False)
+        took = time.perf_counter() - start
+        assert output.num_cached_tokens == CACHED_PAST, output.num_cached_tokens
+        return took
+
     seconds(1, DECODE_PROMPT, 8)  # warm-up
+    past = prompts(1, CACHED_PAST)[0]["prompt_token_ids"]
+    llm.generate([{"prompt_token_ids": past}], SamplingParams(max_tokens=1), use_tqdm=False)
+    cached = min(after_past(past) for _ in range(5))
     prefill = {n: min(seconds(1, n, 1) for _ in range(5)) for n in PROMPT_LENGTHS}
     decode = {
         b: statistics.median(
@@ -77,6 +92,7 @@ def main() -> None:
             {
                 "prefill": {n: round(s * 1e3, 2) for n, s in prefill.items()},
                 "decode": {b: round(s * 1e3, 2) for b, s in decode.items()},
+                "cached": {CACHED_NEW: round(cached * 1e3, 2)},
             }
         )
     )
