@@ -52,21 +52,18 @@ def epd_side(checkpoint: Path, profile: Path | None) -> dict[str, dict[int, floa
     lm = load_model(checkpoint, role="language").language_model
     vocab = lm.config.vocab_size
 
-    def prefill(tokens: int) -> float:
+    def prefill(tokens: int, past: int = 0) -> float:
+        """The forward of `tokens` new tokens after `past` whose rows are given, as a prefix
+        cache hit gives them: only the new tokens are computed."""
+        pasts = [lm.prefill(lm.embed(torch.randint(0, vocab, (past,))))[1]] if past else None
         embeds = lm.embed(torch.randint(0, vocab, (tokens,)))
-        return best_seconds(lambda: lm.logits(lm.prefill(embeds)[0][-1]), 5)
-
-    def after_past(tokens: int, past: int) -> float:
-        """As a prefix cache hit runs: the past's rows given, only the new tokens computed."""
-        rows = lm.prefill(lm.embed(torch.randint(0, vocab, (past,))))[1]
-        embeds = lm.embed(torch.randint(0, vocab, (tokens,)))
-        return best_seconds(lambda: lm.logits(lm.prefill(embeds, pasts=[rows])[0][-1]), 5)
+        return best_seconds(lambda: lm.logits(lm.prefill(embeds, pasts=pasts)[0][-1]), 5)
 
     with torch.inference_mode():
         result = {
             "prefill": {n: prefill(n) for n in PROMPT_LENGTHS},
             "decode": {b: decode_step_seconds(lm, b, CONTEXT, 40) for b in BATCHES},
-            "cached": {CACHED_NEW: after_past(CACHED_NEW, CACHED_PAST)},
+            "cached": {CACHED_NEW: prefill(CACHED_NEW, CACHED_PAST)},
         }
         if profile is not None:
             with torch.profiler.profile() as recorded:

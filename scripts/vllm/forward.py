@@ -56,26 +56,27 @@ def main() -> None:
             for _ in range(count)
         ]
 
-    def seconds(count: int, length: int, tokens: int) -> float:
+    def timed(batch: list[Any], tokens: int) -> tuple[float, list[Any]]:
+        """The seconds to generate `tokens` for each prompt of the batch, and the outputs."""
         params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
-        batch = prompts(count, length)
         start = time.perf_counter()
-        llm.generate(batch, params, use_tqdm=False)
-        return time.perf_counter() - start
+        outputs = llm.generate(batch, params, use_tqdm=False)
+        return time.perf_counter() - start, outputs
+
+    def seconds(count: int, length: int, tokens: int) -> float:
+        return timed(prompts(count, length), tokens)[0]
 
     def after_past(past: list[int]) -> float:
-        params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
-        prompt = {"prompt_token_ids": past + prompts(1, CACHED_NEW)[0]["prompt_token_ids"]}
-        start = time.perf_counter()
-        (output,) = llm.generate([prompt], params, use_tqdm=False)
-        took = time.perf_counter() - start
+        """One token for a prompt that starts with `past`, which the prefix cache holds."""
+        new = prompts(1, CACHED_NEW)[0]["prompt_token_ids"]
+        took, (output,) = timed([{"prompt_token_ids": past + new}], 1)
         assert output.num_cached_tokens == CACHED_PAST, output.num_cached_tokens
         return took
 
     seconds(1, DECODE_PROMPT, 8)  # warm-up
-    past = prompts(1, CACHED_PAST)[0]["prompt_token_ids"]
-    llm.generate([{"prompt_token_ids": past}], SamplingParams(max_tokens=1), use_tqdm=False)
-    cached = min(after_past(past) for _ in range(5))
+    (past,) = prompts(1, CACHED_PAST)
+    timed([past], 1)  # now in its prefix cache
+    cached = min(after_past(past["prompt_token_ids"]) for _ in range(5))
     prefill = {n: min(seconds(1, n, 1) for _ in range(5)) for n in PROMPT_LENGTHS}
     decode = {
         b: statistics.median(
