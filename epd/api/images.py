@@ -202,7 +202,7 @@ class ImageLoader:
         for address in addresses:
             problem = None if trusted else not_public(address)
             if problem:
-                raise _refused(index, f"host {host[:100]!r} is not a public address ({problem})")
+                raise _refused(index, not_public_hint(host, problem))
         return str(addresses[0])
 
 
@@ -221,6 +221,17 @@ def not_public(address: IPAddress) -> str | None:
         if getattr(address, f"is_{kind}"):
             return kind.replace("_", "-")
     return None if address.is_global else "non-public"
+
+
+def not_public_hint(host: str, problem: str) -> str:
+    """Why a host is refused, and how an operator who trusts it lets it through: the
+    refusal is by design (a client must not reach the server's own network), but an image
+    store on the private network is a common setup, and the flag is not easy to guess."""
+    name = host[:100]
+    return (
+        f"host {name!r} is not a public address ({problem}); to fetch images from it, start "
+        f"the server with --allowed-media-domains {name}"
+    )
 
 
 def from_data_url(url: str, index: int, max_bytes: int) -> bytes:

@@ -110,7 +110,27 @@ def web():
 def test_non_public_addresses_are_refused_before_connecting(url, kind):
     message = refusal(url)
     assert message.startswith("image 0: host")
-    assert message.endswith(f"is not a public address ({kind})")
+    assert f"is not a public address ({kind}); " in message
+
+
+@pytest.mark.parametrize(
+    ("url", "host"),
+    [
+        ("http://127.0.0.1:8000/a.png", "127.0.0.1"),
+        ("http://LocalHost/a.png", "localhost"),
+        ("http://[::1]/a.png", "::1"),
+        ("http://10.1.2.3/a.png", "10.1.2.3"),
+    ],
+)
+def test_a_non_public_refusal_names_the_flag_and_the_host_to_list(url, host):
+    assert refusal(url).endswith(f"start the server with --allowed-media-domains {host}")
+
+
+def test_listing_the_host_a_refusal_names_lets_it_through(web):
+    port, _ = web
+    url = f"http://127.0.0.1:{port}/png"
+    named = refusal(url).rsplit(" ", 1)[1]
+    assert load(url, allowed_domains=(named,)) == PNG
 
 
 def test_public_addresses_pass_the_check():
