@@ -85,6 +85,7 @@ class Reply:
                 "message": self.message_of(mine),
                 "logprobs": self.logprobs(mine),
                 "finish_reason": mine[-1].finish_reason,
+                "stop_reason": mine[-1].stop_reason,
             }
             for index, mine in groups
         ]
@@ -145,7 +146,7 @@ class Reply:
             "logprobs": self.logprobs([delta]),
             "finish_reason": delta.finish_reason,
         }
-        return self.chunk([choice])
+        return self.chunk([choice | ended(delta)])
 
     def usage_chunk(self, completion_tokens: int) -> str:
         return self.chunk([], self.usage(completion_tokens))
@@ -203,6 +204,11 @@ def thinking(delta: TokenDelta) -> dict[str, str]:
     """A stream delta's reasoning fields, if it carries reasoning."""
     thought = reasoning_of(delta)
     return {"reasoning": thought, "reasoning_content": thought} if thought else {}
+
+
+def ended(delta: TokenDelta) -> dict[str, Any]:
+    """A chat chunk's `stop_reason`, which vLLM gives only in the chunk that ends its choice."""
+    return {} if delta.finish_reason is None else {"stop_reason": delta.stop_reason}
 
 
 def by_choice(deltas: list[TokenDelta]) -> list[tuple[int, list[TokenDelta]]]:
@@ -279,6 +285,7 @@ class TextReply(Reply):
             "text": (echo.text if echo else "") + "".join(d.text for d in deltas),
             "logprobs": self.text_logprobs(deltas, echo=echo),
             "finish_reason": deltas[-1].finish_reason,
+            "stop_reason": deltas[-1].stop_reason,
         }
         if self.prompt_logprobs:  # in each choice, its prompt's (as vLLM's)
             choice["prompt_logprobs"] = self.prompt_logprobs[index // self.n]
@@ -297,5 +304,6 @@ class TextReply(Reply):
             "text": (echo.text if echo else "") + delta.text,
             "logprobs": logprobs,
             "finish_reason": delta.finish_reason,
+            "stop_reason": delta.stop_reason,  # in every legacy chunk, null until the last (vLLM)
         }
         return self.chunk([choice])

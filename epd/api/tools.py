@@ -19,7 +19,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from epd.api.responses import Reply, thinking
+from epd.api.responses import Reply, ended, thinking
 from epd.api.schema import ChatCompletionRequest, Tool
 from epd.wire.messages import TokenDelta
 
@@ -145,7 +145,7 @@ class ToolReply(Reply):
         reason = "tool_calls" if listed else finish
         logprobs = self.logprobs(self.held.pop(index))
         choice = {"index": index, "delta": content, "logprobs": logprobs, "finish_reason": reason}
-        return self.chunk([choice])
+        return self.chunk([choice | ended(delta)])
 
 
 def describe_tools(tools: list[Tool]) -> str:

@@ -26,9 +26,11 @@ FinishReason = Literal["stop", "length"]
 FINISH_REASONS = (None, *typing.get_args(FinishReason))
 Text = Annotated[str, Meta(max_length=MAX_TEXT_CHARS)]
 TokenBytes = Annotated[tuple[int, ...], Meta(max_length=MAX_TOKEN_BYTES)]
-StopStrings = Annotated[
-    tuple[Annotated[str, Meta(max_length=MAX_STOP_CHARS)], ...], Meta(max_length=MAX_STOP_STRINGS)
-]
+StopString = Annotated[str, Meta(max_length=MAX_STOP_CHARS)]
+StopStrings = Annotated[tuple[StopString, ...], Meta(max_length=MAX_STOP_STRINGS)]
+# vLLM's `stop_reason`: which of a request's stops ended a choice, the stop token id or the
+# stop string; None where an eos, the grammar's end or max_tokens did.
+StopReason = int | StopString | None
 MAX_LOGIT_BIAS = 1024  # token biases per request
 MAX_STOP_TOKEN_IDS = 64
 LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range: ±100 bans or forces a token

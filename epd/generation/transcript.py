@@ -7,7 +7,9 @@ text that might be the start of a stop string is held back until it cannot be; o
 before `min_tokens` does not count: `stops.py`), when its grammar allows nothing more, or at
 `max_tokens`. With `include_stop_str` (vLLM's `include_stop_str_in_output`) the reply keeps the
 stop string, or the stop token's text where it has one. Each accepted token gives an `Output`:
-what the client gets for it.
+what the client gets for it; the last one says which stop ended the reply (vLLM's
+`stop_reason`: the stop token id, or the stop string as it matched; None for an eos, the
+grammar's end or `max_tokens`, as vLLM reports them).
 
 The rules depend on nothing but the tokens, so two transcripts fed the same tokens give the same
 outputs: prefill says what the first token gives (and the client has it at once), and decode's
@@ -25,7 +27,7 @@ from transformers import PreTrainedTokenizerBase
 
 from epd.generation.detokenizer import Detokenizer
 from epd.generation.logits import presence
-from epd.generation.params import FinishReason, SamplingParams, TokenLogprob
+from epd.generation.params import FinishReason, SamplingParams, StopReason, TokenLogprob
 from epd.generation.reasoning import Gate
 from epd.generation.stops import StopScanner
 
@@ -39,6 +41,7 @@ class Output:
     completion_tokens: int  # total so far
     finish_reason: FinishReason | None = None  # on the last output
     logprobs: tuple[TokenLogprob, ...] = ()
+    stop_reason: StopReason = None  # on the last output: the stop token id or string that ended it
 
 
 class Transcript:
@@ -60,6 +63,7 @@ class Transcript:
         self.tokens: list[int] = []
         self.text, self.sent = "", 0  # reply text so far; characters already released
         self.finish_reason: FinishReason | None = None
+        self.stop_reason: StopReason = None
 
     @property
     def matcher(self) -> Any:
@@ -87,10 +91,12 @@ class Transcript:
         assert self.finish_reason is None
         grammar_done = self.grammar is not None and self.grammar.accept(token)
         self.tokens.append(token)
-        if (token in self.eos_ids and not self.sampling.ignore_eos) or token in self.stop_ids:
+        eos = token in self.eos_ids and not self.sampling.ignore_eos
+        if eos or token in self.stop_ids:
             if self.sampling.include_stop_str:  # the stop token's text, where it has one
                 self.text += self.detokenizer.add(token)
             self.finish_reason = "stop"
+            self.stop_reason = None if eos else token  # an eos is no stop of the request's
         else:
             self._add_text(self.detokenizer.add(token))
         if self.finish_reason is None and grammar_done:
@@ -105,6 +111,7 @@ class Transcript:
             completion_tokens=len(self.tokens),
             finish_reason=self.finish_reason,
             logprobs=(logprob,) if logprob else (),
+            stop_reason=self.stop_reason,
         )
 
     def _add_text(self, new: str) -> None:
@@ -113,6 +120,7 @@ class Transcript:
         found = self.stops.scan(new, honoured=len(self.tokens) >= self.sampling.min_tokens)
         self.text += new
         if found is not None:
-            cut = found[1] if self.sampling.include_stop_str else found[0]
-            self.text = self.text[: len(self.text) - len(new) + cut]
+            start, end = (len(self.text) - len(new) + at for at in found)
+            self.stop_reason = self.text[start:end]  # the stop string, which may begin before new
+            self.text = self.text[: end if self.sampling.include_stop_str else start]
             self.finish_reason = "stop"

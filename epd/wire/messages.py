@@ -21,6 +21,7 @@ from epd.generation.params import (
     FinishReason,
     Record,
     SamplingParams,
+    StopReason,
     Text,
     TokenLogprob,
     require,
@@ -153,6 +154,7 @@ class TokenDelta(WireMessage, frozen=True):
     # The decoder's KV cache blocks in use after the step that made these tokens, 0 to 1 (None:
     # prefill's own first tokens, or a decoder of the version before).
     kv_cache_usage: float | None = None
+    stop_reason: StopReason = None  # with finish_reason "stop": the stop token id or string
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -164,6 +166,9 @@ class TokenDelta(WireMessage, frozen=True):
         require(self.finish_reason in FINISH_REASONS, f"finish_reason {self.finish_reason!r}")
         usage = self.kv_cache_usage
         require(usage is None or 0.0 <= usage <= 1.0, "kv_cache_usage must be 0 to 1")  # no NaN
+        stop = self.stop_reason
+        require(stop is None or self.finish_reason == "stop", "stop_reason without a stop")
+        require(stop != "" and (not isinstance(stop, int) or stop >= 0), "stop_reason is no stop")
 
     @classmethod
     def of(
@@ -179,6 +184,7 @@ class TokenDelta(WireMessage, frozen=True):
             output.logprobs,
             index,
             kv_cache_usage,
+            output.stop_reason,
         )
 
 

@@ -1,8 +1,9 @@
-"""Legacy completion bodies and chunks, with the prompt echoed."""
+"""Chat and legacy completion bodies and chunks: which stop ended each choice, the prompt
+echoed."""
 
 import json
 
-from epd.api.responses import Echo, TextReply, prompt_logprobs_json
+from epd.api.responses import Echo, Reply, TextReply, prompt_logprobs_json
 from epd.generation.params import TokenLogprob, TopLogprob
 from epd.generation.sampling import Scored
 from epd.wire.messages import TokenDelta
@@ -121,3 +122,27 @@ def test_prompt_logprobs_name_each_token_and_its_alternatives_by_id():
     assert prompt_logprobs_json(scored, 0, spell)[1] == {
         "7": {"logprob": -2.5, "rank": 3, "decoded_token": "b"}
     }
+
+
+STOPPED = [  # choice 0 ends at a stop string, choice 1 at max_tokens, choice 2 at a stop id
+    TokenDelta("r", (7,), "a", 1, None),
+    TokenDelta("r", (8,), "b", 2, "stop", stop_reason="END"),
+    TokenDelta("r", (7,), "a", 1, "length", index=1),
+    TokenDelta("r", (9,), "", 1, "stop", index=2, stop_reason=9),
+]
+
+
+def chunk_choice(chunk: str) -> dict:
+    return json.loads(chunk.removeprefix("data: "))["choices"][0]
+
+
+def test_each_choice_says_which_stop_ended_it_as_vllm_does():
+    """vLLM's `stop_reason`: in every whole choice; in a chat stream only the chunk that ends
+    a choice has it, in a legacy stream every chunk (null until the end)."""
+    for reply in (Reply("r", "m", 2, False), TextReply("r", "m", 2, False)):
+        choices = reply.completion(STOPPED)["choices"]
+        assert [c["stop_reason"] for c in choices] == ["END", None, 9]
+    chat = [chunk_choice(Reply("r", "m", 2, False).delta_chunk(d)) for d in STOPPED]
+    assert [c.get("stop_reason", "absent") for c in chat] == ["absent", "END", None, 9]
+    legacy = [chunk_choice(TextReply("r", "m", 2, False).delta_chunk(d)) for d in STOPPED]
+    assert [c.get("stop_reason", "absent") for c in legacy] == [None, "END", None, 9]

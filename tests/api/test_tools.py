@@ -43,6 +43,7 @@ def test_a_named_call_cut_short_ends_its_arguments_without_repeating_them():
     assert all("content" not in c["delta"] for c in choices)
     assert [c["finish_reason"] for c in choices] == [None, None, "length"]
     assert [c["logprobs"]["content"][0]["token"] for c in choices] == ['{"', "a", '":1']
+    assert ["stop_reason" in c for c in choices] == [False, False, True]  # the end's (vLLM)
 
 
 def test_a_named_call_that_ends_finishes_as_its_text_did():

@@ -1,5 +1,5 @@
-"""Stop rules: eos, stop strings (held back while they may still form), max_tokens; and a reply
-that prefill starts and decode continues."""
+"""Stop rules: eos, stop strings (held back while they may still form), max_tokens, and which
+stop ended a reply (`stop_reason`); and a reply that prefill starts and decode continues."""
 
 import pytest
 import torch
@@ -129,3 +129,27 @@ def test_a_reply_started_by_prefill_and_continued_by_decode_is_the_reply_of_one(
     rest = [decode.accept(t) for t in tokens[1:] if decode.finish_reason is None]
     whole = [alone.accept(t) for t in tokens if alone.finish_reason is None]
     assert [first, *rest] == whole
+
+
+def test_stop_reason_names_the_stop_token_or_string_that_ended_the_reply(tokenizer):
+    """vLLM's stop_reason: the stop token id, or the stop string as it matched (one that
+    began in an earlier token's text included); None for eos and max_tokens."""
+    two = tokenizer.encode(" two", add_special_tokens=False)[0]
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    by_token = transcript(tokenizer, stop_token_ids=(two,))
+    assert feed(by_token, tokenizer, "one two three")[-1].stop_reason == two
+    for stops, matched in [(("three", "o t"), "o t"), (("zz", "wo thr"), "wo thr")]:
+        for include in (False, True):
+            reply = transcript(tokenizer, stop=stops, include_stop_str=include)
+            assert feed(reply, tokenizer, "one two three four")[-1].stop_reason == matched
+    eos = transcript(tokenizer, stop_token_ids=(end,))  # an eos that is also a stop id
+    assert eos.accept(end).stop_reason is None
+    assert eos.stop_reason is None
+    cut = feed(transcript(tokenizer, max_tokens=2, stop=("zz",)), tokenizer, "one two three")
+    assert [o.stop_reason for o in cut] == [None, None] and cut[-1].finish_reason == "length"
+
+
+def test_a_stop_token_id_is_the_stop_reason_even_when_it_is_an_eos_ignored(tokenizer):
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    reply = transcript(tokenizer, stop_token_ids=(end,), ignore_eos=True)
+    assert reply.accept(end).stop_reason == end

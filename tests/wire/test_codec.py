@@ -55,6 +55,8 @@ MESSAGES = [
     TokenDelta("r1", (8,), "", 2, "stop"),
     TokenDelta("r1", (8,), "x", 3, None, (), 1),
     TokenDelta("r1", (8,), "x", 3, None, (), 1, kv_cache_usage=0.25),
+    TokenDelta("r1", (9,), "", 4, "stop", stop_reason=9),
+    TokenDelta("r1", (9,), "", 4, "stop", stop_reason="END"),
     Abort("r1"),
 ]
 

@@ -169,6 +169,35 @@ def test_a_decoders_kv_cache_usage_is_a_fraction(usage):
     assert decode([header(0.5)]).kv_cache_usage == 0.5
 
 
+@pytest.mark.parametrize(
+    ("finish", "stop", "fragment"),
+    [
+        (None, 7, "without a stop"),
+        ("length", "x", "without a stop"),
+        ("stop", -1, "no stop"),
+        ("stop", "", "no stop"),
+    ],
+)
+def test_a_stop_reason_is_a_stop_that_ended_the_choice(finish, stop, fragment):
+    """Only a choice that a stop ended names one (the API shows it as vLLM's stop_reason),
+    here and as it arrives."""
+    with pytest.raises(ValueError, match=fragment):
+        TokenDelta("r", (3,), "", 1, finish, stop_reason=stop)
+
+    def header(stop: object) -> bytes:
+        return msgspec.msgpack.encode(["TokenDelta", "r", [3], "", 1, finish, [], 0, None, stop])
+
+    with pytest.raises(WireError, match=fragment):
+        decode([header(stop)])
+
+
+def test_a_stop_reason_is_no_longer_than_a_stop_string():
+    header = ["TokenDelta", "r", [3], "", 1, "stop", [], 0, None, "x" * 257]
+    with pytest.raises(WireError, match="length <= 256"):
+        decode([msgspec.msgpack.encode(header)])
+    assert decode([msgspec.msgpack.encode(header[:-1] + ["x" * 256])]).stop_reason == "x" * 256
+
+
 def test_a_finish_reason_is_stop_or_length():
     header = msgspec.msgpack.encode(["TokenDelta", "r", [3], "", 1, "exploded", []])
     with pytest.raises(WireError, match="Invalid enum value 'exploded'"):
