@@ -1,4 +1,5 @@
-"""One streamed chat request, timed: when it started, when each token arrived, what it cost.
+"""One streamed request (chat or legacy completions), timed: when it started, when each token
+arrived, what it cost.
 
 aiohttp, as vLLM's and SGLang's benchmarks use: the client shares the machine's cores with the
 server it times, and it reads a stream for less CPU than httpx (docs/benchmarks.md, "`epd
@@ -38,7 +39,7 @@ class Timing:
 async def stream(
     client: aiohttp.ClientSession, url: str, body: dict[str, Any], origin: float, limit_s: float
 ) -> Timing:
-    """POST a streaming chat request and time its chunks; errors are recorded, not raised.
+    """POST a streaming request and time its chunks; errors are recorded, not raised.
 
     `limit_s` bounds the whole request, however slowly its chunks come.
     """
@@ -90,7 +91,7 @@ def read(line: str, timing: Timing, now: float) -> None:
         timing.output_tokens = chunk["usage"].get("completion_tokens", 0)
     for choice in chunk.get("choices") or []:
         delta = choice.get("delta") or {}
-        if delta.get("content"):
+        if delta.get("content") or choice.get("text"):  # chat's delta, or legacy completions
             timing.chunks.append(now)
             if timing.first_token is None:
                 timing.first_token = now

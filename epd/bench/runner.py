@@ -1,12 +1,17 @@
-"""Run a benchmark: warm up, send the requests closed-loop or as Poisson arrivals, summarise."""
+"""Run a benchmark: warm up, send the requests closed-loop, all at once or as Poisson arrivals,
+summarise, and save the run where asked."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import json
+import math
 import random
+import re
 import time
+from collections.abc import Sequence
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +21,7 @@ from tqdm import tqdm
 from epd.bench.client import Timing, stream
 from epd.bench.config import BenchConfig
 from epd.bench.metrics import Summary, summarise, table
+from epd.bench.sharegpt import Sample, read
 from epd.bench.workload import bodies, conversations
 
 
@@ -71,8 +77,8 @@ async def poisson(
     config: BenchConfig,
     bar: tqdm,
 ) -> list[Timing]:
-    """Conversations arriving at `config.rate` a second on average, at most `concurrency` at
-    once."""
+    """Conversations arriving at `config.rate` a second on average (inf: all at once), at most
+    `concurrency` at once."""
     origin, gaps = time.perf_counter(), random.Random(config.seed)
     limit = asyncio.Semaphore(config.concurrency or len(requests))
 
@@ -83,7 +89,8 @@ async def poisson(
     tasks = []
     for turns in requests:
         tasks.append(asyncio.create_task(one(turns)))
-        await asyncio.sleep(gaps.expovariate(config.rate))
+        if math.isfinite(config.rate):
+            await asyncio.sleep(gaps.expovariate(config.rate))
     return [timing for done in await asyncio.gather(*tasks) for timing in done]
 
 
@@ -96,14 +103,14 @@ async def run(config: BenchConfig) -> tuple[Summary, list[Timing], str]:
     async with aiohttp.ClientSession(
         timeout=timeout, headers=headers, connector=connector, trust_env=True
     ) as client:
-        model = config.model or await served_model(client, config.base_url)
-        url = f"{config.base_url}/chat/completions"
+        model = config.model or await served_model(client, config.api_base)
+        url, samples = config.request_url, dataset(config)
         if config.warmup:
-            warm = bodies(config, model, config.warmup, offset=config.requests)
+            warm = bodies(config, model, config.warmup, config.requests, samples)
             await asyncio.gather(
                 *(stream(client, url, b, time.perf_counter(), config.timeout_s) for b in warm)
             )
-        requests = conversations(config, model, config.requests)
+        requests = conversations(config, model, config.requests, samples=samples)
         cpu_s = time.process_time()
         with tqdm(total=config.requests, desc="requests", unit="req") as bar:
             if config.rate:
@@ -116,30 +123,66 @@ async def run(config: BenchConfig) -> tuple[Summary, list[Timing], str]:
     return dataclasses.replace(summary, client_cpu_s=cpu_s), timings, model
 
 
+def dataset(config: BenchConfig) -> Sequence[Sample]:
+    """The ShareGPT samples the requests take their text from (none: random words)."""
+    if config.dataset != "sharegpt":
+        return ()
+    return read(config.dataset_path, config.seed, config.sharegpt_output_tokens)
+
+
+def result_path(config: BenchConfig, model: str) -> Path | None:
+    """Where the run is saved: --json, or with --save-result a name that says what ran and
+    when (as vLLM's: label, load, model, time), in --result-dir."""
+    if not (config.json or config.save_result):
+        return None
+    name = config.json or "-".join(
+        [config.label or "epd", load_name(config), model, f"{datetime.now():%Y%m%d-%H%M%S}"]
+    )
+    if not config.json:  # a model's name may hold a / or worse: keep to one plain file name
+        name = re.sub(r"[^\w.-]+", "_", name) + ".json"
+    return Path(config.result_dir or ".") / name
+
+
+def load_name(config: BenchConfig) -> str:
+    rate = "inf" if math.isinf(config.rate) else f"{config.rate:g}"
+    most = f"-c{config.concurrency}" if config.concurrency else ""
+    return f"{rate}qps{most}" if config.rate else f"c{config.concurrency or 1}"
+
+
 def save(
-    path: str, config: BenchConfig, model: str, summary: Summary, timings: list[Timing]
+    path: Path, config: BenchConfig, model: str, summary: Summary, timings: list[Timing]
 ) -> None:
+    settings = dataclasses.asdict(config) | {"endpoint": config.route, "api_key": ""}
+    if math.isinf(config.rate):
+        settings["rate"] = "inf"  # as vLLM writes it: JSON has no infinity
     record = {
-        "config": dataclasses.asdict(config),
+        "config": settings,
         "model": model,
         "label": config.label or model,
         "summary": dataclasses.asdict(summary),
         "requests": [dataclasses.asdict(t) for t in timings],
     }
-    Path(path).write_text(json.dumps(record, indent=1))
+    path.write_text(json.dumps(record, indent=1))
+
+
+def describe_load(config: BenchConfig) -> str:
+    most = f", at most {config.concurrency} at once" if config.concurrency else ""
+    if math.isinf(config.rate):
+        return f"all at once{most}"
+    if config.rate:
+        return f"rate {config.rate}/s{most}"
+    return f"concurrency {config.concurrency or 1}"
 
 
 def main(config: BenchConfig) -> Summary:
     summary, timings, model = asyncio.run(run(config))
-    most = f", at most {config.concurrency} at once" if config.concurrency else ""
-    load = (
-        f"rate {config.rate}/s{most}" if config.rate else f"concurrency {config.concurrency or 1}"
-    )
-    print(f"epd bench: {config.base_url} ({model}), {load}")
+    print(f"epd bench: {config.request_url} ({model}), {describe_load(config)}")
     print(table(summary))
     errors = sorted({t.error for t in timings if t.error})
     for error in errors[:5]:
         print(f"  failed: {error}")
-    if config.json:
-        save(config.json, config, model, summary, timings)
+    path = result_path(config, model)
+    if path is not None:
+        save(path, config, model, summary, timings)
+        print(f"wrote {path}")
     return summary

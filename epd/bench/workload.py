@@ -5,7 +5,9 @@ in a BPE vocabulary), different per request so no server can reuse a cached pref
 where the workload shares one on purpose: a system prompt in every request
 (`system_prompt_tokens`), or the turns before in a conversation (`turns`). Images are random
 noise PNGs, different per conversation unless `repeat_images` (which an embedding cache should
-notice).
+notice). With `--dataset-name sharegpt` each request's text and max_tokens are a ShareGPT
+conversation's instead (`sharegpt`). The legacy completions endpoint gets the same text as one
+prompt.
 """
 
 from __future__ import annotations
@@ -13,12 +15,14 @@ from __future__ import annotations
 import base64
 import io
 import random
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 from PIL import Image
 
 from epd.bench.config import BenchConfig
+from epd.bench.sharegpt import Sample
 
 COMMON = """
 the of and to in is that for it as was with be by on not he this are or his from at which but
@@ -40,10 +44,15 @@ def image_url(rng: random.Random, width: int, height: int) -> str:
 
 
 def conversations(
-    config: BenchConfig, model: str, count: int, offset: int = 0
+    config: BenchConfig,
+    model: str,
+    count: int,
+    offset: int = 0,
+    samples: Sequence[Sample] = (),
 ) -> list[list[dict[str, Any]]]:
-    """`count` chat-completion request bodies (the `offset`-th onwards of this seed's sequence),
-    in conversations of `config.turns` turns, to be sent each after the one before."""
+    """`count` request bodies (the `offset`-th onwards of this seed's sequence), in
+    conversations of `config.turns` turns, to be sent each after the one before; their text
+    from `samples` where there are some (ShareGPT's), else random words."""
     shared = random.Random(f"{config.seed}-images")
     fixed = [
         image_url(shared, config.image_width, config.image_height) for _ in range(config.images)
@@ -67,22 +76,39 @@ def conversations(
         messages: list[dict[str, Any]] = [{"role": "system", "content": system}] if system else []
         conversation = []
         for turn in range(turns):
-            text = prompt(rng, config.prompt_tokens)
+            text, max_tokens = user_turn(config, rng, first + turn, samples)
             content: Any = [*opening, {"type": "text", "text": text}] if turn == 0 else text
             messages = [*messages, {"role": "user", "content": content}]
             if offset <= first + turn < offset + count:
-                conversation.append(request(config, model, messages))
+                conversation.append(request(config, model, messages, max_tokens))
             reply = prompt(rng, config.output_tokens)  # what the model might have said
             messages = [*messages, {"role": "assistant", "content": reply}]
         out.append(conversation)
     return [c for c in out if c]
 
 
-def request(config: BenchConfig, model: str, messages: list[dict[str, Any]]) -> dict[str, Any]:
-    body = {
-        "model": model,
-        "messages": messages,
-        "max_tokens": config.output_tokens,
+def user_turn(
+    config: BenchConfig, rng: random.Random, index: int, samples: Sequence[Sample]
+) -> tuple[str, int]:
+    """The `index`-th request's new text and max_tokens: a sample's (repeated where there are
+    too few), or random words."""
+    if samples:
+        chosen = samples[index % len(samples)]
+        return chosen.prompt, chosen.output_tokens
+    return prompt(rng, config.prompt_tokens), config.output_tokens
+
+
+def request(
+    config: BenchConfig, model: str, messages: list[dict[str, Any]], max_tokens: int
+) -> dict[str, Any]:
+    """A streamed request of `messages`: as they are for chat, as one text for completions."""
+    body: dict[str, Any] = {"model": model}
+    if config.chat:
+        body["messages"] = messages
+    else:
+        body["prompt"] = "\n\n".join(text_of(m["content"]) for m in messages)
+    body |= {
+        "max_tokens": max_tokens,
         "temperature": 0,
         "stream": True,
         "stream_options": {"include_usage": True},
@@ -92,6 +118,15 @@ def request(config: BenchConfig, model: str, messages: list[dict[str, Any]]) -> 
     return body
 
 
-def bodies(config: BenchConfig, model: str, count: int, offset: int = 0) -> list[dict[str, Any]]:
+def text_of(content: str | list[dict[str, Any]]) -> str:
+    """A message's text (a completions prompt has no images: the config refuses them)."""
+    if isinstance(content, str):
+        return content
+    return " ".join(part["text"] for part in content if part["type"] == "text")
+
+
+def bodies(
+    config: BenchConfig, model: str, count: int, offset: int = 0, samples: Sequence[Sample] = ()
+) -> list[dict[str, Any]]:
     """`conversations`' bodies, one after another."""
-    return [body for turns in conversations(config, model, count, offset) for body in turns]
+    return [b for turns in conversations(config, model, count, offset, samples) for b in turns]

@@ -43,7 +43,12 @@ def metadata(help: str, vllm: str | VllmFlag) -> dict[str, Any]:
 
 def _check_value(name: str, value: Any) -> str | None:
     """Why `value` is not acceptable for a setting called `name`, or None."""
-    if isinstance(value, float) and not math.isfinite(value):  # a NaN passes `< 0` and `>= 1`
+    # A NaN passes `< 0` and `>= 1`; a benchmark's rate may be inf (all at once, as vLLM's).
+    if (
+        isinstance(value, float)
+        and not math.isfinite(value)
+        and (name, value) != ("rate", math.inf)
+    ):
         return "must be a finite number"
     if name == "dtype" and value not in DTYPE_CHOICES:
         return f"must be one of {', '.join(DTYPE_CHOICES)}"

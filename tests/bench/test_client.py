@@ -34,6 +34,11 @@ async def streamed(request: web.Request) -> web.StreamResponse:
             sse(content("lo"), {"choices": [], "usage": USAGE}),
             sse("[DONE]"),
         ],
+        "/text": [  # the legacy completions' chunks: text, no delta
+            sse({"choices": [{"index": 0, "text": "Hel", "finish_reason": None}]}),
+            sse({"choices": [{"index": 0, "text": "lo", "finish_reason": "length"}]}),
+            sse({"choices": [], "usage": USAGE}, "[DONE]"),
+        ],
         "/garbage": [sse("not json")],
         "/empty": [sse("[DONE]")],
         "/in-band": [sse({"error": {"message": "decode failed", "code": 500}}, "[DONE]")],
@@ -89,6 +94,12 @@ def test_a_stream_is_timed_chunk_by_chunk_and_counts_what_usage_says():
     assert len(timing.chunks) == 2 and timing.first_token == timing.chunks[0]
     assert timing.start <= timing.first_token <= timing.chunks[1] <= timing.end
     assert (timing.prompt_tokens, timing.output_tokens) == (7, 3)
+
+
+def test_a_legacy_completions_stream_is_timed_by_its_text_chunks():
+    timing = run("/text")
+    assert timing.ok and len(timing.chunks) == 2 and timing.first_token == timing.chunks[0]
+    assert timing.output_tokens == 3
 
 
 @pytest.mark.parametrize(

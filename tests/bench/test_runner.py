@@ -1,9 +1,14 @@
-"""How `epd bench` spaces its requests: a closed loop of workers, or Poisson arrivals under an
-optional bound on those in flight."""
+"""How `epd bench` spaces its requests: a closed loop of workers, or Poisson arrivals (or all at
+once) under an optional bound on those in flight; a run against a legacy completions server;
+where a run is saved."""
 
 import asyncio
+import json
+import math
 
 import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
 from tqdm import tqdm
 
 from epd.bench import runner
@@ -42,6 +47,8 @@ def most_in_flight(monkeypatch, **settings) -> int:
         ({"concurrency": 3}, 3),
         ({"rate": 10_000.0}, 12),  # arrivals far faster than requests end: no bound
         ({"rate": 10_000.0, "concurrency": 1}, 1),  # at most one, as asked
+        ({"rate": math.inf}, 12),  # all at once
+        ({"rate": math.inf, "concurrency": 3}, 3),  # vLLM's --max-concurrency 3
     ],
 )
 def test_concurrency_bounds_requests_in_flight(monkeypatch, settings, most):
@@ -87,3 +94,87 @@ def test_a_conversations_turns_go_one_after_another(monkeypatch):
         timings = asyncio.run(runner.closed_loop(None, "", talks, 2, 1, bar))
     assert order.index(-1) < order.index(2) and order.index(-4) < order.index(5)
     assert sorted(t.turn for t in timings) == [0, 0, 1, 1]
+
+
+BODIES = web.AppKey("bodies", list)
+
+
+async def models(request: web.Request) -> web.Response:
+    return web.json_response({"data": [{"id": "kimi"}]})
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    """A legacy completions server: a text chunk per token asked for, and usage."""
+    body = await request.json()
+    request.app[BODIES].append(body)
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await response.prepare(request)
+    for _ in range(body["max_tokens"]):
+        await response.write(b'data: {"choices": [{"index": 0, "text": "a"}]}\n\n')
+    usage = {"prompt_tokens": len(body["prompt"].split()), "completion_tokens": body["max_tokens"]}
+    await response.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode())
+    await response.write(b"data: [DONE]\n\n")
+    return response
+
+
+def test_sharegpt_prompts_go_to_a_legacy_completions_server_named_by_its_root(tmp_path):
+    dataset = tmp_path / "sharegpt.json"
+    asked = {f"question {i} , please ?": "an answer of " + "word " * i for i in range(2, 5)}
+    talks = [
+        {"conversations": [{"from": "human", "value": q}, {"from": "gpt", "value": a}]}
+        for q, a in asked.items()
+    ]
+    dataset.write_text(json.dumps(talks))
+    app = web.Application()
+    app[BODIES] = []
+    app.router.add_get("/v1/models", models)
+    app.router.add_post("/v1/completions", completions)
+
+    async def go():
+        async with TestServer(app, host="127.0.0.1") as server:
+            config = BenchConfig(
+                base_url=str(server.make_url("")),  # vLLM's form: the server, no /v1
+                endpoint="/v1/completions",
+                dataset="sharegpt",
+                dataset_path=str(dataset),
+                requests=3,
+                warmup=1,
+                rate=math.inf,
+            )
+            return await runner.run(config)
+
+    summary, timings, model = asyncio.run(go())
+    assert model == "kimi" and summary.completed == 3 and not summary.failed
+    sent = app[BODIES]
+    assert len(sent) == 4 and all("messages" not in body for body in sent)
+    # Each prompt asks for its reply's length: "an answer of" and its words.
+    assert {body["prompt"]: body["max_tokens"] for body in sent} == {
+        q: 3 + i for i, q in enumerate(asked, 2)
+    }
+    assert sorted(t.output_tokens for t in timings) == [5, 6, 7]
+
+
+def test_a_saved_run_says_inf_for_all_at_once_and_leaves_the_api_key_out(tmp_path, monkeypatch):
+    done = Timing(start=0.0, first_token=0.1, end=0.2, chunks=[0.1], output_tokens=1)
+
+    async def run(config):
+        return runner.summarise([done], 0.0, 0.0), [done], "org/kimi-vl"
+
+    monkeypatch.setattr(runner, "run", run)
+    runner.main(
+        BenchConfig(
+            rate=math.inf,
+            concurrency=4,
+            save_result=True,
+            result_dir=str(tmp_path),
+            api_key="sk-secret",
+        )
+    )
+    (saved,) = tmp_path.iterdir()
+    assert saved.name.startswith("epd-infqps-c4-org_kimi-vl-") and saved.suffix == ".json"
+    record = json.loads(saved.read_text())
+    assert record["config"]["rate"] == "inf" and record["config"]["api_key"] == ""
+    assert "sk-secret" not in saved.read_text()
+    named = BenchConfig(json="run.json", result_dir=str(tmp_path / "out"))
+    assert runner.result_path(named, "m") == tmp_path / "out" / "run.json"
+    assert runner.result_path(BenchConfig(), "m") is None  # nothing asked: nothing written

@@ -3,6 +3,7 @@
 import itertools
 
 from epd.bench.config import BenchConfig
+from epd.bench.sharegpt import Sample
 from epd.bench.workload import bodies, conversations
 
 
@@ -53,3 +54,24 @@ def test_a_shared_system_prompt_and_conversations_in_turns():
     assert image["type"] == "image_url" and first[2]["messages"][1]["content"][0] == image
     assert second[0]["messages"][1] != first[0]["messages"][1]  # a new conversation's own
     assert bodies(config, "m", 2, offset=4) == second[1:]
+
+
+def test_the_legacy_completions_endpoint_gets_the_conversation_as_one_prompt():
+    config = BenchConfig(
+        endpoint="/v1/completions", prompt_tokens=6, output_tokens=3, system_prompt_tokens=4
+    )
+    (body,) = bodies(config, "m", 1)
+    assert "messages" not in body and body["max_tokens"] == 3 and body["stream"]
+    system, user = body["prompt"].split("\n\n")
+    assert len(system.split()) == 4 and len(user.split()) == 6
+    assert body == bodies(config, "m", 1)[0]  # seeded too
+
+
+def test_samples_give_each_request_its_text_and_length_repeated_where_too_few():
+    samples = [Sample("first prompt", 7), Sample("second prompt", 9)]
+    found = bodies(config(), "m", 3, samples=samples)
+    texts = [b["messages"][0]["content"][-1]["text"] for b in found]
+    assert texts == ["first prompt", "second prompt", "first prompt"]
+    assert [b["max_tokens"] for b in found] == [7, 9, 7]
+    warm = bodies(config(), "m", 1, offset=3, samples=samples)  # the warm-up's, after them
+    assert warm[0]["messages"][0]["content"][-1]["text"] == "second prompt"
