@@ -295,6 +295,7 @@ def create_app(service: Service, on_started: Callable[[], Any] | None = None) ->
         legacy = service.served(await read_body(request, parse_completion))
         count, rid = len(legacy.prompts), request_id(request)
         with service.queue_slot(count):
+            cached_tokens=reply.cached_tokens,
             prepared = [
                 await service.off_loop(service.builder.prepare_completion, legacy, rid, which)
                 for which in range(count)
@@ -323,6 +324,7 @@ def create_app(service: Service, on_started: Callable[[], Any] | None = None) ->
         deltas = merged([s.deltas for s in started], legacy.n)
         return await respond(service, request, reply, deltas, legacy, choices=count * legacy.n)
 
+            cached_tokens=sum(s.cached_tokens for s in started),  # a prompt's once, whatever n
     return app
 
 
@@ -392,7 +394,7 @@ async def start_chat(
     )
     if chat.prompt_logprobs is not None:
         reply.prompt_logprobs = [await prompt_scores(service, started, chat.prompt_logprobs)]
-    reply.echo_text = chat.echoed
+    reply.echo_text, reply.cached_tokens = chat.echoed, started.cached_tokens
     deltas, sampling = started.deltas, prepared.sampling
     if sampling.reasoning is not None:  # a reasoning model: its text split as it comes
         reply.reasoning = True
@@ -430,8 +432,9 @@ async def generate(service: Service, prepared: PreparedRequest) -> Started:
     assert coordinator is not None
     if prepared.sampling.grammar:  # off the loop: the first one builds llguidance's tokenizer
         await service.off_loop(check_grammar, service.engine, prepared.sampling)
+    cached_tokens: int = 0
     stream = await coordinator.submit(prepared)
-    return Started(coordinator.deltas(stream), stream.prompt_logprobs)
+    return Started(coordinator.deltas(stream), stream.prompt_logprobs, stream.cached_tokens)
 
 
 async def generate_all(service: Service, prepared: list[PreparedRequest]) -> list[Started]:

@@ -63,13 +63,17 @@ class Reply:
     prompt_logprobs: list[list[dict[str, Any] | None]] = field(default_factory=list)
     echo_text: str = ""  # a chat's `echo`: the text each choice's content begins with
     reasoning: bool = False  # a reasoning parser splits the text (`ReasonedDelta`s come)
+    # Prompt tokens whose KV came from prefill's prefix cache (each prompt's once, whatever its
+    # n): what clients, as with OpenAI's and vLLM's, read as the part of the prompt not computed.
+    cached_tokens: int = 0
     chunk_object = "chat.completion.chunk"
 
-    def usage(self, completion_tokens: int) -> dict[str, int]:
+    def usage(self, completion_tokens: int) -> dict[str, Any]:
         return {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": completion_tokens,
             "total_tokens": self.prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
         }
 
     def logprobs(self, deltas: list[TokenDelta]) -> dict[str, Any] | None:
@@ -120,7 +124,7 @@ class Reply:
         """The chunks a stream starts with: each choice's role."""
         return [self.first_chunk(index) for index in range(choices)]
 
-    def chunk(self, choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> str:
+    def chunk(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> str:
         body: dict[str, Any] = {
             "id": self.request_id,
             "object": self.chunk_object,
@@ -232,7 +236,7 @@ class TextReply(Reply):
     def opening(self, choices: int) -> list[str]:
         return []  # no role chunk in this API
 
-    def usage(self, completion_tokens: int) -> dict[str, int]:
+    def usage(self, completion_tokens: int) -> dict[str, Any]:
         return super().usage(0 if self.prompt_only else completion_tokens)
 
     def shown(self, delta: TokenDelta) -> TokenDelta:

@@ -26,7 +26,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -64,6 +64,7 @@ class Job:
     queued_at: float = field(default_factory=time.perf_counter)
     started: float = 0.0  # when its first chunk's forward began
     done: int = 0  # num_computed_tokens: prompt tokens prefilled so far, or found cached
+    cached: int = 0  # of those, found cached: what its reply's usage reports
     past: Partial | None = None  # their cache
 
     @property
@@ -123,7 +124,7 @@ class PrefillBatcher:
             await loop.run_in_executor(self.executor, self.begin_cached, job)
         self.waiting.append(job)
         self.arrived.set()
-        return await job.future
+        return replace(await job.future, cached_tokens=job.cached)
 
     def begin_cached(self, job: Job) -> None:
         """Start a job from its prompt's longest cached prefix, if there is one."""
@@ -132,7 +133,7 @@ class PrefillBatcher:
         cached = self.prefix_cache.lookup(prompt.prompt_ids, prompt.image_spans or ())
         self.metrics.prefix_cache_queries.inc(len(prompt.prompt_ids))
         if cached is not None:
-            job.done, job.past = cached.length, Partial(cached)
+            job.done, job.cached, job.past = cached.length, cached.length, Partial(cached)
             self.metrics.prefix_cache_hits.inc(cached.length)
 
     def keep(self, job: Job, prefilled: Prefilled) -> None:

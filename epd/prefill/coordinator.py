@@ -259,7 +259,10 @@ class Coordinator:
         first = tuple(TokenDelta.of(request_id, i, out) for i, out in enumerate(prefilled.first))
         handoff, scored = prefilled.handoff, prefilled.prompt_logprobs
         if handoff is None:
-            return Stream(request_id, "", len(first), first, prompt_logprobs=scored)
+            return Stream(
+                request_id, "", len(first), first, prompt_logprobs=scored, cached_tokens=cached
+            )
+        cached = prefilled.cached_tokens  # for the reply's usage
         router = self.router
         decoder = (await router.pick(router.decoders, "decode"))[0]
         stream = Stream(
@@ -272,6 +275,7 @@ class Coordinator:
             prompt_logprobs=scored,
         )
         router.open(stream)
+            cached_tokens=cached,
         try:
             sent = router.outbox.send(decoder, handoff)
         except WireError as e:  # its settings (grammar, stop strings, logprobs...) add up past it

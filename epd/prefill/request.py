@@ -37,3 +37,4 @@ class Stream:
     sent_at: float = 0.0  # when the hand-off went to the decoder (perf_counter)
     max_tokens: int = sys.maxsize  # the request's: no choice may have more
     prompt_logprobs: tuple[Scored, ...] = ()  # scored prompt tokens, if asked (`Prompt`)
+    cached_tokens: int = 0  # prompt tokens whose KV the prefix cache gave (`Prefilled`)

@@ -435,6 +435,35 @@ def test_a_reply_its_first_token_ends_is_served_by_prefill_alone(client):
     assert content == body["choices"][0]["message"]["content"]
 
 
+# A prompt of whole 16-token blocks and more; no other test sends it, so nothing is cached
+# before this test's first request.
+LONG = " ".join(f"shape{i}" for i in range(40))
+
+
+def cached_tokens(usage):
+    return usage["prompt_tokens_details"]["cached_tokens"]
+
+
+def test_usage_says_how_many_prompt_tokens_the_prefix_cache_gave(client):
+    """0 for a new prompt; for the same prompt again its whole cached blocks (never its last
+    token), in whole replies, a stream's usage chunk and the Responses API; a legacy
+    completion adds each prompt's hit once, whatever its n. (max_tokens 1: no decoder.)"""
+    ask = {"messages": [{"role": "user", "content": LONG}], "max_tokens": 1}
+    first = chat(client, **ask).json()["usage"]
+    assert cached_tokens(first) == 0 and first["prompt_tokens"] > 48
+    streamed = chat(client, **ask, stream=True, stream_options={"include_usage": True})
+    usage = json.loads(streamed.text.split("data: ")[-2])["usage"]
+    hit = cached_tokens(usage)
+    assert hit > 32 and hit % 16 == 0 and hit < first["prompt_tokens"]
+    responses = client.post("/v1/responses", json={"input": LONG, "max_output_tokens": 1})
+    assert responses.json()["usage"]["input_tokens_details"]["cached_tokens"] == hit
+    legacy = {"model": "tiny", "prompt": LONG, "max_tokens": 1}
+    assert cached_tokens(client.post("/v1/completions", json=legacy).json()["usage"]) == 0
+    both = client.post("/v1/completions", json=legacy | {"prompt": [LONG, LONG], "n": 2})
+    alone = client.post("/v1/completions", json=legacy).json()["usage"]
+    assert cached_tokens(both.json()["usage"]) == 2 * cached_tokens(alone) > 0
+
+
 def test_developer_messages_are_system_turns(client, tiny_checkpoint):
     from epd.checkpoint.tokenizer import load_tokenizer
 
