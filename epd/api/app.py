@@ -287,6 +287,7 @@ def create_app(service: Service, on_started: Callable[[], Any] | None = None) ->
             echoed=asked.echoed(),
             response_id="resp_" + reply.request_id.removeprefix("chatcmpl-"),
             reasoning=reply.reasoning,
+            cached_tokens=reply.cached_tokens,
         )
         return await respond(service, request, response, deltas, chat, images)
 
@@ -295,7 +296,6 @@ def create_app(service: Service, on_started: Callable[[], Any] | None = None) ->
         legacy = service.served(await read_body(request, parse_completion))
         count, rid = len(legacy.prompts), request_id(request)
         with service.queue_slot(count):
-            cached_tokens=reply.cached_tokens,
             prepared = [
                 await service.off_loop(service.builder.prepare_completion, legacy, rid, which)
                 for which in range(count)
@@ -316,6 +316,7 @@ def create_app(service: Service, on_started: Callable[[], Any] | None = None) ->
             else [],
             n=legacy.n,
             prompt_only=legacy.prompt_only,
+            cached_tokens=sum(s.cached_tokens for s in started),  # a prompt's once, whatever n
         )
         if legacy.prompt_logprobs is not None:
             reply.prompt_logprobs = [
@@ -324,7 +325,6 @@ def create_app(service: Service, on_started: Callable[[], Any] | None = None) ->
         deltas = merged([s.deltas for s in started], legacy.n)
         return await respond(service, request, reply, deltas, legacy, choices=count * legacy.n)
 
-            cached_tokens=sum(s.cached_tokens for s in started),  # a prompt's once, whatever n
     return app
 
 
@@ -419,11 +419,12 @@ def token_text(tokenizer: PreTrainedTokenizerBase, token: int) -> str:
 
 @dataclass(frozen=True)
 class Started:
-    """A request prefilled and handed on: its deltas to come, and its prompt's tokens scored
-    if it asked (`PreparedRequest.prompt_logprobs`)."""
+    """A request prefilled and handed on: its deltas to come, its prompt's tokens scored
+    if it asked (`PreparedRequest.prompt_logprobs`), and how many came from the prefix cache."""
 
     deltas: AsyncIterator[TokenDelta]
     prompt_logprobs: tuple[Scored, ...] = ()
+    cached_tokens: int = 0
 
 
 async def generate(service: Service, prepared: PreparedRequest) -> Started:
@@ -432,7 +433,6 @@ async def generate(service: Service, prepared: PreparedRequest) -> Started:
     assert coordinator is not None
     if prepared.sampling.grammar:  # off the loop: the first one builds llguidance's tokenizer
         await service.off_loop(check_grammar, service.engine, prepared.sampling)
-    cached_tokens: int = 0
     stream = await coordinator.submit(prepared)
     return Started(coordinator.deltas(stream), stream.prompt_logprobs, stream.cached_tokens)
 

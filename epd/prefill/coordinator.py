@@ -258,11 +258,11 @@ class Coordinator:
     async def hand_off(self, request_id: str, prefilled: Prefilled) -> Stream:
         first = tuple(TokenDelta.of(request_id, i, out) for i, out in enumerate(prefilled.first))
         handoff, scored = prefilled.handoff, prefilled.prompt_logprobs
+        cached = prefilled.cached_tokens  # for the reply's usage
         if handoff is None:
             return Stream(
                 request_id, "", len(first), first, prompt_logprobs=scored, cached_tokens=cached
             )
-        cached = prefilled.cached_tokens  # for the reply's usage
         router = self.router
         decoder = (await router.pick(router.decoders, "decode"))[0]
         stream = Stream(
@@ -273,9 +273,9 @@ class Coordinator:
             sent_at=now(),
             max_tokens=handoff.sampling.max_tokens,
             prompt_logprobs=scored,
+            cached_tokens=cached,
         )
         router.open(stream)
-            cached_tokens=cached,
         try:
             sent = router.outbox.send(decoder, handoff)
         except WireError as e:  # its settings (grammar, stop strings, logprobs...) add up past it
