@@ -435,9 +435,8 @@ def test_a_reply_its_first_token_ends_is_served_by_prefill_alone(client):
     assert content == body["choices"][0]["message"]["content"]
 
 
-# A prompt of whole 16-token blocks and more; no other test sends it, so nothing is cached
-# before this test's first request.
-LONG = " ".join(f"shape{i}" for i in range(40))
+# Prompts of whole 16-token blocks and more, which no other test sends.
+LONG, OTHER = (" ".join(f"{word}{i}" for i in range(40)) for word in ("shape", "colour"))
 
 
 def cached_tokens(usage):
@@ -447,18 +446,23 @@ def cached_tokens(usage):
 def test_usage_says_how_many_prompt_tokens_the_prefix_cache_gave(client):
     """0 for a new prompt; for the same prompt again its whole cached blocks (never its last
     token), in whole replies, a stream's usage chunk and the Responses API; a legacy
-    completion adds each prompt's hit once, whatever its n. (max_tokens 1: no decoder.)"""
-    ask = {"messages": [{"role": "user", "content": LONG}], "max_tokens": 1}
-    first = chat(client, **ask).json()["usage"]
-    assert cached_tokens(first) == 0 and first["prompt_tokens"] > 48
-    streamed = chat(client, **ask, stream=True, stream_options={"include_usage": True})
+    completion adds each prompt's hit once, whatever its n. No decoder runs: a request that
+    goes on past its first token is cached, then refused (503); max_tokens 1 is answered."""
+    once = {"max_tokens": 1}
+    fresh = chat(client, messages=[{"role": "user", "content": OTHER}], **once).json()["usage"]
+    assert cached_tokens(fresh) == 0 and fresh["prompt_tokens"] > 48
+    ask = {"messages": [{"role": "user", "content": LONG}]}
+    assert chat(client, **ask, max_tokens=2, ignore_eos=True).status_code == 503
+    streamed = chat(client, **ask, **once, stream=True, stream_options={"include_usage": True})
     usage = json.loads(streamed.text.split("data: ")[-2])["usage"]
     hit = cached_tokens(usage)
-    assert hit > 32 and hit % 16 == 0 and hit < first["prompt_tokens"]
+    assert hit > 32 and hit % 16 == 0 and hit < usage["prompt_tokens"]
+    assert cached_tokens(chat(client, **ask, **once).json()["usage"]) == hit
     responses = client.post("/v1/responses", json={"input": LONG, "max_output_tokens": 1})
     assert responses.json()["usage"]["input_tokens_details"]["cached_tokens"] == hit
-    legacy = {"model": "tiny", "prompt": LONG, "max_tokens": 1}
-    assert cached_tokens(client.post("/v1/completions", json=legacy).json()["usage"]) == 0
+    legacy = {"model": "tiny", "prompt": LONG, "max_tokens": 2, "ignore_eos": True}
+    assert client.post("/v1/completions", json=legacy).status_code == 503
+    legacy |= once
     both = client.post("/v1/completions", json=legacy | {"prompt": [LONG, LONG], "n": 2})
     alone = client.post("/v1/completions", json=legacy).json()["usage"]
     assert cached_tokens(both.json()["usage"]) == 2 * cached_tokens(alone) > 0
