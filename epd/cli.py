@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.metadata
 import sys
 from collections.abc import Callable
@@ -11,7 +12,14 @@ from typing import Any
 
 from epd.checkpoint.config import CheckpointError
 from epd.config.roles import ROLES
-from epd.config.sources import add_child_flags, add_flags, build, flag_values, resolve
+from epd.config.sources import (
+    add_child_flags,
+    add_flags,
+    build,
+    child_settings,
+    flag_values,
+    resolve,
+)
 from epd.config.vllm import add_compatible_flags
 from epd.dtypes import MODEL_DTYPES, TENSOR_DTYPES
 
@@ -43,12 +51,15 @@ def runner(role: str) -> Callable[[Any], None]:
 
 
 def role_command(args: argparse.Namespace) -> None:
+    from epd.checkpoint.hub import on_disk
+
     if args.command == "serve":
         from epd import serve
 
-        serve.run(*serve.plan(args))
+        config, children = serve.plan(args)
+        serve.run(config, {role: on_disk(child) for role, child in children.items()})
     else:
-        runner(args.command)(resolve(ROLES[args.command], args.command, args))
+        runner(args.command)(on_disk(resolve(ROLES[args.command], args.command, args)))
 
 
 def bench_command(args: argparse.Namespace) -> None:
@@ -107,10 +118,22 @@ def keys_command(args: argparse.Namespace) -> None:
     )
 
 
-def parser() -> argparse.ArgumentParser:
-    root = argparse.ArgumentParser(
-        prog="epd", description="Encode/prefill/decode serving for Kimi-VL"
-    )
+class Parser(argparse.ArgumentParser):
+    """The `epd` command's parser: an argument its subcommand does not know is that
+    subcommand's error, shown with its usage (`epd serve: error: ...`), not the top level's."""
+
+    subcommands: dict[str, argparse.ArgumentParser]
+
+    def parse_args(self, args: Any = None, namespace: Any = None) -> Any:
+        parsed, unknown = self.parse_known_args(args, namespace)
+        if unknown:
+            where = self.subcommands.get(getattr(parsed, "command", ""), self)
+            where.error(f"unrecognized arguments: {' '.join(unknown)}")
+        return parsed
+
+
+def parser() -> Parser:
+    root = Parser(prog="epd", description="Encode/prefill/decode serving for Kimi-VL")
     root.add_argument(
         "--version", action="version", version=f"%(prog)s {importlib.metadata.version('epd')}"
     )
@@ -125,9 +148,11 @@ def parser() -> argparse.ArgumentParser:
             help="checkpoint directory, as --model",
         )
         add_flags(sub, config_class)
+        settings = {f.name for f in dataclasses.fields(config_class)}
         if role == "serve":
             add_child_flags(sub)
-        add_compatible_flags(sub)
+            settings |= child_settings().keys()
+        add_compatible_flags(sub, settings)
         sub.set_defaults(run=role_command)
     from epd.bench.config import BenchConfig
 
@@ -181,6 +206,7 @@ def parser() -> argparse.ArgumentParser:
         "--if-missing", action="store_true", help="keep the keys already there (no error)"
     )
     keys.set_defaults(run=keys_command)
+    root.subcommands = dict(commands.choices)
     return root
 
 

@@ -18,7 +18,6 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from epd.config.roles import ROLES, DecodeConfig, EncodeConfig, PrefillConfig, ServeConfig
@@ -276,20 +275,8 @@ def taken_port(config: ServeConfig) -> str | None:
     return None
 
 
-def missing_checkpoint(child_configs: dict[str, Any]) -> str | None:
-    """Why serve cannot start its children, if one's model is no directory (a Hugging Face
-    repository name, as vLLM takes, among them)."""
-    for model in sorted({c.model for c in child_configs.values()}):
-        if not Path(model).is_dir():
-            return (
-                f"{model} is not a directory: epd serves a checkpoint on disk (download a Hugging "
-                "Face repository first)"
-            )
-    return None
-
-
 def run(config: ServeConfig, child_configs: dict[str, Any]) -> None:
-    if problem := missing_checkpoint(child_configs) or taken_port(config):
+    if problem := taken_port(config):
         sys.exit(f"epd serve: {problem}")
     drain_s = child_configs["prefill"].drain_timeout_s
     stop = stop_event(grace_s=drain_s + 3 * STOP_TIMEOUT_S)  # the stop below, and a margin

@@ -136,10 +136,24 @@ def load_generation_config(checkpoint: str | Path) -> GenerationConfig:
     if eos is None:
         raise CheckpointError("generation_config.json lacks 'eos_token_id'")
     ids = (eos,) if isinstance(eos, int) else tuple(int(i) for i in eos)
+    return GenerationConfig(eos_token_ids=ids, sampling_defaults=sampling_defaults(raw))
+
+
+def load_sampling_defaults(folder: str | Path, source: str = "auto") -> dict[str, float]:
+    """What a request that leaves sampling fields out gets, as vLLM's `--generation-config`
+    says: auto, the checkpoint's generation_config.json; vllm, nothing; else that of the
+    directory `source` names (which may hold sampling fields alone)."""
+    if source == "vllm":
+        return {}
+    folder = folder if source == "auto" else source
+    return sampling_defaults(read_json(Path(folder) / "generation_config.json"))
+
+
+def sampling_defaults(raw: dict[str, Any]) -> dict[str, float]:
     defaults = {key: raw[key] for key in SAMPLING_DEFAULTS if raw.get(key) is not None}
     if raw.get("max_new_tokens") is not None:
         defaults["max_tokens"] = raw["max_new_tokens"]
     for key, value in defaults.items():
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise CheckpointError(f"generation_config.json: {key} must be a number, not {value!r}")
-    return GenerationConfig(eos_token_ids=ids, sampling_defaults=defaults)
+    return defaults

@@ -13,21 +13,39 @@ from typing import Any
 
 from epd.config.settings import ADDRESS_SCHEMES as ADDRESS_SCHEMES  # the wire's, too
 from epd.config.settings import UVICORN_LOG_LEVELS, Settings, option, required
-from epd.config.vllm import VllmFlag, image_limit
+from epd.config.vllm import VllmFlag, dtype_name, image_limit, readable_int
 
 
 @dataclass(frozen=True)
 class ModelOptions(Settings):
     model: str = required(
-        "checkpoint directory (Hugging Face layout); or give it first, as vLLM's: epd serve MODEL",
+        "checkpoint directory (Hugging Face layout), or a Hugging Face repository name such as "
+        "moonshotai/Kimi-VL-A3B-Instruct, found in the Hugging Face cache or downloaded into it "
+        "(only found, with HF_HUB_OFFLINE=1); or give it first, as vLLM's: epd serve MODEL",
         vllm="--model",
+    )
+    revision: str = option(
+        "", "a repository's branch, tag or commit to serve (default: main)", vllm="--revision"
+    )
+    download_dir: str = option(
+        "",
+        "the Hugging Face cache a repository is found in and downloaded to (default: "
+        "$HF_HUB_CACHE, else $HF_HOME/hub, else ~/.cache/huggingface/hub)",
+        vllm="--download-dir",
+    )
+    served_model_name: tuple[str, ...] = option(
+        (),
+        "names clients may give as `model`; replies and metrics carry the first (default: the "
+        "repository name given as the model, else the checkpoint's folder, or for a folder of "
+        "the Hugging Face cache the path given)",
+        vllm="--served-model-name",
     )
     device: str = option("cpu", "torch device, e.g. cpu or cuda:0")
     dtype: str = option(
         "auto",
         "auto (the checkpoint's torch_dtype where the device runs it, else float32 on CPU and "
         "bfloat16 on CUDA), float32, bfloat16, float16",
-        vllm="--dtype",
+        vllm=VllmFlag("--dtype", dtype_name, "half and float too"),
     )
     trust_remote_code: bool = option(
         False,
@@ -54,6 +72,21 @@ class ModelOptions(Settings):
         "without the keys are refused (default: off, for loopback)",
     )
 
+    @property
+    def model_name(self) -> str:
+        """The name replies and metrics carry: the first served name, else the checkpoint's
+        folder, or the path as given where that folder is a snapshot of the Hugging Face cache
+        (named by a commit hash)."""
+        if self.served_model_name:
+            return self.served_model_name[0]
+        folder = Path(self.model).resolve()
+        return self.model if folder.parent.name == "snapshots" else folder.name
+
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        """Every name a request may give as `model`: the served names, and the model given."""
+        return (*(self.served_model_name or (self.model_name,)), self.model)
+
 
 def prefills_option() -> Any:
     return option(
@@ -74,7 +107,7 @@ def max_model_len_option() -> Any:
         0,
         "most tokens one request may use, its prompt (images included) and output together "
         "(0: the checkpoint's max_position_embeddings; more than that is an error)",
-        vllm="--max-model-len",
+        vllm=VllmFlag("--max-model-len", readable_int, "32768, 32k or 32K"),
     )
 
 
@@ -148,9 +181,6 @@ class PrefillConfig(ModelOptions):
     advertise: str = option("", "address peers reply to (default: the bind address)")
     encoders: tuple[str, ...] = option(("tcp://127.0.0.1:7101",), "encode addresses")
     decoders: tuple[str, ...] = option(("tcp://127.0.0.1:7103",), "decode addresses")
-    served_model_name: str = option(
-        "", "model name in the API (default: checkpoint folder)", vllm="--served-model-name"
-    )
     encode_timeout_s: float = option(60.0, "longest wait for an image payload")
     token_timeout_s: float = option(60.0, "longest wait for the next token from decode")
     image_fetch_timeout_s: float = option(
@@ -162,10 +192,29 @@ class PrefillConfig(ModelOptions):
         "with only public addresses)",
         vllm="--allowed-media-domains",
     )
+    allowed_local_media_path: str = option(
+        "",
+        "a directory whose images requests may name as file:// URLs; any client may then read "
+        "any image under it (default: none, file:// URLs are refused)",
+        vllm="--allowed-local-media-path",
+    )
     max_image_bytes: int = option(20 * 1024 * 1024, "size limit of one image, encoded")
     max_image_pixels: int = option(50_000_000, "refuse images larger than this (from their header)")
     max_images: int = option(16, "most images in one request", vllm=IMAGE_LIMIT)
     default_max_tokens: int = option(1024, "max_tokens when a request gives none")
+    generation_config: str = option(
+        "auto",
+        "sampling defaults for what a request leaves out: auto, the checkpoint's "
+        "generation_config.json; vllm, none (temperature 1 and so on); or a directory holding "
+        "a generation_config.json",
+        vllm="--generation-config",
+    )
+    seed: int = option(
+        -1,
+        "seed of the draws of requests that give no seed: a server started again answers the "
+        "same requests, sent one at a time, alike (-1: fresh draws)",
+        vllm="--seed",
+    )
     max_n: int = option(16, "most choices (n) one request may ask for, up to 128")
     reasoning_parser: str = option(
         "auto",
@@ -256,6 +305,9 @@ class PrefillConfig(ModelOptions):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        local = self.allowed_local_media_path
+        if local and not Path(local).is_dir():
+            raise ValueError(f"allowed_local_media_path={local!r}: must be a directory")
         host = self.bind.split("://", 1)[1].rsplit(":", 1)[0]
         if host in ("*", "0.0.0.0", "[::]", "::") and not self.advertise:
             raise ValueError(
@@ -266,11 +318,6 @@ class PrefillConfig(ModelOptions):
     @property
     def reply_address(self) -> str:
         return self.advertise or self.bind
-
-    @property
-    def model_name(self) -> str:
-        """The name clients put in `model`: the served name, else the checkpoint's folder."""
-        return self.served_model_name or Path(self.model).resolve().name
 
 
 @dataclass(frozen=True)

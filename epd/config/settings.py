@@ -58,6 +58,8 @@ def _check_value(name: str, value: Any) -> str | None:
         return "must be a positive number of seconds"
     if name in AUTOMATIC:
         return "must be 0 (automatic) or a positive number" if value < 0 else None
+    if name == "seed" and not -1 <= value < 2**63:
+        return "must be -1 (fresh draws) or from 0 to 2**63 - 1"
     if name == "min_chunk_tokens" and value < 0:
         return "must be 0 (off) or a positive number"
     if name in ("busy_threads", "alone_threads") and value < 0:

@@ -146,10 +146,13 @@ def add_flags(
             kwargs["type"] = hint
         flag = f"--{name.replace('_', '-')}"
         vllm: VllmFlag | None = f.metadata.get("vllm")
-        # A vLLM flag that writes its value as epd does is another name of epd's own.
+        # A vLLM flag that writes its value as epd does is another name of epd's own; one of
+        # the same name reads vLLM's forms too (`--max-model-len 32k`).
         aliases = [vllm.name] if vllm and not vllm.parse and vllm.name != flag else []
+        if vllm is not None and vllm.parse is not None and vllm.name == flag:
+            kwargs["type"] = vllm.parse
         parser.add_argument(flag, *aliases, help=help_text(f, note), **kwargs)
-        if vllm is not None and vllm.parse is not None:
+        if vllm is not None and vllm.parse is not None and vllm.name != flag:
             parser.add_argument(
                 vllm.name,
                 dest=name,
@@ -205,6 +208,8 @@ def flag_values(args: argparse.Namespace, cls: type) -> dict[str, Any]:
         for k, v in vars(args).items()
         if k in fields
     }
+    if "disable_log_requests" in fields and "enable_log_requests" in vars(args):
+        given["disable_log_requests"] = not args.enable_log_requests  # vLLM's newer switch
     first = vars(args).get("model_path")
     if first is not None and "model" in fields and given.setdefault("model", first) != first:
         raise ValueError(f"two models: {first} first, and --model {given['model']}")

@@ -28,7 +28,6 @@ from epd.generation.reasoning import prepare
 from epd.generation.sequence import Sequence
 from epd.generation.transcript import Output
 from epd.runtime.idle import OthersIdle
-from epd.runtime.metrics import folder_name
 from epd.runtime.process import torch_threads, use_torch_threads
 from epd.runtime.role import run_role
 from epd.runtime.watchdog import Watchdog
@@ -289,7 +288,7 @@ def run(config: DecodeConfig) -> None:
         inbox = Inbox(context, config.bind, largest_frame(config.model), curve=keys)
         # The prefills named exactly stay connected: never closed as idle nor pushed out.
         outbox = Outbox(context, prefills.exact, curve=keys)
-        name, threads = folder_name(config.model), torch_threads(config.threads, config.device)
+        name, threads = config.model_name, torch_threads(config.threads, config.device)
         return DecodeServer(scheduler, inbox, outbox, prefills, name, threads, config.alone_threads)
 
     run_role("decode", config, build, config.drain_timeout_s)

@@ -18,7 +18,6 @@ from epd.encode.encoder import Encoder, Prepared
 from epd.encode.metrics import EncodeMetrics
 from epd.multimodal.image_processor import ImageProcessor
 from epd.multimodal.images import ImageError
-from epd.runtime.metrics import folder_name
 from epd.runtime.process import use_torch_threads
 from epd.runtime.role import run_role
 from epd.runtime.watchdog import Watchdog
@@ -104,7 +103,7 @@ class EncodeServer:
     ) -> None:
         self.encoder, self.inbox, self.outbox, self.config = encoder, inbox, outbox, config
         self.prefills, self.progress = prefills, progress
-        self.metrics = EncodeMetrics(folder_name(config.model))
+        self.metrics = EncodeMetrics(config.model_name)
         self.registry = self.metrics.registry
         # On a CPU the vision tower is compute-bound already, and a batch holds back the first
         # request's prefill, which runs beside encode on other cores (docs/benchmarks.md,

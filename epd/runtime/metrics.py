@@ -11,7 +11,6 @@ vLLM, which filter on it, find epd's too.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from pathlib import Path
 
 from fastapi import APIRouter, Response
 from prometheus_client import (
@@ -32,12 +31,6 @@ LATENCY_BUCKETS = (
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 # Tokens of one request, vLLM's 1-2-5 steps: from a one-token reply to a million-token prompt.
 TOKEN_BUCKETS = (*(m * 10**e for e in range(6) for m in (1, 2, 5)), 10**6)
-
-
-def folder_name(checkpoint: str) -> str:
-    """The name of a checkpoint directory: the model name prefill serves unless told another
-    (`PrefillConfig.model_name`), and the one encode and decode label their metrics with."""
-    return Path(checkpoint).resolve().name
 
 
 class Labelled:

@@ -165,10 +165,101 @@ def test_a_list_that_is_not_json_is_refused():
         children("/m", "--allowed-origins", '["*"')
 
 
-def test_an_unknown_vllm_flag_is_still_an_error(capsys):
-    assert "unrecognized arguments: --enforce-eager" in refused(
-        capsys, "serve", "/m", "--enforce-eager"
+def test_an_unknown_flag_is_an_error_with_the_subcommands_usage(capsys):
+    error = refused(capsys, "serve", "/m", "--swap-spaces", "4")
+    assert "epd serve: error: unrecognized arguments: --swap-spaces 4" in error
+    assert error.startswith("usage: epd serve ")
+
+
+@pytest.mark.parametrize("role", ["serve", "prefill", "decode", "encode"])
+def test_flags_asking_for_what_epd_does_anyway_are_accepted(role):
+    parsed = args(
+        role,
+        "/m",
+        *("--enforce-eager", "--disable-log-stats", "--enable-chunked-prefill"),
+        *("--kv-cache-dtype", "auto", "--load-format", "safetensors", "--block-size", "16"),
+        *("--enable-auto-tool-choice", "--tool-call-parser", "kimi_k2", "-pp", "1", "-dp", "1"),
     )
+    assert parsed.model_path == "/m"
+
+
+@pytest.mark.parametrize(
+    "argv,says",
+    [
+        (("--quantization", "fp8"), "-q/--quantization: epd runs the checkpoint's weights"),
+        (("--enable-lora",), "--enable-lora/--lora-modules: epd serves no LoRA adapters"),
+        (("--speculative-config", "{}"), "no speculative decoding"),
+        (("--kv-transfer-config", "{}"), "epd hands KV from prefill to decode itself"),
+        (("--tokenizer", "x/y"), "reads the tokenizer from the checkpoint directory"),
+        (("--kv-cache-dtype", "fp8"), "fp8: accepted as auto only"),
+        (("--block-size", "32"), "epd's KV blocks hold 16 tokens"),
+        (("--tool-call-parser", "hermes"), "accepted as kimi_k2 only"),
+        (("--pipeline-parallel-size", "2"), "one device"),
+    ],
+)
+def test_flags_for_what_epd_does_not_do_say_what_it_does_instead(capsys, argv, says):
+    error = refused(capsys, "serve", "/m", *argv)
+    assert "epd serve: error:" in error and says in error
+
+
+@pytest.mark.parametrize(
+    "given,tokens",
+    [
+        ("32768", 32768),
+        ("32k", 32000),
+        ("32K", 32768),
+        ("1M", 2**20),
+        ("1m", 10**6),
+        ("1.5k", 1500),
+    ],
+)
+def test_max_model_len_takes_vllms_suffixes(given, tokens):
+    prefill, decode = (children("/m", "--max-model-len", given)[r] for r in CHILDREN[1:])
+    assert prefill.max_model_len == decode.max_model_len == tokens
+
+
+@pytest.mark.parametrize("given", ["1.5K", "32x", "k", ""])
+def test_max_model_len_that_is_no_count_is_refused(capsys, given):
+    assert "is not a whole number such as 32768" in refused(
+        capsys, "serve", "/m", "--max-model-len", given
+    )
+
+
+@pytest.mark.parametrize(
+    "given,dtype", [("half", "float16"), ("float", "float32"), ("bfloat16", "bfloat16")]
+)
+def test_dtype_takes_vllms_names(given, dtype):
+    assert {c.dtype for c in children("/m", "--dtype", given).values()} == {dtype}
+
+
+def test_served_model_name_takes_several_and_every_role_carries_the_first():
+    configs = children("/m", "--served-model-name", "kimi", "kimi-vl")
+    assert {c.model_name for c in configs.values()} == {"kimi"}
+    assert configs["prefill"].model_names == ("kimi", "kimi-vl", "/m")
+
+
+def test_enable_log_requests_is_the_inverse_of_disable():
+    assert not children("/m", "--enable-log-requests")["prefill"].disable_log_requests
+    assert children("/m", "--no-enable-log-requests")["prefill"].disable_log_requests
+
+
+def test_seed_and_generation_config_reach_prefill(tmp_path):
+    prefill = children("/m", "--seed", "7", "--generation-config", "vllm")["prefill"]
+    assert prefill.seed == 7 and prefill.generation_config == "vllm"
+    with pytest.raises(ValueError, match="seed=-2: must be -1"):
+        children("/m", "--seed", "-2")
+
+
+def test_allowed_local_media_path_must_be_a_directory(tmp_path):
+    given = children("/m", "--allowed-local-media-path", str(tmp_path))["prefill"]
+    assert given.allowed_local_media_path == str(tmp_path)
+    with pytest.raises(ValueError, match="allowed_local_media_path=.*must be a directory"):
+        children("/m", "--allowed-local-media-path", str(tmp_path / "none"))
+
+
+def test_revision_and_download_dir_reach_every_role():
+    configs = children("/m", "--revision", "v1", "--download-dir", "/cache")
+    assert {(c.revision, c.download_dir) for c in configs.values()} == {("v1", "/cache")}
 
 
 def test_help_says_what_each_vllm_flag_maps_to(capsys):
@@ -179,3 +270,4 @@ def test_help_says_what_each_vllm_flag_maps_to(capsys):
     assert "--max-prefill-tokens MAX_PREFILL_TOKENS, --max-num-batched-tokens" in text
     assert "--limit-mm-per-prompt VALUE --max-images in vLLM's form" in text
     assert "vLLM: --gpu-memory-utilization" in text and "accepted as 1 only" in text
+    assert "--enforce-eager vLLM's flag, accepted: epd captures no CUDA graphs" in text

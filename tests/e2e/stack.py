@@ -194,7 +194,10 @@ def usage(pid: int) -> tuple[int, int]:
     return rss_kib * 1024, len(os.listdir(f"/proc/{pid}/fd"))
 
 
-def serve(checkpoint: Path, base: int, *flags: str) -> Process:
+def serve(
+    checkpoint: Path | str, base: int, *flags: str, env: dict[str, str] | None = None
+) -> Process:
+    """`epd serve` on a checkpoint directory (or a Hugging Face repository name)."""
     return Process(
         "serve",
         *flags,
@@ -205,6 +208,7 @@ def serve(checkpoint: Path, base: int, *flags: str) -> Process:
         "--internal-base-port",
         str(base),
         ready="epd serve ready",
+        env=env,
     ).wait_ready()
 
 

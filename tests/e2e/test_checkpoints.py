@@ -28,6 +28,7 @@ from epd.checkpoint.synthetic import make_checkpoint
 from epd.generation.reasoning import PARSERS, Split
 from epd.local import LocalPipeline
 
+from ..checkpoint.test_hub import COMMIT, REPOSITORY, lay_out_cache
 from .stack import cluster, data_url, free_base, image_part, serve, text_part
 
 TINY = {
@@ -213,13 +214,21 @@ def test_every_role_starts_where_the_grammar_engine_cannot_be_built(checkpoint_i
 
 
 @pytest.mark.parametrize("layout", ["inside", "tiktoken"])
-def test_epd_serve_serves_each_layout_without_remote_code(checkpoint_in, layout):
-    base = free_base()
-    process = serve(checkpoint_in(layout), base)
+def test_epd_serve_serves_each_layout_without_remote_code(checkpoint_in, layout, tmp_path):
+    """Kimi's own layout (tiktoken) as a user has it: by repository name, from the Hugging
+    Face cache, offline; the other from its directory."""
+    base, env, model = free_base(), {}, checkpoint_in(layout)
+    if layout == "tiktoken":
+        lay_out_cache(tmp_path, model, {"main": COMMIT})
+        env = {"HF_HUB_CACHE": str(tmp_path), "HF_HUB_OFFLINE": "1"}
+        model = REPOSITORY
+    process = serve(model, base, env=env)
     try:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{base + 20}/v1", api_key="-")
+        (card,) = client.models.list().data
+        assert card.id == (REPOSITORY if layout == "tiktoken" else model.name)
         reply = client.chat.completions.create(
-            model=client.models.list().data[0].id,
+            model=card.id,
             messages=[{"role": "user", "content": "Which shape?"}],
             response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": SCHEMA}},
             max_tokens=12,
