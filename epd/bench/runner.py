@@ -94,15 +94,22 @@ async def poisson(
     return [timing for done in await asyncio.gather(*tasks) for timing in done]
 
 
-async def run(config: BenchConfig) -> tuple[Summary, list[Timing], str]:
+def session(config: BenchConfig) -> aiohttp.ClientSession:
+    """The run's client (made in its event loop)."""
     # Each request's whole time is bounded by `stream`; here connecting and each read.
     timeout = aiohttp.ClientTimeout(sock_connect=30.0, sock_read=config.timeout_s)
     headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
-    # A connection per request in flight, up to 100 where nothing bounds them (httpx's cap).
-    connector = aiohttp.TCPConnector(limit=config.concurrency or 100)
-    async with aiohttp.ClientSession(
+    # A connection per request in flight, up to 100 where nothing bounds them (httpx's cap),
+    # except all at once: every request then (0: no cap), or the server sees fewer than vLLM's.
+    everyone = 0 if math.isinf(config.rate) else 100
+    connector = aiohttp.TCPConnector(limit=config.concurrency or everyone)
+    return aiohttp.ClientSession(
         timeout=timeout, headers=headers, connector=connector, trust_env=True
-    ) as client:
+    )
+
+
+async def run(config: BenchConfig) -> tuple[Summary, list[Timing], str]:
+    async with session(config) as client:
         model = config.model or await served_model(client, config.api_base)
         url, samples = config.request_url, dataset(config)
         if config.warmup:

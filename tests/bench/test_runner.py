@@ -55,6 +55,20 @@ def test_concurrency_bounds_requests_in_flight(monkeypatch, settings, most):
     assert most_in_flight(monkeypatch, **settings) == most
 
 
+@pytest.mark.parametrize(
+    ("settings", "connections"),
+    [({}, 100), ({"concurrency": 8}, 8), ({"rate": math.inf}, 0), ({"rate": 2.0}, 100)],
+)
+def test_connections_cap_what_is_in_flight_except_all_at_once(settings, connections):
+    """All at once means every request at the server (0: no cap), as vLLM sends them."""
+
+    async def limit() -> int:
+        async with runner.session(BenchConfig(**settings)) as client:
+            return client.connector.limit
+
+    assert asyncio.run(limit()) == connections
+
+
 def test_a_negative_concurrency_is_refused():
     with pytest.raises(ValueError, match="concurrency=-1: must not be negative"):
         BenchConfig(concurrency=-1)
