@@ -29,11 +29,13 @@ import ssl
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cache
+from pathlib import Path
 from urllib.parse import urljoin, urlsplit
 
 import httpx
 
 from epd.api.errors import APIError, bad_request, overloaded
+from epd.api.local_images import from_file_url
 from epd.config.roles import PrefillConfig
 
 MAX_REDIRECTS = 5
@@ -53,11 +55,14 @@ class MediaPolicy:
     # When set, only these hosts may be fetched, and at any address (the operator trusts them,
     # e.g. an internal image store); when empty, any host that resolves to public addresses.
     allowed_domains: tuple[str, ...] = ()
+    local_root: Path | None = None  # file:// URLs may name files under it (None: none)
 
     @classmethod
     def of(cls, config: PrefillConfig) -> MediaPolicy:
         domains = tuple(d.lower().rstrip(".") for d in config.allowed_media_domains)
-        return cls(config.max_image_bytes, config.image_fetch_timeout_s, domains)
+        local = config.allowed_local_media_path
+        root = Path(local).resolve() if local else None
+        return cls(config.max_image_bytes, config.image_fetch_timeout_s, domains, root)
 
 
 class ImageLoader:
@@ -89,9 +94,16 @@ class ImageLoader:
         if scheme.startswith("data:"):
             loop = asyncio.get_running_loop()
             return await loop.run_in_executor(self._decoding, from_data_url, url, index, limit)
+        if scheme.startswith("file:"):
+            root, loop = self.policy.local_root, asyncio.get_running_loop()
+            return await loop.run_in_executor(
+                self._decoding, from_file_url, url, index, root, limit
+            )
         if not scheme.startswith(("http://", "https://")):
             raise bad_request(
-                f"image {index}: only data: and http(s): URLs are supported", code="invalid_image"
+                f"image {index}: only data:, http(s): and (with --allowed-local-media-path) "
+                "file: URLs are supported",
+                code="invalid_image",
             )
         timeout = self.policy.timeout_s
         try:
