@@ -206,6 +206,18 @@ def test_stream_chunks_carry_usage_null_until_the_last_and_the_request_id(stack,
     assert chunks[0]["id"].startswith("chatcmpl-trace-7-")  # the id logs carry
 
 
+def test_a_repeated_long_prompt_reports_the_tokens_prefill_s_prefix_cache_gave(client, model_name):
+    """The openai client reads usage.prompt_tokens_details.cached_tokens: 0 the first time,
+    then the prompt's whole 16-token blocks that prefill kept (never its last token)."""
+    story = " ".join(f"the {i}th square is red" for i in range(12))
+    messages = [{"role": "user", "content": story}]
+    params = {"max_tokens": 2, "temperature": 0, "extra_body": {"ignore_eos": True}}
+    first, again = (ask(client, model_name, messages, **params).usage for _ in range(2))
+    assert first.prompt_tokens_details.cached_tokens == 0
+    cached = again.prompt_tokens_details.cached_tokens
+    assert 0 < cached < again.prompt_tokens and cached % 16 == 0
+
+
 def test_a_model_by_id_through_the_client(client, model_name):
     assert client.models.retrieve(model_name).id == model_name
     with pytest.raises(openai.NotFoundError):
