@@ -250,6 +250,7 @@ class PromptBuilder:
             image_tokens=tuple(counts),
             sampling=self.with_reasoning(self.sampling(conversation.request, len(ids)), ids),
             prompt_logprobs=conversation.request.prompt_logprobs,
+            cache_salt=conversation.request.cache_salt,
         )
 
     def with_reasoning(self, sampling: SamplingParams, prompt_ids: list[int]) -> SamplingParams:
@@ -320,6 +321,7 @@ class PromptBuilder:
             image_tokens=(),
             sampling=self.sampling(request, len(ids)),
             prompt_logprobs=scored_alternatives(request),
+            cache_salt=request.cache_salt,
         )
 
     def sampling(self, request: GenerationRequest, prompt_tokens: int) -> SamplingParams:

@@ -129,6 +129,7 @@ class ResponsesRequest(BaseModel):
     metadata: Metadata | None = Field(None, max_length=16)  # OpenAI's bounds
     text: TextOptions | None = None
     include: list[str] | None = None  # checked in `refused`
+    cache_salt: str | None = None  # vLLM's extra, passed on (and checked) as the chat's
 
     def echoed(self) -> dict[str, Any]:
         """What a response object repeats of its request."""
@@ -171,6 +172,7 @@ class ResponsesRequest(BaseModel):
             ("max_tokens", self.max_output_tokens),
             ("temperature", self.temperature),
             ("top_p", self.top_p),
+            ("cache_salt", self.cache_salt),
         ):
             if theirs is not None:
                 body[ours] = theirs

@@ -201,6 +201,9 @@ VLLM_EXTRAS_NOT_DONE: dict[str, Any] = {
     "return_tokens_as_token_ids": False,
     "functions": None,  # OpenAI's legacy form of tools
 }
+# vLLM sets no bound; a salt is hashed on the engine's thread, and 43 characters (256 random
+# bits in base64) are what vLLM suggests.
+MAX_CACHE_SALT_CHARS = 4096
 # Messages and content parts a request may hold in all: each costs pydantic ~3 µs under the
 # GIL, so 3 million of them (93 MB) held the event loop, and every stream, for 9 s.
 MAX_CHAT_ITEMS = 1 << 16
@@ -279,6 +282,9 @@ class GenerationRequest(BaseModel):
     guided_choice: list[str] | None = Field(None, min_length=1, max_length=1024)
     guided_grammar: str | None = Field(None, max_length=MAX_GRAMMAR_CHARS)
     user: str | None = None  # accepted without effect
+    # vLLM's extra: only requests of the same salt share the prefix and image caches' entries
+    # (one per tenant keeps its prompts from being timed by another); non-empty, as in vLLM
+    cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
     # vLLM's extra: each prompt token's logprob and rank after those before it, with this
     # many likeliest alternatives
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)

@@ -5,9 +5,10 @@ cache's) is handed out by a `BlockManager`: a free list, a reference count per b
 a full block whose rows may serve another prompt, its content hash. A block whose count falls
 to 0 goes back to the free list, unless it has a hash: then it stays cached, its rows intact,
 until a new allocation needs it (least recently used first). A prompt finds the cached blocks
-of its longest cached prefix (`match`) by hashes chained block by block over the token ids
-before and in each block and the digest of every image whose tokens it holds (`block_hashes`),
-so equal hashes mean equal rows: the same tokens at the same positions, after the same past.
+of its longest cached prefix (`match`) by hashes chained block by block over the prompt's
+cache salt, the token ids before and in each block and the digest of every image whose tokens
+it holds (`block_hashes`), so equal hashes mean equal rows: the same tokens at the same
+positions, after the same past; and only prompts of one salt share rows.
 
 Block 0 is never handed out: the storage keeps it as zeros to pad shorter caches' tables.
 """
@@ -39,12 +40,25 @@ class ImageSpan:
     digest: bytes
 
 
-def block_hashes(token_ids: Sequence[int], images: Sequence[ImageSpan] = ()) -> list[bytes]:
+def salt_seed(salt: str | None) -> bytes:
+    """What a prompt's first block hash starts from: nothing, or for a salted prompt (vLLM's
+    `cache_salt`, one per tenant) a digest of its salt, so that every hash of its chain differs
+    from an unsalted or differently salted prompt's. Tagged: an unsalted first block would need
+    token ids spelling the tag (ids past any vocabulary) to hash like a salted one's seed."""
+    if salt is None:
+        return b""
+    return hashlib.sha256(b"epd cache_salt\0" + salt.encode("utf-8", "surrogatepass")).digest()
+
+
+def block_hashes(
+    token_ids: Sequence[int], images: Sequence[ImageSpan] = (), salt: str | None = None
+) -> list[bytes]:
     """The chained content hash of each full block of a prompt: block i's covers every token
-    before it (through block i - 1's hash), its own token ids, and which image rows it holds
-    (each image overlapping it: its digest and the offset of its first row in the block)."""
+    before it (through block i - 1's hash, block 0's through the salt), its own token ids, and
+    which image rows it holds (each image overlapping it: its digest and the offset of its
+    first row in the block)."""
     hashes: list[bytes] = []
-    previous = b""
+    previous = salt_seed(salt)
     for block in range(len(token_ids) // BLOCK_TOKENS):
         start, stop = block * BLOCK_TOKENS, (block + 1) * BLOCK_TOKENS
         digest = hashlib.sha256(previous)

@@ -130,7 +130,9 @@ class PrefillBatcher:
         """Start a job from its prompt's longest cached prefix, if there is one."""
         assert self.prefix_cache is not None
         prompt = job.prompt
-        cached = self.prefix_cache.lookup(prompt.prompt_ids, prompt.image_spans or ())
+        cached = self.prefix_cache.lookup(
+            prompt.prompt_ids, prompt.image_spans or (), prompt.cache_salt
+        )
         self.metrics.prefix_cache_queries.inc(len(prompt.prompt_ids))
         if cached is not None:
             job.done, job.cached, job.past = cached.length, cached.length, Partial(cached)
@@ -142,9 +144,9 @@ class PrefillBatcher:
         prompt, handoff, cache = job.prompt, prefilled.handoff, self.prefix_cache
         if cache is None or not prompt.cacheable or handoff is None:
             return
-        rows, spans = handoff.cache, prompt.image_spans or ()
+        ids, spans, salt = prompt.prompt_ids, prompt.image_spans or (), prompt.cache_salt
         with contextlib.suppress(RuntimeError):  # the batcher has stopped: nothing more is kept
-            self.executor.submit(cache.store, prompt.prompt_ids, spans, rows).add_done_callback(
+            self.executor.submit(cache.store, ids, spans, handoff.cache, salt).add_done_callback(
                 stored
             )
 

@@ -53,7 +53,7 @@ IN_PREFILL = (Status.ENCODING, Status.WAITING, Status.RUNNING, Status.DECODING)
 
 class Images(NamedTuple):
     """A request's images as prefill takes them: their embeddings, (rows, hidden) in prompt
-    order, and each file's SHA-256 (what the prefix cache knows them by)."""
+    order, and each file's key in the image cache (what the prefix cache knows them by)."""
 
     rows: torch.Tensor
     digests: tuple[str, ...]
@@ -185,7 +185,8 @@ class Coordinator:
         """Every image's embeddings, in prompt order: from the cache, or from the encoders."""
         if not request.images:
             return None
-        keys = await asyncio.to_thread(digests, request.images)  # hashing large files takes time
+        # Hashing large files takes time; salted keys keep one tenant's encodes its own.
+        keys = await asyncio.to_thread(digests, request.images, request.cache_salt)
         rows = {
             i: found for i, key in enumerate(keys) if (found := self.images.get(key)) is not None
         }
@@ -252,6 +253,7 @@ class Coordinator:
             request.prompt_logprobs,
             image_spans=spans,
             alone=self.alone(),  # its decoder may then take the idle cores from its first step
+            cache_salt=request.cache_salt,
         )
         return await self.hand_off(request.request_id, await self.batcher.prefill(prompt))
 

@@ -62,6 +62,7 @@ class Prompt:
     # None: unknown, and a prompt with images is then never cached.
     image_spans: tuple[ImageSpan, ...] | None = None
     alone: bool = False  # no other request was in flight: said to decode (`KVHandoff.alone`)
+    cache_salt: str | None = None  # the prefix cache's hashes start from it (`block_hashes`)
 
     @property
     def cacheable(self) -> bool:

@@ -1,7 +1,9 @@
 """Projected image embeddings kept by content, so an image asked about again skips encode.
 
-Keyed by the SHA-256 of the image file (the processor's rules are fixed for a deployment), least
-recently used out first under a byte budget; hits and misses are counted for GET /health.
+Keyed by the SHA-256 of the image file (the processor's rules are fixed for a deployment), and
+of the request's `cache_salt` if it sent one: a tenant that salts its requests neither gets nor
+gives another's embeddings, so whether an image was sent before cannot be timed across salts.
+Least recently used out first under a byte budget; hits and misses are counted for GET /health.
 """
 
 from __future__ import annotations
@@ -16,8 +18,18 @@ import torch
 log = logging.getLogger(__name__)
 
 
-def digests(images: Sequence[bytes]) -> list[str]:
-    return [hashlib.sha256(data).hexdigest() for data in images]
+def digests(images: Sequence[bytes], salt: str | None = None) -> list[str]:
+    """Each image's key: the SHA-256 of its file, or for a salted request, of a digest of the
+    salt and then the file (a fixed-length seed, so no salt and file run into another's)."""
+    if salt is None:
+        return [hashlib.sha256(data).hexdigest() for data in images]
+    seed = hashlib.sha256(b"epd image salt\0" + salt.encode("utf-8", "surrogatepass")).digest()
+    keys = []
+    for data in images:
+        digest = hashlib.sha256(seed)
+        digest.update(data)
+        keys.append(digest.hexdigest())
+    return keys
 
 
 class ImageCache:

@@ -4,8 +4,9 @@ only what follows.
 
 A prompt's full blocks are stored, after its prefill, in blocks of the cache's own storage
 (layers, blocks, BLOCK_TOKENS, latent_dim), keyed by their chained content hash
-(`block_hashes`: token ids, and the digest of each image whose rows a block holds). A new
-prompt takes a copy of the rows of its longest cached prefix of whole blocks, leaving at least
+(`block_hashes`: the request's `cache_salt`, token ids, and the digest of each image whose
+rows a block holds), so prompts of different salts (tenants) never share rows. A new prompt
+takes a copy of the rows of its longest cached prefix of whole blocks, leaving at least
 its last token to compute (its logits give the first token), and its prefill starts there, as
 a chunk continues the chunks before it. Blocks nobody holds are evicted least recently used
 first, the last blocks of a prompt before its first (a prefix is found from its start), within
@@ -51,11 +52,13 @@ class PrefixCache:
         self.blocks = BlockManager(1)
         self.queries = self.hits = 0  # prompt tokens looked up, and found
 
-    def lookup(self, prompt_ids: Sequence[int], images: Sequence[ImageSpan]) -> LatentCache | None:
+    def lookup(
+        self, prompt_ids: Sequence[int], images: Sequence[ImageSpan], salt: str | None = None
+    ) -> LatentCache | None:
         """A copy of the rows of the prompt's longest cached prefix of whole blocks, short of
-        its last token; None on a miss."""
+        its last token, among those stored with the same salt; None on a miss."""
         self.queries += len(prompt_ids)
-        hashes = block_hashes(prompt_ids[: len(prompt_ids) - 1], images)
+        hashes = block_hashes(prompt_ids[: len(prompt_ids) - 1], images, salt)
         found = self.blocks.match(hashes)
         if not found:
             return None
@@ -66,10 +69,15 @@ class PrefixCache:
 
     @torch.inference_mode()
     def store(
-        self, prompt_ids: Sequence[int], images: Sequence[ImageSpan], rows: torch.Tensor
+        self,
+        prompt_ids: Sequence[int],
+        images: Sequence[ImageSpan],
+        rows: torch.Tensor,
+        salt: str | None = None,
     ) -> None:
-        """Keep the full blocks of a prefilled prompt: rows (layers, ≥ len(prompt_ids), latent)."""
-        hashes = block_hashes(prompt_ids, images)
+        """Keep the full blocks of a prefilled prompt: rows (layers, ≥ len(prompt_ids), latent),
+        for later prompts of the same salt."""
+        hashes = block_hashes(prompt_ids, images, salt)
         held = self.blocks.match(hashes)  # those cached already
         for index in range(len(held), len(hashes)):
             try:

@@ -23,6 +23,9 @@ class PreparedRequest:
     image_tokens: tuple[int, ...]  # placeholder slots per image
     sampling: SamplingParams
     prompt_logprobs: int | None = None  # score the prompt's tokens, with this many alternatives
+    # vLLM's `cache_salt`: only requests of the same salt share the prefix and image caches'
+    # entries (None: the unsalted ones'), so tenants cannot time each other's prompts
+    cache_salt: str | None = None
 
 
 @dataclass

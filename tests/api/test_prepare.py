@@ -8,7 +8,7 @@ import pytest
 
 from epd.api.errors import APIError
 from epd.api.prepare import PromptBuilder
-from epd.api.schema import parse_request
+from epd.api.schema import parse_completion, parse_request
 from epd.checkpoint.config import CheckpointError
 from epd.checkpoint.tokenizer import load_tokenizer
 
@@ -202,3 +202,17 @@ def test_max_model_len_caps_the_context_and_may_not_pass_the_checkpoints(tiny_ch
     own = PromptBuilder.from_checkpoint(tiny_checkpoint, tokenizer, 16).context_length
     with pytest.raises(CheckpointError, match=f"max_model_len={own + 1} is more than the chec"):
         PromptBuilder.from_checkpoint(tiny_checkpoint, tokenizer, 16, max_model_len=own + 1)
+
+
+def test_the_cache_salt_reaches_prefill_from_chats_and_legacy_completions(
+    tiny_checkpoint, tmp_path
+):
+    builder = builder_with(tiny_checkpoint, tmp_path)
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "cache_salt": "t-1"}
+    assert builder.prepare(builder.read(parse_request(body)), []).cache_salt == "t-1"
+    completion = parse_completion({"model": "m", "prompt": "hi", "cache_salt": "t-2"})
+    assert builder.prepare_completion(completion).cache_salt == "t-2"
+    assert (
+        builder.prepare(builder.read(parse_request(body | {"cache_salt": None})), []).cache_salt
+        is None
+    )

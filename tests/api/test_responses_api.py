@@ -159,3 +159,11 @@ def test_a_chat_error_names_the_responses_field(chat, body, ours):
     request, _ = parse_responses({"model": "m", **body})
     error = named_as_responses(bad_request(f"invalid {chat}: why", param=chat), request)
     assert (error.param, error.message) == (ours, f"invalid {ours}: why")
+
+
+def test_a_cache_salt_reaches_the_chat_and_an_empty_one_is_refused_by_name():
+    _, chat = parse_responses({"model": "m", "input": "hi", "cache_salt": "tenant-a"})
+    assert chat.cache_salt == "tenant-a"
+    with pytest.raises(APIError) as error:
+        parse_responses({"model": "m", "input": "hi", "cache_salt": ""})
+    assert error.value.status == 400 and error.value.param == "cache_salt"

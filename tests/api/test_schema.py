@@ -3,7 +3,7 @@
 import pytest
 
 from epd.api.errors import APIError
-from epd.api.schema import parse_request
+from epd.api.schema import MAX_CACHE_SALT_CHARS, parse_request
 
 IMAGE = "data:image/png;base64,iVBORw0KGgo="  # parsed here, not decoded
 
@@ -40,3 +40,12 @@ def test_a_problem_in_a_content_part_names_the_parameter_once():
         with pytest.raises(APIError) as error:
             parse_request(chat(messages=[{"role": "user", "content": [part]}]))
         assert error.value.status == 400 and error.value.param == param
+
+
+def test_a_cache_salt_is_a_non_empty_string_as_in_vllm():
+    assert parse_request(chat(cache_salt="tenant-a")).cache_salt == "tenant-a"
+    assert parse_request(chat(cache_salt=None)).cache_salt is None  # null: none given
+    for bad in ("", 5, ["a"], "x" * (MAX_CACHE_SALT_CHARS + 1)):
+        with pytest.raises(APIError) as error:
+            parse_request(chat(cache_salt=bad))
+        assert error.value.status == 400 and error.value.param == "cache_salt"

@@ -20,6 +20,17 @@ def test_hashes_cover_full_blocks_and_chain_over_what_came_before():
     assert block_hashes(IDS[:BLOCK_TOKENS] * 2)[1] != block_hashes(IDS[:BLOCK_TOKENS])[0]
 
 
+def test_a_salt_changes_every_hash_of_the_chain_and_the_same_salt_hashes_alike():
+    plain, tenant = block_hashes(IDS), block_hashes(IDS, salt="tenant-a")
+    assert block_hashes(IDS, salt="tenant-a") == tenant
+    for other in (plain, block_hashes(IDS, salt="tenant-b"), block_hashes(IDS, salt="tenant-a ")):
+        assert not set(other) & set(tenant)  # no block of one matches any of the other's
+    # a salt spelling a block's token bytes does not make its hashes another chain's later ones
+    spelled = b"".join(t.to_bytes(4, "little") for t in IDS[:BLOCK_TOKENS])
+    shifted = block_hashes(IDS[BLOCK_TOKENS:], salt=spelled.decode("latin-1"))
+    assert not set(shifted) & set(plain)
+
+
 def test_images_with_the_same_placeholders_hash_apart_by_digest():
     ids = [7] * (3 * BLOCK_TOKENS)  # one image's placeholders, all alike
     one = block_hashes(ids, [ImageSpan(4, 40, b"a" * 32)])

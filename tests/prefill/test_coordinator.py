@@ -283,6 +283,36 @@ def test_a_hand_off_too_large_for_decode_is_the_requests_bad_request(tiny_checkp
     assert asyncio.run(main()) == {}
 
 
+def test_a_salted_request_gets_no_image_encoded_for_another_salt(tiny_checkpoint, tmp_path):
+    """The image cache: an image sent again under the same salt skips encode; under another
+    salt, or none, it is encoded again, so its time tells nothing of what others sent."""
+    config = ipc_config(tiny_checkpoint, tmp_path)
+    service = build_service(config)
+    lm, encoded = service.engine.lm, []
+
+    async def encode_images(request, indices):
+        encoded.append(request.cache_salt)
+        rows = torch.ones(8, lm.config.hidden_size, dtype=lm.lm_head.weight.dtype)
+        return [ImageEmbeddings(request.request_id, 0, request.grids, rows)]
+
+    def asking(salt):
+        return PreparedRequest(
+            "r", [1] * 8, [b"png"], ((4, 8),), (8,), SamplingParams(4), cache_salt=salt
+        )
+
+    async def main():
+        coordinator = Coordinator(config, service.engine, 64, service.watchdog)
+        coordinator.encode_images = encode_images
+        keys = [(await coordinator.encode(asking(s))).digests for s in (None, "t-1", "t-1", "t-2")]
+        again = await coordinator.encode(asking(None))
+        await coordinator.stop()
+        return keys, again.digests
+
+    keys, again = asyncio.run(main())
+    assert encoded == [None, "t-1", "t-2"]  # the second t-1 and the last unsalted hit
+    assert keys[1] == keys[2] and len({keys[0], keys[1], keys[3]}) == 3 and again == keys[0]
+
+
 def reply_of(config, service, first, from_decode):
     """What a reader of the stream gets (deltas, then the error that ended it, if one did) and
     what prefill sent: prefill's first deltas of two choices, then decode's."""

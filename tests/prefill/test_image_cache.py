@@ -41,3 +41,11 @@ def test_a_copy_that_cannot_be_made_is_not_kept_and_nothing_fails(caplog):
     (key,) = digests([b"x"])
     cache.put(key, rows(1).as_subclass(Unclonable))
     assert cache.get(key) is None and cache.bytes == 0 and "not kept" in caplog.text
+
+
+def test_a_salted_key_is_its_own_and_the_same_salt_finds_it():
+    plain, one, two = (digests([b"img"], salt)[0] for salt in (None, "t-1", "t-2"))
+    assert len({plain, one, two}) == 3 and digests([b"img"], "t-1") == [one]
+    cache = ImageCache(max_bytes=3 * 16)
+    cache.put(one, rows(1))
+    assert cache.get(plain) is None and cache.get(two) is None and cache.get(one) is not None

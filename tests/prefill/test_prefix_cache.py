@@ -46,8 +46,8 @@ def assert_as_alone(engine, prompt, handoff):
     torch.testing.assert_close(handoff.cache, alone.cache, atol=1e-5, rtol=1e-5)
 
 
-def text(request_id, ids, sampling=GREEDY):
-    return Prompt(request_id, ids, None, sampling)
+def text(request_id, ids, sampling=GREEDY, salt=None):
+    return Prompt(request_id, ids, None, sampling, cache_salt=salt)
 
 
 def test_the_next_turn_prefills_only_what_follows_the_cached_blocks(engine):
@@ -58,6 +58,18 @@ def test_the_next_turn_prefills_only_what_follows_the_cached_blocks(engine):
     assert cache.hits == 2 * BLOCK_TOKENS  # the first turn's whole blocks
     assert cache.queries == len(first.prompt_ids) + len(second.prompt_ids)
     assert_as_alone(engine, second, handoffs[1])
+
+
+def test_only_prompts_of_the_same_cache_salt_share_blocks(engine):
+    """A tenant that salts its requests cannot time whether another sent a prompt."""
+    cache = cache_for(engine)
+    ids = [*SYSTEM, 11, 12, 13]
+    served(engine, [text("a", ids, salt="t-1"), text("b", ids, salt="t-2"), text("c", ids)], cache)
+    assert cache.hits == 0  # the unsalted and each salt miss the others' blocks
+    again = [text("d", ids, salt="t-2"), text("e", ids), text("f", ids, salt="t-1")]
+    handoffs = served(engine, again, cache)
+    assert cache.hits == 3 * 2 * BLOCK_TOKENS  # each its own blocks
+    assert_as_alone(engine, again[0], handoffs[0])
 
 
 @pytest.mark.parametrize("length", [2 * BLOCK_TOKENS, 2 * BLOCK_TOKENS + 1])
@@ -86,11 +98,11 @@ def test_choices_share_the_hit(engine):
     assert_as_alone(engine, text("b", [*SYSTEM, 9, 8, 7], three), handoffs[1])
 
 
-def with_image(engine, request_id, digest, rows, before=SYSTEM[:20], after=(3, 4, 5)):
+def with_image(engine, request_id, digest, rows, before=SYSTEM[:20], after=(3, 4, 5), salt=None):
     """A prompt of `before`, 24 image slots (rows (24, hidden)) and `after`."""
     ids = [*before, *[engine.placeholder_id] * len(rows), *after]
     spans = image_spans(ids, engine.placeholder_id, [len(rows)], [digest])
-    return Prompt(request_id, ids, rows, GREEDY, image_spans=spans)
+    return Prompt(request_id, ids, rows, GREEDY, image_spans=spans, cache_salt=salt)
 
 
 def test_the_same_image_hits_and_another_does_not(engine):
@@ -106,6 +118,20 @@ def test_the_same_image_hits_and_another_does_not(engine):
     assert cache.hits == 2 * BLOCK_TOKENS + BLOCK_TOKENS  # again: both blocks; changed: the first
     assert_as_alone(engine, again, handoffs[1])
     assert_as_alone(engine, changed, handoffs[2])
+
+
+def test_the_same_image_under_another_salt_does_not_hit(engine):
+    cache = cache_for(engine)
+    picture = torch.randn(24, engine.lm.config.hidden_size)
+    # block 0 is text, block 1 holds the image: neither hits under another salt
+    first = with_image(engine, "a", "aa" * 32, picture, salt="t-1")
+    others = [
+        with_image(engine, r, "aa" * 32, picture, salt=s) for r, s in (("b", "t-2"), ("c", None))
+    ]
+    served(engine, [first, *others], cache)
+    assert cache.hits == 0
+    served(engine, [with_image(engine, "d", "aa" * 32, picture, salt="t-1")], cache)
+    assert cache.hits == 2 * BLOCK_TOKENS
 
 
 def test_prompts_that_cannot_be_cached_are_not(engine):
