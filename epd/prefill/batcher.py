@@ -140,15 +140,14 @@ class PrefillBatcher:
 
     def keep(self, job: Job, prefilled: Prefilled) -> None:
         """Store a prefilled prompt's blocks in the prefix cache, from its hand-off (which holds
-        its whole cache), on the engine's thread before its next forward."""
-        prompt, handoff, cache = job.prompt, prefilled.handoff, self.prefix_cache
-        if cache is None or not prompt.cacheable or handoff is None:
+        its whole cache) or, where its first tokens ended it, its forward's rows, on the
+        engine's thread before its next forward."""
+        prompt, rows, cache = job.prompt, prefilled.rows(), self.prefix_cache
+        if cache is None or not prompt.cacheable or rows is None:
             return
         ids, spans, salt = prompt.prompt_ids, prompt.image_spans or (), prompt.cache_salt
         with contextlib.suppress(RuntimeError):  # the batcher has stopped: nothing more is kept
-            self.executor.submit(cache.store, ids, spans, handoff.cache, salt).add_done_callback(
-                stored
-            )
+            self.executor.submit(cache.store, ids, spans, rows, salt).add_done_callback(stored)
 
     async def run(self) -> None:
         """Prefill whatever waits, batch after batch, until cancelled."""

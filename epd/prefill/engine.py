@@ -114,6 +114,14 @@ class Prefilled:
     # Prompt tokens whose KV came from the prefix cache, not from this prefill (`usage`'s
     # cached_tokens); the batcher knows them, the engine does not.
     cached_tokens: int = 0
+    unsent: LatentCache | None = None  # the prompt's cache where no hand-off carries it
+
+    def rows(self) -> torch.Tensor | None:
+        """The prompt's whole cache, (layers, tokens, latent_dim), for the prefix cache: the
+        hand-off's, or the forward's own where the first tokens ended the request."""
+        if self.handoff is not None:
+            return self.handoff.cache
+        return None if self.unsent is None else self.unsent.tensor()
 
 
 class PrefillEngine:
@@ -274,7 +282,7 @@ class PrefillEngine:
                 reply.accept(t, lp) for reply, t, lp in zip(replies, tokens, logprobs, strict=True)
             )
             if all(output.finish_reason for output in outputs):
-                return Prefilled(outputs, None, past.scored)
+                return Prefilled(outputs, None, past.scored, unsent=past.cache)
             handoff = KVHandoff(
                 request_id=prompt.request_id,
                 reply_to=reply_to,

@@ -72,6 +72,17 @@ def test_only_prompts_of_the_same_cache_salt_share_blocks(engine):
     assert_as_alone(engine, again[0], handoffs[0])
 
 
+def test_a_prompt_its_first_token_ends_is_cached_too(engine):
+    """max_tokens 1 hands nothing off: its rows are kept from the forward itself."""
+    cache = cache_for(engine)
+    ids = [*SYSTEM, 11, 12, 13]
+    (handoff,) = served(engine, [text("a", ids, SamplingParams(1, temperature=0))], cache)
+    assert handoff is None and cache.blocks.cached == 2
+    handoffs = served(engine, [text("b", ids)], cache)
+    assert cache.hits == 2 * BLOCK_TOKENS
+    assert_as_alone(engine, text("b", ids), handoffs[0])
+
+
 @pytest.mark.parametrize("length", [2 * BLOCK_TOKENS, 2 * BLOCK_TOKENS + 1])
 def test_a_prompt_cached_whole_still_computes_its_last_token(engine, length):
     cache = cache_for(engine)
