@@ -23,6 +23,7 @@ from transformers import PreTrainedTokenizerBase
 
 from epd.api import tokens
 from epd.api.errors import APIError, as_api_error, bad_request, overloaded
+from epd.api.fingerprint import system_fingerprint
 from epd.api.images import ImageLoader, MediaPolicy
 from epd.api.middleware import (
     BodyLimits,
@@ -31,6 +32,7 @@ from epd.api.middleware import (
     add_middleware,
     api_key,
     arrived,
+    key_holders,
     request_id,
 )
 from epd.api.prepare import PromptBuilder, check_grammar, check_scored
@@ -93,9 +95,14 @@ class Service:
     # Reading and tokenising a prompt runs here, not on the event loop: a long one takes
     # seconds, and every other request's streaming waits on the loop.
     prompts: ThreadPoolExecutor = field(init=False)
+    fingerprint: str = field(init=False)  # every reply's system_fingerprint
 
     def __post_init__(self) -> None:
         self.metrics = PrefillMetrics(self.model_name)
+        lm, context = self.engine.lm, self.builder.context_length
+        self.fingerprint = system_fingerprint(
+            self.config.model, lm.lm_head.weight.dtype, self.engine.device, context
+        )
         self.media = ImageLoader(MediaPolicy.of(self.config))
         self.metrics.waiting.set_function(lambda: self.waiting)
         self.gate.refused = lambda: self.metrics.refused.labels("draining").inc()
@@ -215,7 +222,10 @@ def create_app(service: Service, on_started: Callable[[], Any] | None = None) ->
     config = service.config
     limits = BodyLimits(config.max_request_bytes, config.max_text_request_bytes)
     add_middleware(app, config.allowed_origins, api_key(config.api_key), limits, service.gate)
-    app.include_router(health_router("prefill", service.watchdog, service.status, service.problems))
+    trusted = key_holders(api_key(config.api_key))  # only they see /health's counts
+    app.include_router(
+        health_router("prefill", service.watchdog, service.status, service.problems, trusted)
+    )
     app.include_router(metrics_router(service.metrics.registry))
     card = {
         "id": service.model_name,
@@ -317,6 +327,7 @@ def create_app(service: Service, on_started: Callable[[], Any] | None = None) ->
             n=legacy.n,
             prompt_only=legacy.prompt_only,
             cached_tokens=sum(s.cached_tokens for s in started),  # a prompt's once, whatever n
+            system_fingerprint=service.fingerprint,
         )
         if legacy.prompt_logprobs is not None:
             reply.prompt_logprobs = [
@@ -395,6 +406,7 @@ async def start_chat(
     if chat.prompt_logprobs is not None:
         reply.prompt_logprobs = [await prompt_scores(service, started, chat.prompt_logprobs)]
     reply.echo_text, reply.cached_tokens = chat.echoed, started.cached_tokens
+    reply.system_fingerprint = service.fingerprint
     deltas, sampling = started.deltas, prepared.sampling
     if sampling.reasoning is not None:  # a reasoning model: its text split as it comes
         reply.reasoning = True

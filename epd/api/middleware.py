@@ -102,26 +102,38 @@ GUARDED_ROUTES = (
 )
 
 
+def holds_key(headers: list[tuple[bytes, bytes]], key: str) -> bool:
+    """Whether a request's headers carry `Authorization: Bearer <key>` (compared in constant
+    time); with no key set, every request does."""
+    given = dict(headers).get(b"authorization", b"")
+    return not key or hmac.compare_digest(given, f"Bearer {key}".encode())
+
+
+def key_holders(key: str) -> Callable[[Request], bool]:
+    """Whether a request holds the key: who sees what GET /health adds to its state."""
+    return lambda request: holds_key(request.scope["headers"], key)
+
+
 class BearerKey:
     """Every /v1 request, and those of GUARDED_ROUTES (the API's docs among them), must send
-    `Authorization: Bearer <key>` (compared in constant time); /health and /metrics stay open
-    for probes and scrapers. A missing or wrong key is a 401 before anything is read."""
+    `Authorization: Bearer <key>`; /health and /metrics stay open for probes and scrapers
+    (/health's counts only to a holder of the key: `key_holders`). A missing or wrong key is a
+    401 before anything is read."""
 
     def __init__(self, app: ASGIApp, key: str) -> None:
-        self.app, self.expected = app, f"Bearer {key}".encode()
+        self.app, self.key = app, key
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope["path"] if scope["type"] == "http" else ""
-        if path.startswith("/v1") or path in GUARDED_ROUTES:
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
-                body = APIError(
-                    401,
-                    "a valid API key is needed: send 'Authorization: Bearer <key>'",
-                    code="invalid_api_key",
-                ).body()
-                await JSONResponse(body, status_code=401)(scope, receive, send)
-                return
+        guarded = path.startswith("/v1") or path in GUARDED_ROUTES
+        if guarded and not holds_key(scope["headers"], self.key):
+            body = APIError(
+                401,
+                "a valid API key is needed: send 'Authorization: Bearer <key>'",
+                code="invalid_api_key",
+            ).body()
+            await JSONResponse(body, status_code=401)(scope, receive, send)
+            return
         await self.app(scope, receive, send)
 
 

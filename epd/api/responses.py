@@ -66,6 +66,7 @@ class Reply:
     # Prompt tokens whose KV came from prefill's prefix cache (each prompt's once, whatever its
     # n): what clients, as with OpenAI's and vLLM's, read as the part of the prompt not computed.
     cached_tokens: int = 0
+    system_fingerprint: str | None = None  # the server's (`fingerprint.py`)
     chunk_object = "chat.completion.chunk"
 
     def usage(self, completion_tokens: int) -> dict[str, Any]:
@@ -100,6 +101,7 @@ class Reply:
             "created": self.created,
             "model": self.model,
             "choices": choices,
+            "system_fingerprint": self.system_fingerprint,
             "usage": self.usage(completion_tokens),
         }
         if self.prompt_logprobs:  # vLLM puts a chat's beside its choices
@@ -134,7 +136,16 @@ class Reply:
         }
         if usage is not None or self.stream_usage:
             body["usage"] = usage
+        if self.system_fingerprint and self.last_of_stream(choices, usage):
+            body["system_fingerprint"] = self.system_fingerprint
         return f"data: {json.dumps(body)}\n\n"
+
+    def last_of_stream(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None) -> bool:
+        """Whether a chunk is one vLLM stamps with its fingerprint: the usage chunk where the
+        stream ends in one, else each chunk that ends a choice."""
+        if self.stream_usage:
+            return usage is not None
+        return any(choice["finish_reason"] is not None for choice in choices)
 
     def first_chunk(self, index: int = 0) -> str:
         delta = {"role": "assistant", "content": self.echo_text}
@@ -278,6 +289,7 @@ class TextReply(Reply):
             "created": self.created,
             "model": self.model,
             "choices": choices,
+            "system_fingerprint": self.system_fingerprint,
             "usage": self.usage(sum(mine[-1].completion_tokens for _, mine in groups)),
         }
 

@@ -12,13 +12,14 @@ import time
 from collections.abc import Callable
 
 import uvicorn
-from fastapi import APIRouter, FastAPI
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from epd.runtime.watchdog import Watchdog
 
 Status = Callable[[], dict[str, object]]
 Problems = Callable[[], list[str]]
+Trusted = Callable[[Request], bool]
 DRAINING = "draining: shutting down"  # the problem a stopping process names
 START_TIMEOUT_S = 10.0
 # uvicorn's HTTP parser for every server here, named so that an installed httptools is not
@@ -28,18 +29,25 @@ HTTP_PROTOCOL = "h11"
 
 
 def health_router(
-    role: str, watchdog: Watchdog, status: Status = dict, problems: Problems = list
+    role: str,
+    watchdog: Watchdog,
+    status: Status = dict,
+    problems: Problems = list,
+    trusted: Trusted = lambda request: True,
 ) -> APIRouter:
-    """GET /health: the role, its pid and `status()`; 503 on a stall (with what stalled) or
-    while `problems()` names any (what the process lacks to serve, e.g. a reachable peer)."""
+    """GET /health: the role, its pid and, to a `trusted` caller, `status()`; 503 on a stall
+    (with what stalled) or while `problems()` names any (what the process lacks to serve, e.g.
+    a reachable peer). Others get the status code and state, which probes read, without the
+    counts: those tell one client of a shared server about the others' requests."""
     router = APIRouter()
 
     @router.get("/health")
-    async def health() -> JSONResponse:
+    async def health(request: Request) -> JSONResponse:
         stalled, missing = watchdog.stalled(), problems()
         state = "stalled" if stalled else "unavailable" if missing else "ok"
-        body: dict[str, object] = {"status": state, "role": role}
-        body |= {"pid": os.getpid(), **status()}
+        body: dict[str, object] = {"status": state, "role": role, "pid": os.getpid()}
+        if trusted(request):
+            body |= status()
         if stalled:
             body["stalled_s"] = stalled
         if missing:

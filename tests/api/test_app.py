@@ -457,7 +457,10 @@ def test_usage_says_how_many_prompt_tokens_the_prefix_cache_gave(client):
     usage = json.loads(streamed.text.split("data: ")[-2])["usage"]
     hit = cached_tokens(usage)
     assert hit > 32 and hit % 16 == 0 and hit < usage["prompt_tokens"]
-    assert cached_tokens(chat(client, **ask, **once).json()["usage"]) == hit
+    whole = chat(client, **ask, **once).json()
+    assert cached_tokens(whole["usage"]) == hit
+    assert whole["system_fingerprint"].startswith("epd-")  # the server's, in every reply
+    assert fresh.json()["system_fingerprint"] == whole["system_fingerprint"]
     responses = client.post("/v1/responses", json={"input": LONG, "max_output_tokens": 1})
     assert responses.json()["usage"]["input_tokens_details"]["cached_tokens"] == hit
     legacy = {"model": "tiny", "prompt": LONG, "max_tokens": 2, "ignore_eos": True}
@@ -598,6 +601,20 @@ def test_with_the_api_key_v1_answers_and_health_is_open(locked):
     assert ok.status_code == 200 and ok.json()["data"][0]["id"] == "tiny"
     assert locked.get("/health").status_code == 503  # open, and truthful: no peers here
     assert preflight(locked).status_code == 200  # a browser's preflight carries no key
+
+
+@pytest.mark.parametrize("header", [None, "Bearer nope"])
+def test_health_shows_its_counts_only_to_a_holder_of_the_key(locked, header):
+    """Probes read the state; the caches' and requests' counts would tell one client of a
+    shared server about the others' requests."""
+    headers = {"Authorization": header} if header is not None else {}
+    stranger = locked.get("/health", headers=headers)
+    assert stranger.status_code == 503 and stranger.json()["status"] == "unavailable"
+    assert stranger.json()["problems"]  # why it is not ready, as a probe's log shows it
+    assert not {"image_cache", "prefill", "peers", "in_flight"} & set(stranger.json())
+    keyed = locked.get("/health", headers={"Authorization": "Bearer s3cret"})
+    assert keyed.status_code == 503
+    assert {"image_cache", "prefill", "peers", "in_flight"} <= set(keyed.json())
 
 
 def test_the_api_key_can_come_from_the_environment(tiny_checkpoint, tmp_path, monkeypatch):

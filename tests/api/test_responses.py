@@ -146,3 +146,18 @@ def test_each_choice_says_which_stop_ended_it_as_vllm_does():
     assert [c.get("stop_reason", "absent") for c in chat] == ["absent", "END", None, 9]
     legacy = [chunk_choice(TextReply("r", "m", 2, False).delta_chunk(d)) for d in STOPPED]
     assert [c.get("stop_reason", "absent") for c in legacy] == [None, "END", None, 9]
+
+
+def test_the_fingerprint_is_in_whole_replies_and_the_chunk_that_ends_a_stream():
+    """As vLLM: every whole reply; in a stream the chunk that ends each choice, or where the
+    stream ends in a usage chunk, that chunk alone."""
+    for kind in (Reply, TextReply):
+        reply = kind("r", "m", 2, False, system_fingerprint="epd-1-abcdef12")
+        assert reply.completion(STOPPED)["system_fingerprint"] == "epd-1-abcdef12"
+        chunks = [reply.delta_chunk(d) for d in STOPPED] + [reply.usage_chunk(3)]
+        stamped = ["system_fingerprint" in json.loads(c.removeprefix("data: ")) for c in chunks]
+        assert stamped == [False, True, True, True, False]
+        usage = kind("r", "m", 2, False, True, system_fingerprint="epd-1-abcdef12")
+        chunks = [usage.delta_chunk(d) for d in STOPPED] + [usage.usage_chunk(3)]
+        stamped = ["system_fingerprint" in json.loads(c.removeprefix("data: ")) for c in chunks]
+        assert stamped == [False, False, False, False, True]
