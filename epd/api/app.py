@@ -142,7 +142,7 @@ class Service:
     def served(self, request: R) -> R:
         """The request, if it asks for the model this server serves (by its name, or by the
         checkpoint path it was started with, as vLLM names it; none: this one); else a 404."""
-        if request.model not in (None, self.model_name, self.config.model):
+        if request.model is not None and request.model not in self.config.model_names:
             raise unknown_model(request.model, self.model_name)
         return request
 
@@ -226,26 +226,30 @@ def create_app(service: Service, on_started: Callable[[], Any] | None = None) ->
     app.include_router(
         health_router("prefill", service.watchdog, service.status, service.problems, trusted)
     )
-    app.include_router(metrics_router(service.metrics.registry))
-    card = {
-        "id": service.model_name,
-        "object": "model",
-        "created": int(time.time()),  # as vLLM's card: when this server started
-        "owned_by": "epd",
-        "root": config.model,  # vLLM's fields: what it was loaded from, the context it takes
-        "parent": None,
-        "max_model_len": service.builder.context_length,
+    app.include_router(metrics_router(service.metrics.registry, config.peer_metrics))
+    started = int(time.time())
+    cards = {  # one per served name, as vLLM lists them
+        name: {
+            "id": name,
+            "object": "model",
+            "created": started,  # as vLLM's card: when this server started
+            "owned_by": "epd",
+            "root": config.model,  # vLLM's fields: what it was loaded from, the context it takes
+            "parent": None,
+            "max_model_len": service.builder.context_length,
+        }
+        for name in config.served_model_name or (service.model_name,)
     }
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [card]}
+        return {"object": "list", "data": list(cards.values())}
 
     @app.get("/v1/models/{model_id:path}")  # ids may hold slashes: moonshotai/Kimi-VL-...
     async def model(model_id: str) -> dict[str, Any]:
-        if model_id not in (service.model_name, config.model):
+        if model_id not in config.model_names:
             raise unknown_model(model_id, service.model_name)
-        return card
+        return cards.get(model_id, cards[service.model_name])
 
     @app.get("/version")  # as vLLM's: what clients read to tell servers apart
     async def version() -> dict[str, str]:

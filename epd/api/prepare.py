@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import random
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -22,9 +23,9 @@ from epd.api.tools import ForcedTools, describe_tools
 from epd.checkpoint.config import (
     CheckpointError,
     context_length,
-    load_generation_config,
     load_model_config,
     load_processor_config,
+    load_sampling_defaults,
 )
 from epd.checkpoint.tokenizer import decode_text
 from epd.generation.grammar import (
@@ -81,6 +82,7 @@ class PromptBuilder:
     max_n: int = 16
     defaults: dict[str, float] = field(default_factory=dict)  # generation_config.json's
     reasoning: Markers | None = None  # a reasoning model's markers (`api/reasoning.py`)
+    seeds: random.Random | None = None  # draws the seeds of unseeded requests (`--seed`)
 
     def __post_init__(self) -> None:
         try:  # refuse a checkpoint whose defaults no request could use, at start-up
@@ -102,6 +104,8 @@ class PromptBuilder:
         max_n: int = 16,
         reasoning_parser: str = "auto",
         max_model_len: int = 0,
+        generation_config: str = "auto",
+        seed: int = -1,
     ) -> PromptBuilder:
         config = load_model_config(checkpoint)
         template = tokenizer.chat_template or ""
@@ -114,9 +118,16 @@ class PromptBuilder:
             default_max_tokens=default_max_tokens,
             max_image_pixels=max_image_pixels,
             max_n=max_n,
-            defaults=load_generation_config(checkpoint).sampling_defaults,
+            defaults=load_sampling_defaults(checkpoint, generation_config),
             reasoning=markers_for(reasoning_parser, checkpoint, template),
+            seeds=random.Random(seed) if seed >= 0 else None,
         )
+
+    def seed(self, asked: int | None) -> int | None:
+        """A request's seed: its own, else the server's next draw where it was given one."""
+        if asked is not None or self.seeds is None:
+            return asked
+        return self.seeds.getrandbits(63)
 
     @cached_property
     def max_token_chars(self) -> int:
@@ -359,7 +370,7 @@ class PromptBuilder:
                 min_tokens=request.min_tokens,
                 stop_token_ids=tuple(request.stop_token_ids or ()),
                 skip_special_tokens=request.skip_special_tokens,
-                seed=request.seed,
+                seed=self.seed(request.seed),
                 stop=request.stop_list,
                 logprobs=request.wants_logprobs,
                 top_logprobs=request.top_logprob_count,

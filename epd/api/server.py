@@ -47,6 +47,8 @@ def build_service(config: PrefillConfig) -> Service:
         config.max_n,
         config.reasoning_parser,
         config.max_model_len,
+        config.generation_config,
+        config.seed,
     )
     if builder.reasoning:
         log.info("reasoning parser: %s ... %s", builder.reasoning.start, builder.reasoning.end)

@@ -23,8 +23,7 @@ def api(checkpoint, sockets, **settings):
     config = PrefillConfig(
         model=str(checkpoint),
         bind=f"ipc://{sockets}/prefill",
-        served_model_name="tiny",
-        **(peers | settings),
+        **({"served_model_name": ("tiny",)} | peers | settings),
     )
     return TestClient(create_app(build_service(config)))
 
@@ -392,7 +391,10 @@ def image(url):
         ),
         ("data:image/png;base64,@@@", "image 0: invalid base64"),
         ("data:image/png,raw", "image 0: data URL must be base64"),
-        ("file:///etc/passwd", "image 0: only data: and http(s)"),
+        (
+            "file:///etc/passwd",
+            "image 0: file: URLs are refused; start the server with --allowed-local",
+        ),
         ("http://127.0.0.1:9/none.png", "image 0: http://127.0.0.1:9/none.png could not be"),
         ("http://localhost/a.png", "image 0: host 'localhost' is not in the allowed media"),
     ],
@@ -529,6 +531,17 @@ def test_request_ids_are_echoed_or_made(client):
     odd = client.get("/v1/models", headers={"x-request-id": "a b\t" + "x" * 300})
     assert odd.headers["x-request-id"] != "a b\t" + "x" * 300  # not echoed into logs or headers
     assert client.get("/nowhere").headers["x-request-id"]
+
+
+def test_every_served_name_is_listed_and_replies_carry_the_first(tiny_checkpoint, tmp_path):
+    with api(tiny_checkpoint, tmp_path, served_model_name=("kimi", "org/kimi-vl")) as client:
+        listed = client.get("/v1/models").json()["data"]
+        assert [card["id"] for card in listed] == ["kimi", "org/kimi-vl"]
+        assert client.get("/v1/models/org/kimi-vl").json()["id"] == "org/kimi-vl"
+        assert client.get("/v1/models/tiny").status_code == 404
+        for name in ("kimi", "org/kimi-vl", str(tiny_checkpoint)):
+            body = {"model": name, "prompt": "a", "max_tokens": 1}
+            assert client.post("/tokenize", json=body).status_code == 200
 
 
 def test_one_model_by_id(client):
@@ -769,7 +782,7 @@ def test_an_unforeseen_error_is_a_json_500_and_the_connection_lives_on(
     closed the connection: the client's next request on it failed."""
     peers = {"encoders": (f"ipc://{tmp_path}/e",), "decoders": (f"ipc://{tmp_path}/d",)}
     config = PrefillConfig(
-        model=str(tiny_checkpoint), bind=f"ipc://{tmp_path}/p", served_model_name="tiny", **peers
+        model=str(tiny_checkpoint), bind=f"ipc://{tmp_path}/p", served_model_name=("tiny",), **peers
     )
     service = build_service(config)
 

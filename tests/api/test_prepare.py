@@ -216,3 +216,37 @@ def test_the_cache_salt_reaches_prefill_from_chats_and_legacy_completions(
         builder.prepare(builder.read(parse_request(body | {"cache_salt": None})), []).cache_salt
         is None
     )
+
+
+def test_generation_config_vllm_takes_no_defaults_and_a_folder_its_own(tiny_checkpoint, tmp_path):
+    checkpoint = tmp_path / "checkpoint"
+    shutil.copytree(tiny_checkpoint, checkpoint)
+    (checkpoint / "generation_config.json").write_text(
+        json.dumps({"eos_token_id": 2, "temperature": 0.3})
+    )
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "generation_config.json").write_text(json.dumps({"top_p": 0.5}))
+    tokenizer = load_tokenizer(checkpoint)
+
+    def build(source):
+        return PromptBuilder.from_checkpoint(checkpoint, tokenizer, 512, generation_config=source)
+
+    assert sampling(build("auto")).temperature == 0.3
+    assert (sampling(build("vllm")).temperature, sampling(build("vllm")).top_p) == (1.0, 1.0)
+    mine = sampling(build(str(tmp_path / "mine")))
+    assert (mine.temperature, mine.top_p) == (1.0, 0.5)
+    with pytest.raises(CheckpointError, match="generation_config.json is missing"):
+        build(str(tmp_path))
+
+
+def test_a_server_seed_seeds_unseeded_requests_alike_from_start(tiny_checkpoint):
+    tokenizer = load_tokenizer(tiny_checkpoint)
+
+    def seeds(seed):
+        builder = PromptBuilder.from_checkpoint(tiny_checkpoint, tokenizer, 16, seed=seed)
+        return [sampling(builder).seed for _ in range(3)] + [sampling(builder, seed=5).seed]
+
+    first = seeds(7)
+    assert first == seeds(7) and first != seeds(8)  # the same draws after a restart
+    assert len(set(first[:3])) == 3 and first[3] == 5  # a request's own seed wins
+    assert seeds(-1)[:3] == [None, None, None]  # fresh draws: no seed

@@ -114,7 +114,7 @@ def silent_peers(tiny_checkpoint, tmp_path):
     config = ipc_config(
         tiny_checkpoint,
         tmp_path,
-        served_model_name="tiny",
+        served_model_name=("tiny",),
         encode_timeout_s=0.5,
         token_timeout_s=0.5,
     )
