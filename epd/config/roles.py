@@ -181,6 +181,11 @@ class PrefillConfig(ModelOptions):
     advertise: str = option("", "address peers reply to (default: the bind address)")
     encoders: tuple[str, ...] = option(("tcp://127.0.0.1:7101",), "encode addresses")
     decoders: tuple[str, ...] = option(("tcp://127.0.0.1:7103",), "decode addresses")
+    peer_metrics: tuple[str, ...] = option(
+        (),
+        "other roles' GET /metrics URLs whose series this API's /metrics serves too, so one "
+        "scrape target carries the stack (epd serve sets its encoder's and decoder's)",
+    )
     encode_timeout_s: float = option(60.0, "longest wait for an image payload")
     token_timeout_s: float = option(60.0, "longest wait for the next token from decode")
     image_fetch_timeout_s: float = option(
@@ -341,6 +346,7 @@ class ServeConfig(ModelOptions):
                 "port": self.port,
                 "encoders": (encode,),
                 "decoders": (decode,),
+                "peer_metrics": tuple(f"http://127.0.0.1:{n + i}/metrics" for i in (10, 12)),
             },
             "decode": {"bind": decode, "health_port": n + 12, "prefills": (prefill,)},
         }[role]

@@ -177,7 +177,10 @@ def help_text(f: dataclasses.Field[Any], note: str = "") -> str:
 
 # Settings `epd serve` decides for its children: the loopback addresses that join them.
 SERVE_OWNS = frozenset(
-    {"bind", "advertise", "encoders", "decoders", "prefills", "health_host", "health_port"}
+    {
+        *("bind", "advertise", "encoders", "decoders", "prefills", "health_host", "health_port"),
+        "peer_metrics",
+    }
 )
 
 

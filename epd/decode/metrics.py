@@ -6,6 +6,8 @@ from epd.runtime.metrics import RoleMetrics
 
 
 class DecodeMetrics(RoleMetrics):
+    role = "decode"
+
     def __init__(self, model_name: str) -> None:
         super().__init__(model_name)
         self.batch_size = self.sizes("decode_batch_size", "Sequences advanced by one decode step.")
@@ -18,7 +20,8 @@ class DecodeMetrics(RoleMetrics):
             "num_sequences_waiting", "Sequences waiting for room in the batch or the KV cache."
         )
         self.kv_usage = self.gauge(
-            "kv_cache_usage", "Fraction of the KV cache's blocks held by running sequences."
+            "kv_cache_usage_perc",
+            "Fraction (0 to 1) of the KV cache's blocks held by running sequences (vLLM's name).",
         )
         self.preemptions = self.counter(
             "num_preemptions", "Running sequences sent back to wait for KV cache blocks."

@@ -6,6 +6,8 @@ from epd.runtime.metrics import RoleMetrics
 
 
 class EncodeMetrics(RoleMetrics):
+    role = "encode"
+
     def __init__(self, model_name: str) -> None:
         super().__init__(model_name)
         self.images = self.counter("encode_images", "Images encoded.")

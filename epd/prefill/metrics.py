@@ -38,6 +38,8 @@ class Timeline:
 
 
 class PrefillMetrics(RoleMetrics):
+    role = "prefill"
+
     def __init__(self, model_name: str) -> None:
         super().__init__(model_name)
         seconds, counter, gauge, tokens = self.seconds, self.counter, self.gauge, self.tokens
@@ -122,7 +124,7 @@ class PrefillMetrics(RoleMetrics):
             "token is prefill's own).",
         )
         self.peer_up = gauge(
-            "peer_up", "1 while a peer answers (heartbeats), else 0.", ["role", "address"]
+            "peer_up", "1 while a peer answers (heartbeats), else 0.", ["peer_role", "address"]
         )
         self.kv_usage = gauge(
             "kv_cache_usage_perc",

@@ -5,13 +5,22 @@ Each role keeps its metrics in a registry of its own (`epd.prefill.metrics`,
 else, and servers built side by side in one test process do not share counts. Names follow
 vLLM's under an `epd:` prefix; a Counter named `epd:x` is exposed as `epd:x_total`. Every series
 carries vLLM's `model_name` label, the model the process serves, so that dashboards written for
-vLLM, which filter on it, find epd's too.
+vLLM, which filter on it, find epd's too, and a `role` label (encode, prefill, decode). As in
+vLLM, no `_created` series.
+
+Prefill's GET /metrics also serves the series of the peers it is told of (`peer_metrics`, set by
+`epd serve` to its encoder's and decoder's), so one scrape target carries the whole stack: a
+metric that two roles expose (`epd:kv_cache_usage_perc`) is one family with a series per role.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import asyncio
+import itertools
+import logging
+from collections.abc import Iterable, Iterator, Sequence
 
+import httpx
 from fastapi import APIRouter, Response
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -19,9 +28,15 @@ from prometheus_client import (
     Counter,
     Gauge,
     Histogram,
+    disable_created_metrics,
     generate_latest,
 )
 from prometheus_client.metrics_core import Metric
+from prometheus_client.parser import text_string_to_metric_families
+
+log = logging.getLogger(__name__)
+disable_created_metrics()  # as vLLM: a `_created` series per counter and histogram, unplotted
+PEER_TIMEOUT_S = 1.0  # a peer's metrics not back by then are left out of this scrape
 
 # Seconds: from a fast GPU step to a queued request on a busy CPU.
 LATENCY_BUCKETS = (
@@ -52,13 +67,17 @@ class Labelled:
 class RoleMetrics:
     """A role's metrics in a registry of its own; names get the `epd:` prefix here.
 
-    `registry` is what GET /metrics serves: every series labelled `model_name`. The metrics
-    themselves are made without it (in `unlabelled`), so that no call site has to name it."""
+    `registry` is what GET /metrics serves: every series labelled `model_name` and `role`. The
+    metrics themselves are made without them (in `unlabelled`), so that no call site names
+    them."""
+
+    role = ""  # each role's own class names it
 
     def __init__(self, model_name: str) -> None:
         self.unlabelled = CollectorRegistry()
         self.registry = CollectorRegistry()
-        self.registry.register(Labelled(self.unlabelled, {"model_name": model_name}))
+        labels = {"model_name": model_name, "role": self.role}
+        self.registry.register(Labelled(self.unlabelled, labels))
 
     def counter(self, name: str, about: str, labels: Sequence[str] = ()) -> Counter:
         return Counter(f"epd:{name}", about, labels, registry=self.unlabelled)
@@ -79,12 +98,53 @@ class RoleMetrics:
         return self.histogram(name, about, TOKEN_BUCKETS)
 
 
-def metrics_router(registry: CollectorRegistry) -> APIRouter:
-    """GET /metrics: the registry in Prometheus' text format (open, like /health)."""
+def metrics_router(
+    registry: CollectorRegistry, peers: Sequence[str] = (), timeout_s: float = PEER_TIMEOUT_S
+) -> APIRouter:
+    """GET /metrics: the registry in Prometheus' text format (open, like /health), and the
+    series the `peers`' GET /metrics URLs give, fetched together, each within `timeout_s` (a
+    peer that does not answer is left out: its series' absence says so)."""
     router = APIRouter()
 
     @router.get("/metrics")
     async def metrics() -> Response:
-        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+        families = list(registry.collect())
+        if peers:
+            async with httpx.AsyncClient(timeout=timeout_s) as client:
+                found = await asyncio.gather(*(scrape(client, url) for url in peers))
+            families = merged([*families, *itertools.chain.from_iterable(found)])
+        return Response(generate_latest(Families(families)), media_type=CONTENT_TYPE_LATEST)
 
     return router
+
+
+async def scrape(client: httpx.AsyncClient, url: str) -> list[Metric]:
+    """A peer's metric families; none where it does not answer in Prometheus' text format."""
+    try:
+        response = await client.get(url)
+        response.raise_for_status()
+        return list(text_string_to_metric_families(response.text))
+    except (httpx.HTTPError, ValueError) as e:
+        log.debug("metrics of %s left out: %s", url, e)
+        return []
+
+
+def merged(families: Iterable[Metric]) -> list[Metric]:
+    """One family per name, holding the samples of every family of that name and type (the
+    same metric from several roles, told apart by their `role` label)."""
+    by_name: dict[str, Metric] = {}
+    for family in families:
+        first = by_name.setdefault(family.name, family)
+        if first is not family and first.type == family.type:
+            first.samples += family.samples
+    return list(by_name.values())
+
+
+class Families:
+    """Metric families already collected, as a collector `generate_latest` takes."""
+
+    def __init__(self, families: list[Metric]) -> None:
+        self.families = families
+
+    def collect(self) -> list[Metric]:
+        return self.families

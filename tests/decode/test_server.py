@@ -204,7 +204,7 @@ def test_the_kv_budget_reaches_the_scheduler_and_its_use_is_measured(
     )
 
     def sample(name):
-        return server.registry.get_sample_value(name, {"model_name": "tiny"})
+        return server.registry.get_sample_value(name, {"model_name": "tiny", "role": "decode"})
 
     try:
         for name in ("a", "b"):  # 3 + 20 rows each: two blocks, four together
@@ -212,12 +212,12 @@ def test_the_kv_budget_reaches_the_scheduler_and_its_use_is_measured(
                 engine.run(name, [5, 6, 7], None, SamplingParams(20, temperature=0)).handoff
             )
         server.step()
-        assert sample("epd:kv_cache_usage") == pytest.approx(2 / 3)  # a block each
+        assert sample("epd:kv_cache_usage_perc") == pytest.approx(2 / 3)  # a block each
         while len(scheduler):
             server.step()
         # a took its second block; b needed one too and went back to wait until a was done
         assert sample("epd:num_preemptions_total") == 1
-        assert sample("epd:kv_cache_usage") == 0
+        assert sample("epd:kv_cache_usage_perc") == 0
     finally:
         server.inbox.close(), server.outbox.close()
         context.destroy(linger=0)

@@ -176,10 +176,12 @@ def scrape(port: int) -> dict[tuple[str, tuple], float]:
     }
 
 
-def test_metrics_count_real_requests_in_every_role(client, locked_stack):
+def test_metrics_count_real_requests_in_every_role_on_one_scrape_target(client, locked_stack):
+    """The API port's /metrics carries every role's series, labelled by role, as each role's
+    own port gives them; no `_created` series (vLLM has none)."""
     _, base = locked_stack
     api, encode, decode = base + 20, base + 10, base + 12
-    before = scrape(api), scrape(encode), scrape(decode)
+    before = scrape(api)
     model = client.models.list().data[0].id
     picture = data_url(Image.new("RGB", (112, 84), "orange"))
     for content in ("hello", [image_part(picture), text_part("colour?")]):
@@ -189,49 +191,53 @@ def test_metrics_count_real_requests_in_every_role(client, locked_stack):
             max_tokens=3,
             extra_body={"ignore_eos": True},
         )
-    after = scrape(api), scrape(encode), scrape(decode)
+    after, own = scrape(api), {"encode": scrape(encode), "decode": scrape(decode)}
 
-    def key(name: str, **labels: str) -> tuple[str, tuple]:
-        return name, tuple(sorted({"model_name": model, **labels}.items()))
+    def key(name: str, role: str = "prefill", **labels: str) -> tuple[str, tuple]:
+        return name, tuple(sorted({"model_name": model, "role": role, **labels}.items()))
 
-    def grew(role: int, name: str, **labels: str) -> float:
-        sample = key(name, **labels)
-        return after[role].get(sample, 0.0) - before[role].get(sample, 0.0)
+    def grew(name: str, role: str = "prefill", **labels: str) -> float:
+        sample = key(name, role, **labels)
+        return after.get(sample, 0.0) - before.get(sample, 0.0)
 
-    for scraped in after:  # vLLM's label, on every series of every role: the served model
-        assert all(dict(labels)["model_name"] == model for _, labels in scraped)
-    assert grew(0, "epd:request_success_total", finished_reason="length") == 2
-    assert grew(0, "epd:generation_tokens_total") == 6
-    assert grew(0, "epd:prompt_tokens_total") > 2 * 3  # the image alone has 12 tokens
-    assert grew(0, "epd:time_to_first_token_seconds_count") == 2
-    assert grew(0, "epd:request_prefill_time_seconds_count") == 2
-    assert grew(0, "epd:inter_token_latency_seconds_count") >= 2
-    assert grew(0, "epd:time_per_output_token_seconds_count") == grew(
-        0, "epd:inter_token_latency_seconds_count"
+    # vLLM's label on every series of every role (the served model), and the role's own
+    assert {dict(labels)["model_name"] for _, labels in after} == {model}
+    assert {dict(labels)["role"] for _, labels in after} == {"encode", "prefill", "decode"}
+    assert not [name for name, _ in after if name.endswith("_created")]
+    for role, samples in own.items():  # each role's series as its own port has them
+        assert {k for k in after if dict(k[1])["role"] == role} == samples.keys()
+    assert grew("epd:request_success_total", finished_reason="length") == 2
+    assert grew("epd:generation_tokens_total") == 6
+    assert grew("epd:prompt_tokens_total") > 2 * 3  # the image alone has 12 tokens
+    assert grew("epd:time_to_first_token_seconds_count") == 2
+    assert grew("epd:request_prefill_time_seconds_count") == 2
+    assert grew("epd:inter_token_latency_seconds_count") >= 2
+    assert grew("epd:time_per_output_token_seconds_count") == grew(
+        "epd:inter_token_latency_seconds_count"
     )
-    assert grew(0, "epd:request_time_per_output_token_seconds_count") == 2
-    assert grew(0, "epd:request_decode_time_seconds_count") == 2
-    assert grew(0, "epd:request_prompt_tokens_count") == 2
-    assert grew(0, "epd:request_prompt_tokens_sum") == grew(0, "epd:prompt_tokens_total")
-    assert grew(0, "epd:request_generation_tokens_sum") == 6
-    assert grew(0, "epd:e2e_request_latency_seconds_count") == 2
-    assert grew(0, "epd:request_queue_time_seconds_count") == 2
-    assert grew(0, "epd:images_total") == 1 and grew(0, "epd:encode_wait_seconds_count") == 1
-    assert (
-        grew(0, "epd:kv_handoff_bytes_total") > 0 and grew(0, "epd:kv_handoff_seconds_count") == 2
-    )
+    assert grew("epd:request_time_per_output_token_seconds_count") == 2
+    assert grew("epd:request_decode_time_seconds_count") == 2
+    assert grew("epd:request_prompt_tokens_count") == 2
+    assert grew("epd:request_prompt_tokens_sum") == grew("epd:prompt_tokens_total")
+    assert grew("epd:request_generation_tokens_sum") == 6
+    assert grew("epd:e2e_request_latency_seconds_count") == 2
+    assert grew("epd:request_queue_time_seconds_count") == 2
+    assert grew("epd:images_total") == 1 and grew("epd:encode_wait_seconds_count") == 1
+    assert grew("epd:kv_handoff_bytes_total") > 0 and grew("epd:kv_handoff_seconds_count") == 2
     decoder = f"tcp://127.0.0.1:{base + 2}"
-    assert after[0][key("epd:peer_up", address=decoder, role="decode")] == 1
-    assert after[0][key("epd:num_requests_running")] == 0
+    assert after[key("epd:peer_up", address=decoder, peer_role="decode")] == 1
+    assert after[key("epd:num_requests_running")] == 0
     # The decoder's KV cache as it reported it with the last delta: empty again, as its own
-    # port says too.
-    assert after[0][key("epd:kv_cache_usage_perc", decoder=decoder)] == 0
-    assert after[2][key("epd:kv_cache_usage")] == 0
-    assert grew(1, "epd:encode_batch_size_count") == 1
-    assert key("epd:num_preemptions_total") in after[2]
-    assert grew(1, "epd:encode_images_total") == 1 and grew(1, "epd:embedding_bytes_sent_total") > 0
-    assert grew(2, "epd:decode_batch_size_count") >= 4  # 2 requests × 2 steps after the first
-    assert grew(2, "epd:kv_handoff_bytes_received_total") == grew(0, "epd:kv_handoff_bytes_total")
+    # series says too, under the same name.
+    assert after[key("epd:kv_cache_usage_perc", decoder=decoder)] == 0
+    assert after[key("epd:kv_cache_usage_perc", "decode")] == 0
+    assert grew("epd:encode_batch_size_count", "encode") == 1
+    assert key("epd:num_preemptions_total", "decode") in after
+    assert grew("epd:encode_images_total", "encode") == 1
+    assert grew("epd:embedding_bytes_sent_total", "encode") > 0
+    assert grew("epd:decode_batch_size_count", "decode") >= 4  # 2 requests × 2 steps each
+    handed = grew("epd:kv_handoff_bytes_received_total", "decode")
+    assert handed == grew("epd:kv_handoff_bytes_total")
 
 
 @pytest.fixture(scope="module")
@@ -302,7 +308,8 @@ def test_overload_is_refused_at_once_while_admitted_requests_finish(bounded, hel
         release.set()
         assert [f.result().usage.completion_tokens for f in admitted] == [3, 3]
     metrics = scrape(base + 20)
-    refused = ("epd:requests_refused_total", (("model_name", "tiny"), ("reason", "overloaded")))
+    labels = (("model_name", "tiny"), ("reason", "overloaded"), ("role", "prefill"))
+    refused = ("epd:requests_refused_total", labels)
     assert metrics[refused] == 1
 
 
