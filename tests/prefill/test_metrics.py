@@ -10,7 +10,9 @@ from epd.runtime.metrics import RoleMetrics
 
 
 def sample(metrics: RoleMetrics, name: str, **labels: str) -> float | None:
-    return metrics.registry.get_sample_value(name, {"model_name": "kimi", "role": "prefill", **labels})
+    return metrics.registry.get_sample_value(
+        name, {"model_name": "kimi", "role": "prefill", **labels}
+    )
 
 
 @pytest.mark.parametrize("role", [PrefillMetrics, EncodeMetrics, DecodeMetrics])
