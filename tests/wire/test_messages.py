@@ -195,7 +195,7 @@ def test_a_stop_reason_is_no_longer_than_a_stop_string():
     header = ["TokenDelta", "r", [3], "", 1, "stop", [], 0, None, "x" * 257]
     with pytest.raises(WireError, match="length <= 256"):
         decode([msgspec.msgpack.encode(header)])
-    assert decode([msgspec.msgpack.encode(header[:-1] + ["x" * 256])]).stop_reason == "x" * 256
+    assert decode([msgspec.msgpack.encode([*header[:-1], "x" * 256])]).stop_reason == "x" * 256
 
 
 def test_a_finish_reason_is_stop_or_length():
