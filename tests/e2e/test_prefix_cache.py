@@ -59,3 +59,33 @@ def test_turns_that_share_a_prefix_hit_the_cache_and_answer_as_without(
     ]
     ask(next_turn)  # past the hit, 560 new tokens: prefilled in chunks of 512
     assert hits(base) - after_image >= 3 * (400 + 600)
+
+
+def image_hits(base: int) -> float:
+    text = requests.get(f"http://127.0.0.1:{base + 20}/metrics", timeout=5).text
+    found = re.search(r"^epd:image_cache_hits_total\{[^}]*\} (\S+)$", text, re.M)
+    assert found, "no image cache hits series"
+    return float(found.group(1))
+
+
+def test_a_cache_salt_keeps_each_tenants_prompts_and_images_its_own(stack, client, model_name):
+    """Over the three processes: a prompt and image sent under one salt are cached for that
+    salt alone (max_tokens 1: prefill ends each request, and still keeps its blocks)."""
+    _, base = stack
+    picture = data_url(Image.new("RGB", (280, 280), (10, 160, 40)))  # no other test sends it
+    messages = [
+        {"role": "system", "content": "Tenants. " + LONG_SYSTEM[:450]},  # ~100 tokens
+        {"role": "user", "content": [image_part(picture), text_part("What colour is it?")]},
+    ]
+
+    def cached(salt: str | None) -> int:
+        extra = {"cache_salt": salt} if salt else {}
+        reply = client.chat.completions.create(
+            model=model_name, messages=messages, max_tokens=1, extra_body=extra
+        )
+        return reply.usage.prompt_tokens_details.cached_tokens
+
+    before = image_hits(base)
+    assert [cached("tenant-a"), cached("tenant-b"), cached(None)] == [0, 0, 0]
+    assert image_hits(base) == before  # each encoded its own
+    assert cached("tenant-a") > 100 and image_hits(base) == before + 1  # text and image
