@@ -31,6 +31,22 @@ def test_configuration_reference_is_generated_from_the_code():
     assert README[README.index(start) + len(start) : README.index(end)] == reference()
 
 
+def dry_run(target: str, *settings: str, venv: Path) -> str:
+    """What `make TARGET` would run on a machine without the virtual environment."""
+    argv = ["make", "-n", target, f"VENV={venv}", *settings]
+    return subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, check=True).stdout
+
+
+def test_make_serve_installs_serving_alone_and_make_test_the_dev_extras_too(tmp_path):
+    serving = dry_run("serve", venv=tmp_path / "v")
+    assert "pip install -q -e .\n" in serving and "[dev]" not in serving
+    assert "pip install -q -e '.[dev]'" in dry_run("test", venv=tmp_path / "v")
+    cpu = "TORCH_INDEX=https://download.pytorch.org/whl/cpu"
+    assert cpu in README  # as the README says: the CPU build from PyTorch's index
+    wanted = "torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"
+    assert wanted in dry_run("serve", cpu, venv=tmp_path / "v")
+
+
 @pytest.fixture(scope="module")
 def make_serve():
     """`make serve`, as the README says, on free ports."""

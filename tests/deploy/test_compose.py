@@ -54,6 +54,11 @@ def test_compose_file(file, gpus, monkeypatch):
     assert set(services) == {"keys", "encode", "prefill", "decode"}
     keys = services.pop("keys")
     assert keys["command"] == ["keys", "/keys", "--if-missing"]
+    # it starts first: built as the others are, not pulled from a registry that has no epd
+    assert (
+        keys["build"] == services["prefill"]["build"]
+        and keys["image"] == services["prefill"]["image"]
+    )
     configs = {}
     for name, service in services.items():
         role, config = role_config(service)
@@ -79,7 +84,11 @@ def test_compose_file(file, gpus, monkeypatch):
         )
         assert service["environment"]["EPD_LOG_LEVEL"] == "INFO"
     prefill = configs["prefill"]
-    assert prefill.model_name == "kimi-vl-shapes"  # the checkpoint's name, not its mount point
+    # the checkpoint's name, not its mount point, in every role (metrics are labelled by it)
+    assert {c.model_name for c in configs.values()} == {"kimi-vl-shapes"}
+    assert prefill.peer_metrics == tuple(
+        f"http://{name}:{configs[name].health_port}/metrics" for name in ("encode", "decode")
+    )
     published = services["prefill"]["ports"][0]
     assert (
         int(str(published["target"] if isinstance(published, dict) else published.split(":")[-1]))

@@ -57,7 +57,7 @@ def test_rendered_pods_answer_through_both_prefills(tiny_checkpoint, local, tmp_
     try:
         for process in processes:
             process.wait_ready()
-        name = yaml.safe_load(text)["prefill"]["served_model_name"]
+        name = yaml.safe_load(text)["served_model_name"]
         clients = [
             openai.OpenAI(
                 base_url=f"http://{pod_ip('prefill', i)}:8000/v1", api_key="-", max_retries=0
