@@ -49,6 +49,16 @@ T = TypeVar("T")
 now = time.perf_counter
 # The statuses a request has between `submit` and its last delta.
 IN_PREFILL = (Status.ENCODING, Status.WAITING, Status.RUNNING, Status.DECODING)
+# How often a request waiting for its images asks whether they will still be back in time.
+LATE_CHECK_S = 0.5
+
+
+class Part(NamedTuple):
+    """The images of a request sent to one encoder."""
+
+    indices: list[int]  # in the request
+    encoder: str
+    patches: int
 
 
 class Images(NamedTuple):
@@ -185,6 +195,7 @@ class Coordinator:
         """Every image's embeddings, in prompt order: from the cache, or from the encoders."""
         if not request.images:
             return None
+        self.check_room(request)  # before hashing: a refusal comes as soon as it can
         # Hashing large files takes time; salted keys keep one tenant's encodes its own.
         keys = await asyncio.to_thread(digests, request.images, request.cache_salt)
         rows = {
@@ -199,7 +210,7 @@ class Coordinator:
                 request, missing, payloads, lm.config.hidden_size, lm.lm_head.weight.dtype
             )
             for index, image_rows in zip(missing, encoded, strict=True):
-                self.images.put(keys[index], image_rows)
+                self.images.put(keys[index], image_rows, len(request.images[index]))
                 rows[index] = image_rows
         return Images(torch.cat([rows[i] for i in range(len(request.images))]), tuple(keys))
 
@@ -209,35 +220,87 @@ class Coordinator:
         """The embeddings of the images at `indices`, split over the live encoders."""
         router = self.router
         encoders = await router.pick(router.encoders, "encode")
-        parts = [indices[start:stop] for start, stop in split(len(indices), len(encoders))]
-        patches = [sum(h * w for h, w in (request.grids[i] for i in part)) for part in parts]
-        router.load.expire(2 * self.config.encode_timeout_s)
-        try:
-            router.load.admit(sum(patches))
-        except Overloaded:
-            self.metrics.refused.labels("encode_backlog").inc()
-            raise
+        parts = self.parts(request, indices, encoders)
+        self.admit(parts)
         waits, alone = [], self.alone()
-        for part, (images, encoder) in enumerate(zip(parts, encoders, strict=False)):
-            future = router.expect(request.request_id, part, encoder)
-            router.load.sending((request.request_id, part), encoder, patches[part])
+        for number, part in enumerate(parts):
+            future = router.expect(request.request_id, number, part.encoder)
+            router.load.sending((request.request_id, number), part.encoder, part.patches)
             waits.append(future)
-            files = tuple(request.images[i] for i in images)
+            files = tuple(request.images[i] for i in part.indices)
             message = EncodeRequest(
-                request.request_id, part, files, tuple(images), self.config.reply_address, alone
+                request.request_id,
+                number,
+                files,
+                tuple(part.indices),
+                self.config.reply_address,
+                alone,
             )
-            if not router.outbox.send(encoder, message):
-                future.set_exception(Unavailable(f"encode server {encoder} is not reachable"))
-        limit, start = self.config.encode_timeout_s, time.perf_counter()
+            if not router.outbox.send(part.encoder, message):
+                future.set_exception(Unavailable(f"encode server {part.encoder} is not reachable"))
+        start = time.perf_counter()
         try:
-            replies = await within(
-                asyncio.gather(*waits), limit, TimedOut(f"no image embeddings within {limit}s")
-            )
+            replies = await self.until_encoded(request.request_id, waits)
             self.metrics.encode_wait.observe(time.perf_counter() - start)
             self.metrics.embedding_bytes.inc(sum(r.embeddings.nbytes for r in replies))
             return replies
         finally:
             router.forget(request.request_id, len(parts))
+
+    def parts(
+        self, request: PreparedRequest, indices: list[int], encoders: list[str]
+    ) -> list[Part]:
+        """The images at `indices` split over `encoders`, each part with its patches (from the
+        grids that the images' headers gave, before any pixel is decoded)."""
+        groups = [indices[start:stop] for start, stop in split(len(indices), len(encoders))]
+        return [
+            Part(group, encoder, sum(h * w for h, w in (request.grids[i] for i in group)))
+            for group, encoder in zip(groups, encoders, strict=False)
+        ]
+
+    def check_room(self, request: PreparedRequest) -> None:
+        """Refuse, before its images are hashed, a request whose images surely not cached
+        (of a file size no cached image has) would not be encoded in time; which of the others
+        are cached, and cost no encode, the hashes tell."""
+        router, images = self.router, self.images
+        new = [i for i, data in enumerate(request.images) if not images.may_hold(len(data))]
+        live = [a for a in router.encoders.current if router.outbox.is_up(a)]
+        if new and live:  # none live: `pick` says so, after a grace for one connecting
+            self.admit(self.parts(request, new, live))
+
+    def admit(self, parts: list[Part]) -> None:
+        """Raise Overloaded unless the parts would be back well within encode_timeout_s."""
+        load = self.router.load
+        load.expire(2 * self.config.encode_timeout_s)
+        try:
+            load.admit([(part.encoder, part.patches) for part in parts])
+        except Overloaded:
+            self.metrics.refused.labels("encode_backlog").inc()
+            raise
+
+    async def until_encoded(
+        self, request_id: str, waits: list[asyncio.Future[ImageEmbeddings]]
+    ) -> list[ImageEmbeddings]:
+        """The parts' embeddings. Refused (Overloaded) as soon as the encoders' pace shows they
+        would not all be back within encode_timeout_s, so that an encoder slowing after the
+        request was admitted costs a 503 with Retry-After, not a timeout at the limit."""
+        limit, start = self.config.encode_timeout_s, time.perf_counter()
+        gathered = asyncio.ensure_future(asyncio.gather(*waits))
+        try:
+            while not gathered.done():
+                waited = time.perf_counter() - start
+                if waited >= limit:
+                    raise TimedOut(f"no image embeddings within {limit}s")
+                try:
+                    self.router.load.check_in_time(request_id, waited)
+                except Overloaded:
+                    self.metrics.refused.labels("encode_late").inc()
+                    raise
+                await asyncio.wait({gathered}, timeout=min(LATE_CHECK_S, limit - waited))
+        finally:
+            if not gathered.done():
+                gathered.cancel()
+        return gathered.result()
 
     async def prefill(self, request: PreparedRequest, images: Images | None) -> Stream:
         """Prefill the request, packed with whatever else waits for prefill, and hand it to a

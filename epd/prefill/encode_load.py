@@ -1,23 +1,36 @@
-"""The image work this prefill has sent to encoders and not yet had back, and how fast they get
-through it: enough to tell, as a request's images are about to be sent, whether they would be
-encoded within `encode_timeout_s`. One that would not is refused at once (503, Retry-After), not
-failed a minute later: a burst of large images must not turn into a burst of timeouts.
+"""The image work this prefill has sent to encoders and not yet had back, and how fast each
+encoder gets through it: enough to tell, before a request's images are sent, whether they would
+be back within `encode_timeout_s`, and while they wait, whether they still will be.
+
+One that would not is refused at once (503, Retry-After), and one admitted whose encoder has
+slowed since is refused as soon as that shows, not failed at the time limit: a burst of large
+images must turn into neither a burst of timeouts nor a late one.
+
+An encoder answers the parts it holds in the order they were sent, so a part is back once what
+is ahead of it on its encoder, and itself, are done at that encoder's pace. The pace is the
+slowest of three views: the decayed average of its replies, its latest reply alone, and the
+part under way (P patches not back after T seconds of its turn: at most P/T a second), so a
+machine that slows shows at its next reply, or while the part runs, not replies later. An
+encoder not measured yet has no pace: while it holds a part, nothing more is sent to it.
 """
 
 from __future__ import annotations
 
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from epd.prefill.errors import Overloaded
 
 # A request is admitted while its images would be back within this share of the time limit:
-# the rate is a recent average, and a reply still has to travel and be checked.
+# the pace is measured on earlier images, and a reply still has to travel and be checked.
 ADMIT_SHARE = 0.75
-# Each new measurement's weight in the encoders' rate: recent enough to follow a change of
-# image sizes or of other prefills' load on a shared encoder, smooth enough not to jump.
+# Each new measurement's weight in an encoder's average pace: smooth enough not to jump at one
+# odd reply; a slower one counts at once through the latest reply's own pace.
 DECAY = 0.8
+
+Key = tuple[str, int]  # (request id, part)
 
 
 @dataclass
@@ -29,23 +42,25 @@ class Sent:
 
 @dataclass
 class EncoderPace:
-    """One encoder's recent patches per second, from the times its replies came back."""
+    """One encoder's patches per second, from the times its replies came back."""
 
     patches: float = 0.0  # decayed sums over its replies
     seconds: float = 0.0
     last_reply: float = 0.0
+    latest: float = math.inf  # the last reply's own patches per second
 
     def replied(self, sent: Sent, now: float) -> None:
         # An encoder answers in turn: a part's time is from when it was sent, or from the
         # encoder's previous reply if that came later (until then it was busy with others).
-        busy = now - max(sent.at, self.last_reply)
+        busy = max(now - max(sent.at, self.last_reply), 1e-6)
         self.last_reply = now
         self.patches = DECAY * self.patches + sent.patches
         self.seconds = DECAY * self.seconds + busy
+        self.latest = sent.patches / busy
 
     @property
     def rate(self) -> float:
-        return self.patches / self.seconds if self.seconds > 0 else math.inf
+        return min(self.patches / self.seconds, self.latest)
 
 
 @dataclass
@@ -53,49 +68,100 @@ class EncodeLoad:
     """Patches sent and not back, by (request id, part), and each encoder's pace."""
 
     timeout_s: float
-    sent: dict[tuple[str, int], Sent] = field(default_factory=dict)
+    sent: dict[Key, Sent] = field(default_factory=dict)  # in the order sent
     paces: dict[str, EncoderPace] = field(default_factory=dict)
 
     @property
     def backlog(self) -> int:
         return sum(s.patches for s in self.sent.values())
 
-    def rate(self) -> float | None:
-        """Patches per second over the encoders: each measured one's pace; for one not measured
-        yet, the most it can be, from its oldest part out (P patches not back after T seconds:
-        at most P / T). None when nothing is known of any."""
-        now, rates = time.perf_counter(), {}
-        for sent in reversed(self.sent.values()):  # in the order sent: the oldest last, kept
-            if sent.encoder not in self.paces:
-                rates[sent.encoder] = sent.patches / max(now - sent.at, 1e-9)
-        rates |= {encoder: p.rate for encoder, p in self.paces.items() if p.seconds > 0}
-        return sum(rates.values()) if rates else None
+    def outlook(self, encoder: str, now: float) -> tuple[float | None, dict[Key, float]]:
+        """`encoder`'s pace now (None before its first reply), and for each part it holds,
+        in the order sent, the seconds until it should be back (empty while not measured)."""
+        queue = [(key, s) for key, s in self.sent.items() if s.encoder == encoder]
+        pace = self.paces.get(encoder)
+        if pace is None:
+            return None, {}
+        if not queue:
+            return pace.rate, {}
+        oldest = queue[0][1]
+        begun = now - max(oldest.at, pace.last_reply)  # the part under way: its turn so far
+        rate = min(pace.rate, oldest.patches / begun) if begun > 0 else pace.rate
+        back, patches = {}, 0
+        for key, sent in queue:
+            patches += sent.patches
+            back[key] = patches / rate - begun  # ≥ 0: the rate is at most oldest / begun
+        return rate, back
 
-    def wait_s(self, patches: int) -> float:
-        """How long `patches` more would take to come back, behind the backlog (0 when nothing
-        is known: a new encoder is trusted until its first part shows its pace)."""
-        rate = self.rate()
-        return 0.0 if rate is None else (self.backlog + patches) / rate
+    def wait_s(self, encoder: str, patches: int, now: float) -> float | None:
+        """How long `patches` more sent to `encoder` would take to come back; None when that
+        cannot be told (an encoder not measured yet, holding a part)."""
+        rate, back = self.outlook(encoder, now)
+        if rate is None:
+            held = any(s.encoder == encoder for s in self.sent.values())
+            return None if held else 0.0  # nothing ahead: how long it takes, it takes
+        return max(back.values(), default=0.0) + patches / rate
 
-    def admit(self, patches: int) -> None:
-        """Raise Overloaded if `patches` more would not be back in time. With nothing ahead of
-        them, they go whatever their size: waiting would not make them faster."""
-        wait, limit = self.wait_s(patches), ADMIT_SHARE * self.timeout_s
-        if wait <= limit or not self.sent:
+    def admit(self, parts: Sequence[tuple[str, int]]) -> None:
+        """Raise Overloaded unless every part, (encoder, patches), would be back in time. With
+        nothing out at all they go whatever their size: waiting would not make them faster."""
+        now = time.perf_counter()
+        waits = [self.wait_s(encoder, patches, now) for encoder, patches in parts]
+        limit, total = ADMIT_SHARE * self.timeout_s, sum(patches for _, patches in parts)
+        if not self.sent:
             return
-        behind = self.backlog
-        retry = max(1, math.ceil(wait - limit))
+        if None in waits:
+            raise Overloaded(
+                f"the encoders are busy with their first images, and their pace is not known "
+                f"until those are back: this request's {total} image patches could not be "
+                f"promised within {self.timeout_s:g}s (encode_timeout_s); retry in 1s",
+                1,
+            )
+        wait = max((w for w in waits if w is not None), default=0.0)
+        if wait > limit:
+            retry = max(1, math.ceil(wait - limit))
+            raise Overloaded(
+                f"the encoders have {self.backlog} image patches to get through before this "
+                f"request's {total}, more than they encode within {self.timeout_s:g}s "
+                f"(encode_timeout_s); retry in {retry}s",
+                retry,
+            )
+
+    def expected_s(self, request_id: str) -> float | None:
+        """Seconds until the request's parts still out should all be back (0 when none is);
+        None while one is on an encoder not measured yet."""
+        now, expected = time.perf_counter(), 0.0
+        for encoder in {s.encoder for key, s in self.sent.items() if key[0] == request_id}:
+            rate, back = self.outlook(encoder, now)
+            if rate is None:
+                return None
+            expected = max([expected, *(t for key, t in back.items() if key[0] == request_id)])
+        return expected
+
+    def check_in_time(self, request_id: str, waited: float) -> None:
+        """Raise Overloaded once the request's parts out, after `waited` seconds, would not all
+        be back within the time limit at the encoders' pace now."""
+        expected = self.expected_s(request_id)
+        if expected is None or waited + expected <= self.timeout_s:
+            return
+        retry = max(1, math.ceil(waited + expected - self.timeout_s))
         raise Overloaded(
-            f"the encoders have {behind} image patches to get through before this request's "
-            f"{patches}, more than they encode within {self.timeout_s:g}s "
-            f"(encode_timeout_s); retry in {retry}s",
+            f"the encoders have slowed since this request was admitted: its images would be "
+            f"back after {waited + expected:.0f}s, past {self.timeout_s:g}s (encode_timeout_s); "
+            f"retry in {retry}s",
             retry,
         )
 
-    def sending(self, key: tuple[str, int], encoder: str, patches: int) -> None:
+    def rate(self) -> float | None:
+        """Patches per second over the measured encoders (None: none is measured yet)."""
+        now = time.perf_counter()
+        rates = [self.outlook(encoder, now)[0] for encoder in self.paces]
+        return sum(r for r in rates if r is not None) if rates else None
+
+    def sending(self, key: Key, encoder: str, patches: int) -> None:
         self.sent[key] = Sent(encoder, patches, time.perf_counter())
 
-    def replied(self, key: tuple[str, int]) -> None:
+    def replied(self, key: Key) -> None:
         """An encoder's embeddings for `key` came: its pace is measured by them."""
         if (sent := self.sent.pop(key, None)) is not None:
             self.paces.setdefault(sent.encoder, EncoderPace()).replied(sent, time.perf_counter())

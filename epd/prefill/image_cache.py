@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 
 import torch
@@ -37,6 +37,14 @@ class ImageCache:
         self.max_bytes, self.bytes = max_bytes, 0
         self.entries: OrderedDict[str, torch.Tensor] = OrderedDict()  # digest → (tokens, hidden)
         self.hits = self.misses = 0
+        # Each kept image's file size (None: not given), and how many have each: a file of a
+        # size none has is not here, which is known before it is hashed (`may_hold`).
+        self.file_bytes: dict[str, int | None] = {}
+        self.sizes: Counter[int | None] = Counter()
+
+    def may_hold(self, file_bytes: int) -> bool:
+        """Whether an image file of this size may be cached (False: surely not)."""
+        return bool(self.sizes[file_bytes] or self.sizes[None])
 
     def get(self, digest: str) -> torch.Tensor | None:
         rows = self.entries.get(digest)
@@ -47,10 +55,10 @@ class ImageCache:
         self.entries.move_to_end(digest)
         return rows
 
-    def put(self, digest: str, rows: torch.Tensor) -> None:
-        """Keep an image's rows (copied: a received frame may hold other images too). The cache
-        is optional: a copy that cannot be made (no memory left) is not kept, and the request
-        goes on with its rows."""
+    def put(self, digest: str, rows: torch.Tensor, file_bytes: int | None = None) -> None:
+        """Keep an image's rows (copied: a received frame may hold other images too), and its
+        file's size if given. The cache is optional: a copy that cannot be made (no memory
+        left) is not kept, and the request goes on with its rows."""
         size = rows.nbytes
         if size > self.max_bytes or digest in self.entries:
             return
@@ -60,10 +68,16 @@ class ImageCache:
             log.warning("image cache: %d bytes not kept: %s", size, e)
             return
         while self.bytes + size > self.max_bytes:
-            _, dropped = self.entries.popitem(last=False)
+            dropped_digest, dropped = self.entries.popitem(last=False)
             self.bytes -= dropped.nbytes
+            dropped_size = self.file_bytes.pop(dropped_digest)
+            self.sizes[dropped_size] -= 1
+            if not self.sizes[dropped_size]:
+                del self.sizes[dropped_size]  # the sizes stay as many as the entries
         self.entries[digest] = copy
         self.bytes += size
+        self.file_bytes[digest] = file_bytes
+        self.sizes[file_bytes] += 1
 
     def status(self) -> dict[str, object]:
         return {"image_cache": {"hits": self.hits, "misses": self.misses, "bytes": self.bytes}}

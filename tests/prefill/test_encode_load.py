@@ -13,33 +13,55 @@ def clock(monkeypatch):
 
 
 def test_with_nothing_out_any_request_goes(clock):
-    EncodeLoad(timeout_s=60).admit(10**9)  # nothing ahead of it: waiting would not help
+    EncodeLoad(timeout_s=60).admit([("e1", 10**9)])  # nothing ahead of it: waiting would not help
 
 
-def test_an_encoder_not_measured_yet_is_trusted_until_its_first_part_shows_it_slow(clock):
+def measured(clock, patches_per_s: float = 1000, encoder: str = "e1") -> EncodeLoad:
+    """A load whose encoder has answered one part at `patches_per_s`, now idle."""
     load = EncodeLoad(timeout_s=60)
+    load.sending(("warm", 0), encoder, int(patches_per_s))
+    clock[0] += 1.0
+    load.replied(("warm", 0))
+    return load
+
+
+def test_an_encoder_not_measured_yet_takes_one_request_at_a_time(clock):
+    load = EncodeLoad(timeout_s=60)
+    load.admit([("e1", 100)])
     load.sending(("a", 0), "e1", 100)
-    load.admit(400)  # nothing known of e1's pace: it goes
-    clock[0] = 10.0  # 100 patches not back in 10 s: at most 10 a second
-    with pytest.raises(Overloaded) as refused:
-        load.admit(400)  # (100 + 400) / 10 = 50 s, over 45
-    assert refused.value.retry_after_s == 5
-    load.admit(300)  # 40 s
+    with pytest.raises(Overloaded) as refused:  # however small: its pace is not known
+        load.admit([("e1", 1)])
+    assert refused.value.retry_after_s == 1
+    assert "encode_timeout_s" in str(refused.value)
+    load.admit([("e2", 400)])  # another encoder, idle: nothing is ahead there
+    assert load.expected_s("a") is None  # nor is it refused later: nothing tells its end
+    clock[0] = 0.5
+    load.replied(("a", 0))
+    load.admit([("e1", 100)])
+    assert load.rate() == pytest.approx(200)
 
 
 def test_admission_follows_the_measured_pace(clock):
-    load = EncodeLoad(timeout_s=60)
-    load.sending(("a", 0), "e1", 1000)
-    clock[0] = 1.0
-    load.replied(("a", 0))
+    load = measured(clock)
     assert load.rate() == pytest.approx(1000)
     load.sending(("b", 0), "e1", 30_000)  # 30 s of work out
-    load.admit(10_000)  # back in 40 s: within 0.75 of 60
+    load.admit([("e1", 10_000)])  # back in 40 s: within 0.75 of 60
     with pytest.raises(Overloaded) as refused:
-        load.admit(20_000)  # 50 s
+        load.admit([("e1", 20_000)])  # 50 s
     assert refused.value.retry_after_s == 5  # the 5 s over what it may wait
     assert "30000 image patches" in str(refused.value)
     assert load.status() == {"encode_backlog_patches": 30_000, "encode_patches_per_s": 1000.0}
+
+
+def test_each_part_waits_behind_its_own_encoder(clock):
+    load = measured(clock, 1000, "e1")
+    load.sending(("w2", 0), "e2", 1000)
+    clock[0] += 1.0
+    load.replied(("w2", 0))
+    load.sending(("b", 0), "e1", 40_000)  # e1 is busy for 40 s, e2 idle
+    load.admit([("e2", 40_000)])  # 40 s on e2
+    with pytest.raises(Overloaded):
+        load.admit([("e1", 10_000), ("e2", 1)])  # its first part would be back after 50 s
 
 
 def test_an_encoder_busy_with_one_part_is_not_timed_on_the_next(clock):
@@ -61,6 +83,50 @@ def test_encoders_add_up(clock):
     load.replied(("a", 0))
     load.replied(("a", 1))
     assert load.rate() == pytest.approx(1500)
+
+
+def test_a_slower_reply_counts_at_once(clock):
+    load = measured(clock, 1000)
+    for part in range(5):
+        load.sending(("a", part), "e1", 1000)
+        clock[0] += 1.0
+        load.replied(("a", part))
+    load.sending(("slow", 0), "e1", 1000)
+    clock[0] += 4.0  # the machine got busy: 250 a second
+    load.replied(("slow", 0))
+    assert load.paces["e1"].patches / load.paces["e1"].seconds > 500  # the average: twice it
+    assert load.rate() == pytest.approx(250)  # the pace does not
+    load.sending(("c", 0), "e1", 250)  # 1 s ahead
+    load.admit([("e1", 11_000)])  # 45 s
+    with pytest.raises(Overloaded):
+        load.admit([("e1", 12_000)])  # 49 s
+
+
+def test_a_part_running_late_slows_the_pace_while_it_runs(clock):
+    load = measured(clock, 1000)
+    load.sending(("a", 0), "e1", 1000)  # due back in 1 s
+    clock[0] += 4.0  # not back yet: at most 250 a second
+    assert load.rate() == pytest.approx(250)
+    with pytest.raises(Overloaded):
+        load.admit([("e1", 11_500)])  # 46 s at 250 (11.5 s at the measured pace)
+
+
+def test_an_admitted_request_is_refused_once_its_encoder_slows(clock):
+    load = measured(clock, 1000)
+    start = clock[0]
+    load.sending(("a", 0), "e1", 10_000)
+    load.sending(("b", 0), "e1", 20_000)
+    assert load.expected_s("b") == pytest.approx(30)
+    load.check_in_time("b", waited=0)
+    clock[0] = start + 20  # a should have been back at 10: 500 a second at most
+    assert load.expected_s("b") == pytest.approx(40)
+    load.check_in_time("b", waited=20)  # 60 s in all: just in time
+    clock[0] = start + 25  # 400 a second: b back after 75 s
+    with pytest.raises(Overloaded) as refused:
+        load.check_in_time("b", waited=25)
+    assert refused.value.retry_after_s == 15
+    assert "encode_timeout_s" in str(refused.value)
+    assert load.expected_s("gone") == 0  # nothing out: nothing to wait for
 
 
 def test_parts_that_will_not_come_back_leave_the_backlog(clock):

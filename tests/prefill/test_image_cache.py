@@ -49,3 +49,16 @@ def test_a_salted_key_is_its_own_and_the_same_salt_finds_it():
     cache = ImageCache(max_bytes=3 * 16)
     cache.put(one, rows(1))
     assert cache.get(plain) is None and cache.get(two) is None and cache.get(one) is not None
+
+
+def test_a_file_of_a_size_no_kept_image_has_is_known_missing_before_hashing():
+    cache = ImageCache(max_bytes=2 * 16)
+    a, b, c = digests([b"a", b"bb", b"ccc"])
+    cache.put(a, rows(1), file_bytes=100)
+    cache.put(b, rows(1), file_bytes=200)
+    assert cache.may_hold(100) and cache.may_hold(200) and not cache.may_hold(300)
+    cache.put(c, rows(1), file_bytes=300)  # a, the least recent, goes, and its size with it
+    assert not cache.may_hold(100) and cache.may_hold(300)
+    assert len(cache.sizes) == 2  # the sizes stay as many as the images kept
+    cache.put(digests([b"d"])[0], rows(1))  # size not given: any file may be it
+    assert cache.may_hold(12345)
