@@ -106,6 +106,7 @@ class PromptBuilder:
         max_model_len: int = 0,
         generation_config: str = "auto",
         seed: int = -1,
+        override_generation_config: str = "",
     ) -> PromptBuilder:
         config = load_model_config(checkpoint)
         template = tokenizer.chat_template or ""
@@ -118,7 +119,9 @@ class PromptBuilder:
             default_max_tokens=default_max_tokens,
             max_image_pixels=max_image_pixels,
             max_n=max_n,
-            defaults=load_sampling_defaults(checkpoint, generation_config),
+            defaults=load_sampling_defaults(
+                checkpoint, generation_config, override_generation_config
+            ),
             reasoning=markers_for(reasoning_parser, checkpoint, template),
             seeds=random.Random(seed) if seed >= 0 else None,
         )

@@ -49,6 +49,7 @@ def build_service(config: PrefillConfig) -> Service:
         config.max_model_len,
         config.generation_config,
         config.seed,
+        config.override_generation_config,
     )
     if builder.reasoning:
         log.info("reasoning parser: %s ... %s", builder.reasoning.start, builder.reasoning.end)

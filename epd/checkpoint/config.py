@@ -139,14 +139,32 @@ def load_generation_config(checkpoint: str | Path) -> GenerationConfig:
     return GenerationConfig(eos_token_ids=ids, sampling_defaults=sampling_defaults(raw))
 
 
-def load_sampling_defaults(folder: str | Path, source: str = "auto") -> dict[str, float]:
+def load_sampling_defaults(
+    folder: str | Path, source: str = "auto", overrides: str = ""
+) -> dict[str, float]:
     """What a request that leaves sampling fields out gets, as vLLM's `--generation-config`
     says: auto, the checkpoint's generation_config.json; vllm, nothing; else that of the
-    directory `source` names (which may hold sampling fields alone)."""
-    if source == "vllm":
-        return {}
-    folder = folder if source == "auto" else source
-    return sampling_defaults(read_json(Path(folder) / "generation_config.json"))
+    directory `source` names (which may hold sampling fields alone); then `overrides`, a JSON
+    object of such fields (`--override-generation-config`)."""
+    found = {}
+    if source != "vllm":
+        folder = folder if source == "auto" else source
+        found = sampling_defaults(read_json(Path(folder) / "generation_config.json"))
+    return found | sampling_overrides(overrides)
+
+
+def sampling_overrides(text: str) -> dict[str, float]:
+    """`--override-generation-config`'s JSON object: sampling fields only, each a number."""
+    try:
+        given = json.loads(text) if text else {}
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"override_generation_config is not JSON: {e}") from None
+    known = (*SAMPLING_DEFAULTS, "max_new_tokens")
+    if not isinstance(given, dict) or not set(given) <= set(known):
+        raise CheckpointError(
+            f"override_generation_config must be a JSON object of {', '.join(known)}"
+        )
+    return sampling_defaults(given)
 
 
 def sampling_defaults(raw: dict[str, Any]) -> dict[str, float]:

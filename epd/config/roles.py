@@ -7,6 +7,7 @@ drift from what the code reads. A bad value raises a ValueError naming the setti
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,13 @@ from typing import Any
 from epd.config.settings import ADDRESS_SCHEMES as ADDRESS_SCHEMES  # the wire's, too
 from epd.config.settings import UVICORN_LOG_LEVELS, Settings, option, required
 from epd.config.vllm import VllmFlag, dtype_name, image_limit, readable_int
+
+
+def json_or_none(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return None
 
 
 @dataclass(frozen=True)
@@ -214,6 +222,12 @@ class PrefillConfig(ModelOptions):
         "a generation_config.json",
         vllm="--generation-config",
     )
+    override_generation_config: str = option(
+        "",
+        "sampling defaults over those, as a JSON object: '{\"temperature\": 0.6}' (temperature, "
+        "top_p, top_k, min_p, repetition_penalty, max_new_tokens)",
+        vllm="--override-generation-config",
+    )
     seed: int = option(
         -1,
         "seed of the draws of requests that give no seed: a server started again answers the "
@@ -313,6 +327,11 @@ class PrefillConfig(ModelOptions):
         local = self.allowed_local_media_path
         if local and not Path(local).is_dir():
             raise ValueError(f"allowed_local_media_path={local!r}: must be a directory")
+        if not isinstance(json_or_none(self.override_generation_config or "{}"), dict):
+            raise ValueError(
+                f"override_generation_config={self.override_generation_config!r}: must be a "
+                "JSON object"
+            )
         host = self.bind.split("://", 1)[1].rsplit(":", 1)[0]
         if host in ("*", "0.0.0.0", "[::]", "::") and not self.advertise:
             raise ValueError(

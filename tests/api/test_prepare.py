@@ -250,3 +250,28 @@ def test_a_server_seed_seeds_unseeded_requests_alike_from_start(tiny_checkpoint)
     assert first == seeds(7) and first != seeds(8)  # the same draws after a restart
     assert len(set(first[:3])) == 3 and first[3] == 5  # a request's own seed wins
     assert seeds(-1)[:3] == [None, None, None]  # fresh draws: no seed
+
+
+def test_override_generation_config_wins_over_the_checkpoints_defaults(tiny_checkpoint, tmp_path):
+    checkpoint = tmp_path / "checkpoint"
+    shutil.copytree(tiny_checkpoint, checkpoint)
+    (checkpoint / "generation_config.json").write_text(
+        json.dumps({"eos_token_id": 2, "temperature": 0.3, "top_p": 0.9})
+    )
+    tokenizer = load_tokenizer(checkpoint)
+
+    def build(overrides, source="auto"):
+        return PromptBuilder.from_checkpoint(
+            checkpoint,
+            tokenizer,
+            512,
+            generation_config=source,
+            override_generation_config=overrides,
+        )
+
+    given = sampling(build('{"temperature": 0.6, "max_new_tokens": 9}'))
+    assert (given.temperature, given.top_p, given.max_tokens) == (0.6, 0.9, 9)
+    assert sampling(build('{"top_k": 5}', "vllm")).top_k == 5
+    for bad in ('{"temperature": "hot"}', '{"stop": 1}', "[1]", "{"):
+        with pytest.raises(CheckpointError, match="generation_config|override_generation_config"):
+            build(bad)

@@ -243,6 +243,16 @@ def test_enable_log_requests_is_the_inverse_of_disable():
     assert children("/m", "--no-enable-log-requests")["prefill"].disable_log_requests
 
 
+def test_override_generation_config_must_be_a_json_object():
+    given = '{"temperature": 0.6}'
+    assert (
+        children("/m", "--override-generation-config", given)["prefill"].override_generation_config
+        == given
+    )
+    with pytest.raises(ValueError, match="override_generation_config='\\[1\\]': must be a JSON"):
+        children("/m", "--override-generation-config", "[1]")
+
+
 def test_seed_and_generation_config_reach_prefill(tmp_path):
     prefill = children("/m", "--seed", "7", "--generation-config", "vllm")["prefill"]
     assert prefill.seed == 7 and prefill.generation_config == "vllm"
