@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from transformers import PreTrainedTokenizerBase
 
 from epd.api import tokens
+from epd.api.bodies import SMALL_BODY, Reading, parsed
 from epd.api.errors import APIError, as_api_error, bad_request, overloaded
 from epd.api.fingerprint import system_fingerprint
 from epd.api.images import ImageLoader, MediaPolicy
@@ -96,8 +97,10 @@ class Service:
     # seconds, and every other request's streaming waits on the loop.
     prompts: ThreadPoolExecutor = field(init=False)
     fingerprint: str = field(init=False)  # every reply's system_fingerprint
+    reading: Reading = field(init=False)  # request bodies arriving and parsed, for the middleware
 
     def __post_init__(self) -> None:
+        self.reading = reading_bound(self.config)
         self.metrics = PrefillMetrics(self.model_name)
         lm, context = self.engine.lm, self.builder.context_length
         self.fingerprint = system_fingerprint(
@@ -221,7 +224,8 @@ def create_app(service: Service, on_started: Callable[[], Any] | None = None) ->
     handle_errors(app, service.metrics)
     config = service.config
     limits = BodyLimits(config.max_request_bytes, config.max_text_request_bytes)
-    add_middleware(app, config.allowed_origins, api_key(config.api_key), limits, service.gate)
+    key, gate = api_key(config.api_key), service.gate
+    add_middleware(app, config.allowed_origins, key, limits, gate, service.reading)
     trusted = key_holders(api_key(config.api_key))  # only they see /health's counts
     app.include_router(
         health_router("prefill", service.watchdog, service.status, service.problems, trusted)
@@ -343,13 +347,23 @@ def create_app(service: Service, on_started: Callable[[], Any] | None = None) ->
     return app
 
 
+def reading_bound(config: PrefillConfig) -> Reading:
+    """The bounds on request bodies arriving and parsed at once (`bodies.Reading`)."""
+    return Reading(
+        config.max_arriving_bodies, config.max_request_bytes_at_once, config.request_body_timeout_s
+    )
+
+
 async def read_body(request: Request, parse: Callable[[Any], T]) -> T:
     """The body, parsed as JSON and then by `parse`; a large body off the event loop: a 34 MB
     one of a million messages held every other stream up for 5.7 s."""
     body = await request.body()  # its size is bounded by the middleware, before it arrives
-    if len(body) <= 1 << 20:
-        return parse(parse_json(body))
-    return await asyncio.to_thread(lambda: parse(parse_json(body)))
+    try:
+        if len(body) <= SMALL_BODY:
+            return parse(parse_json(body))
+        return await asyncio.to_thread(lambda: parse(parse_json(body)))
+    finally:
+        parsed(request)  # its bytes are no longer counted against other bodies
 
 
 # A UTF-16 surrogate escape. JSON may pair two into one character; one left alone is text

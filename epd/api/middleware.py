@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from epd.api.bodies import BodyReading, Reading
 from epd.api.errors import APIError, overloaded
 from epd.wire.limits import ID_CHARS
 
@@ -258,8 +259,11 @@ def add_middleware(
     key: str = "",
     body_limits: BodyLimits | None = None,
     gate: Gate | None = None,
+    reading: Reading | None = None,
 ) -> None:
-    # innermost: after the key check
+    if reading is not None:  # innermost: bodies the size bound and the key refuse take no place
+        app.add_middleware(BodyReading, reading=reading)
+    # after the key check
     app.add_middleware(BodyLimit, limits=body_limits or BodyLimits())
     if key:  # CORS preflights and request ids come before it
         app.add_middleware(BearerKey, key=key)

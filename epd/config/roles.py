@@ -281,6 +281,22 @@ class PrefillConfig(ModelOptions):
         16 * 1024 * 1024,
         "the same for routes that take no images (/v1/completions, /detokenize)",
     )
+    max_request_bytes_at_once: int = option(
+        300 * 1024 * 1024,
+        "request bodies over 1 MiB being read and parsed hold at most this many bytes together; "
+        "past it a new one gets 503 with Retry-After before it is read (a body alone is always "
+        "read)",
+    )
+    max_arriving_bodies: int = option(
+        128,
+        "request bodies that may be arriving at once; past it a new one gets 503 with "
+        "Retry-After before it is read",
+    )
+    request_body_timeout_s: float = option(
+        30.0,
+        "longest time from a request's headers to its body's last byte; past it the request "
+        "gets 408 and its connection closes",
+    )
     max_queued_requests: int = option(
         256,
         "requests that may wait for image fetching, encode or prefill at once; past it a new "
