@@ -44,9 +44,7 @@ def offline(monkeypatch):
     checkpoint_folder.cache_clear()
 
 
-def test_a_repository_name_is_its_snapshot_under_its_name(
-    offline, tmp_path, tiny_checkpoint
-):
+def test_a_repository_name_is_its_snapshot_under_its_name(offline, tmp_path, tiny_checkpoint):
     snapshot = lay_out_cache(tmp_path, tiny_checkpoint, {"main": COMMIT})
     config = on_disk(PrefillConfig(model=REPOSITORY, download_dir=str(tmp_path)))
     assert Path(config.model) == snapshot and (Path(config.model) / "config.json").is_file()
@@ -84,9 +82,7 @@ def test_a_repository_missing_from_the_cache_offline_is_an_error_naming_it(offli
         on_disk(PrefillConfig(model=REPOSITORY, download_dir=str(tmp_path)))
 
 
-def test_a_revision_not_cached_is_an_error_naming_it(
-    offline, tmp_path, tiny_checkpoint
-):
+def test_a_revision_not_cached_is_an_error_naming_it(offline, tmp_path, tiny_checkpoint):
     lay_out_cache(tmp_path, tiny_checkpoint, {"main": COMMIT})
     with pytest.raises(CheckpointError, match=f"v9 of {REPOSITORY}"):
         on_disk(PrefillConfig(model=REPOSITORY, revision="v9", download_dir=str(tmp_path)))
