@@ -15,7 +15,7 @@ import logging
 import time
 import weakref
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import NamedTuple, TypeVar
 
 import torch
@@ -23,7 +23,7 @@ import torch
 from epd.config.roles import PrefillConfig
 from epd.generation.finite import overflows
 from epd.generation.status import Status
-from epd.multimodal.grids import kimi_vl_grids
+from epd.multimodal.grids import Grid, kimi_vl_grids
 from epd.prefill.batcher import PrefillBatcher, token_budget
 from epd.prefill.engine import Prefilled, PrefillEngine, Prompt
 from epd.prefill.errors import (
@@ -195,7 +195,7 @@ class Coordinator:
         """Every image's embeddings, in prompt order: from the cache, or from the encoders."""
         if not request.images:
             return None
-        self.check_room(request)  # before hashing: a refusal comes as soon as it can
+        self.check_room(request.images, request.grids)  # before hashing them
         # Hashing large files takes time; salted keys keep one tenant's encodes its own.
         keys = await asyncio.to_thread(digests, request.images, request.cache_salt)
         rows = {
@@ -220,7 +220,7 @@ class Coordinator:
         """The embeddings of the images at `indices`, split over the live encoders."""
         router = self.router
         encoders = await router.pick(router.encoders, "encode")
-        parts = self.parts(request, indices, encoders)
+        parts = self.parts(request.grids, indices, encoders)
         self.admit(parts)
         waits, alone = [], self.alone()
         for number, part in enumerate(parts):
@@ -247,26 +247,25 @@ class Coordinator:
         finally:
             router.forget(request.request_id, len(parts))
 
-    def parts(
-        self, request: PreparedRequest, indices: list[int], encoders: list[str]
-    ) -> list[Part]:
+    def parts(self, grids: Sequence[Grid], indices: list[int], encoders: list[str]) -> list[Part]:
         """The images at `indices` split over `encoders`, each part with its patches (from the
         grids that the images' headers gave, before any pixel is decoded)."""
         groups = [indices[start:stop] for start, stop in split(len(indices), len(encoders))]
         return [
-            Part(group, encoder, sum(h * w for h, w in (request.grids[i] for i in group)))
+            Part(group, encoder, sum(h * w for h, w in (grids[i] for i in group)))
             for group, encoder in zip(groups, encoders, strict=False)
         ]
 
-    def check_room(self, request: PreparedRequest) -> None:
-        """Refuse, before its images are hashed, a request whose images surely not cached
-        (of a file size no cached image has) would not be encoded in time; which of the others
-        are cached, and cost no encode, the hashes tell."""
-        router, images = self.router, self.images
-        new = [i for i, data in enumerate(request.images) if not images.may_hold(len(data))]
+    def check_room(self, images: Sequence[bytes], grids: Sequence[Grid]) -> None:
+        """Raise Overloaded, before the images are hashed, if those surely not cached (of a
+        file size no cached image has) would not be encoded in time; which of the others are
+        cached, and cost no encode, the hashes tell. The API asks as soon as it has the files,
+        before it builds the prompt round them."""
+        router, cache = self.router, self.images
+        new = [i for i, data in enumerate(images) if not cache.may_hold(len(data))]
         live = [a for a in router.encoders.current if router.outbox.is_up(a)]
         if new and live:  # none live: `pick` says so, after a grace for one connecting
-            self.admit(self.parts(request, new, live))
+            self.admit(self.parts(grids, new, live))
 
     def admit(self, parts: list[Part]) -> None:
         """Raise Overloaded unless the parts would be back well within encode_timeout_s."""

@@ -1,11 +1,13 @@
 """The API in-process: request validation and error bodies, without peers."""
 
 import base64
+import io
 import json
 import time
 
 import pytest
 from fastapi.testclient import TestClient
+from PIL import Image
 from starlette.requests import ClientDisconnect
 
 from epd.api.app import create_app, parse_json
@@ -410,6 +412,34 @@ def test_too_many_images(client):
     assert (
         response.status_code == 400 and "over the limit of 2" in response.json()["error"]["message"]
     )
+
+
+def test_images_the_encoders_cannot_take_in_time_are_refused_before_the_prompt_is_built(
+    tiny_checkpoint, tmp_path, monkeypatch
+):
+    service = build_service(
+        PrefillConfig(
+            model=str(tiny_checkpoint),
+            bind=f"ipc://{tmp_path}/prefill",
+            encoders=(f"ipc://{tmp_path}/encode",),
+            decoders=(f"ipc://{tmp_path}/decode",),
+            served_model_name=("tiny",),
+        )
+    )
+    png = io.BytesIO()
+    Image.new("RGB", (56, 56)).save(png, "PNG")
+    url = "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
+    built = []
+    monkeypatch.setattr(PromptBuilder, "prepare", lambda *args: built.append(args))
+    with TestClient(create_app(service)) as client:
+        router = service.coordinator.router
+        encoder = router.encoders.current[0]
+        monkeypatch.setattr(router.outbox, "is_up", lambda address: True)
+        router.load.sending(("first", 0), encoder, 16)  # its pace is not known until it is back
+        response = chat(client, messages=[image(url)])
+    assert response.status_code == 503 and int(response.headers["Retry-After"]) >= 1
+    assert "encode_timeout_s" in response.json()["error"]["message"]
+    assert built == []  # refused from the image's header, before the prompt was built
 
 
 def test_unreachable_peers_are_503_not_a_hang(client):
