@@ -12,6 +12,7 @@ import argparse
 import collections
 import dataclasses
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -31,7 +32,13 @@ from epd.config.sources import (
     secret_env,
     to_flags,
 )
-from epd.runtime.process import SUPERVISOR_ENV, available_cores, stop_event, torch_threads
+from epd.runtime.process import (
+    SUPERVISOR_ENV,
+    available_cores,
+    skip_collection_at_exit,
+    stop_event,
+    torch_threads,
+)
 
 CHILDREN = ("encode", "decode", "prefill")
 HEALTHY_AFTER_S = 60.0  # a child that lived this long restarts without accumulated backoff
@@ -40,6 +47,7 @@ CORES = available_cores()
 BRIEF_SPIN = 10_000
 OPENMP_WAITING = {"GOMP_SPINCOUNT", "OMP_WAIT_POLICY"}  # set by the user: left as they are
 STOP_TIMEOUT_S = 10.0  # children still running this long after SIGTERM are killed (< STOP_GRACE_S)
+HURRY_S = 3.0  # after a second stop signal, children still running this long are killed
 
 
 @dataclass
@@ -88,6 +96,10 @@ class Child:
         if self.process is not None and self.process.poll() is None:
             self.process.terminate()
 
+    def kill(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+
     def wait(self, deadline: float) -> None:
         """Wait for the child to end until `deadline` (monotonic), then kill it."""
         if self.process is None:
@@ -114,6 +126,29 @@ def stop_in_order(children: list[Child], drain_s: float) -> None:
     first = [c for c in children if c.role == "prefill"]
     stop_all(first, drain_s + STOP_TIMEOUT_S)
     stop_all([c for c in children if c.role != "prefill"])
+
+
+def kill_all(children: list[Child]) -> None:
+    for child in children:
+        child.kill()
+
+
+def stop_at_once_when_asked_again(children: list[Child]) -> None:
+    """From now on a stop signal (a second Ctrl-C) cuts the drain short: prefill, asked
+    again, ends the requests it holds at once, each with an error (a stream's last event, then
+    [DONE]) rather than a cut connection, and exits; any child still running HURRY_S later is
+    killed."""
+
+    def again(*_: object) -> None:
+        for child in children:
+            if child.role == "prefill":
+                child.terminate()
+        killer = threading.Timer(HURRY_S, kill_all, args=(children,))
+        killer.daemon = True
+        killer.start()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, again)
 
 
 def start_all(children: list[Child], stop: threading.Event) -> None:
@@ -293,5 +328,7 @@ def run(config: ServeConfig, child_configs: dict[str, Any]) -> None:
                 supervise(child, config.max_restart_delay_s)
             stop.wait(0.2)
     finally:
+        stop_at_once_when_asked_again(children)
         stop_in_order(children, drain_s)
+        skip_collection_at_exit()
         print("epd serve: stopped", flush=True)

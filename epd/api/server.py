@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import threading
 import time
 from types import FrameType
@@ -19,6 +20,7 @@ from epd.config.roles import PrefillConfig
 from epd.dtypes import model_dtype
 from epd.generation.reasoning import prepare
 from epd.prefill.engine import PrefillEngine
+from epd.prefill.errors import Unavailable
 from epd.runtime.health import HTTP_PROTOCOL
 from epd.runtime.process import (
     STOP_GRACE_S,
@@ -34,6 +36,7 @@ log = logging.getLogger(__name__)
 
 # The main loop, the wire, and the prefill forward (its thread runs apart from the loop).
 PREFILL_ACTIVITIES = ("loop", "wire", "prefill")
+ENDING_S = 2.0  # for requests ended at the drain's end to send their error and finish
 
 
 def build_service(config: PrefillConfig) -> Service:
@@ -75,32 +78,56 @@ class DrainingServer(uvicorn.Server):
     """uvicorn, with a drain before its graceful shutdown.
 
     On the first SIGTERM or SIGINT new API requests get 503 (and /health 503, so a load
-    balancer turns away) while the requests in flight finish, for up to `drain_timeout_s`; then
-    uvicorn shuts down as usual. A second signal skips what is left of the drain.
+    balancer turns away) while the requests in flight finish, for up to `drain_timeout_s`;
+    those still in flight then end with a 503 (a stream's error event, then [DONE]), and uvicorn
+    shuts down as usual. A second signal ends them at once, a third is uvicorn's own.
     """
 
     def __init__(self, config: uvicorn.Config, service: Service) -> None:
         super().__init__(config)
         self.service = service
+        self.hurried = threading.Event()  # asked again: the drain ends now
+
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+        self.loop = asyncio.get_running_loop()  # requests are ended on it (`drain`)
+        await super().serve(sockets)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         gate = self.service.gate
-        if gate.draining:  # asked again: stop now
+        if self.hurried.is_set():
             super().handle_exit(sig, frame)
-            return
-        gate.draining = True
-        self._captured_signals.append(sig)  # re-raised to our own handler once uvicorn is done
-        log.info("draining: %d requests in flight, new ones get 503", gate.in_flight)
-        threading.Thread(target=self.drain, name="drain", daemon=True).start()
+        elif gate.draining:
+            self.hurried.set()
+        else:
+            gate.draining = True
+            self._captured_signals.append(sig)  # re-raised to our own handler once uvicorn is done
+            log.info("draining: %d requests in flight, new ones get 503", gate.in_flight)
+            threading.Thread(target=self.drain, name="drain", daemon=True).start()
 
     def drain(self) -> None:
         gate, limit = self.service.gate, self.service.config.drain_timeout_s
-        deadline = time.monotonic() + limit
-        while gate.in_flight and time.monotonic() < deadline and not self.should_exit:
-            time.sleep(0.05)
+        self.wait_while_in_flight(limit, unless=self.hurried)
         if gate.in_flight:
-            log.warning("drain: %d requests still in flight after %ss", gate.in_flight, limit)
+            why = "when asked again to stop" if self.hurried.is_set() else f"after {limit}s"
+            message = "drain: %d requests still in flight %s: each ends with an error"
+            log.warning(message, gate.in_flight, why)
+            self.loop.call_soon_threadsafe(self.end_requests)
+            self.wait_while_in_flight(ENDING_S, unless=threading.Event())
         self.should_exit = True
+
+    def wait_while_in_flight(self, seconds: float, unless: threading.Event) -> None:
+        """Until no request is in flight, `seconds` pass or `unless` is set."""
+        deadline = time.monotonic() + seconds
+        while self.service.gate.in_flight and time.monotonic() < deadline:
+            if unless.wait(0.05):
+                return
+
+    def end_requests(self) -> None:
+        """Every request still in flight fails now, those still sending their body too."""
+        error = Unavailable("the server stopped before this request finished")
+        self.service.reading.end_all(str(error))
+        if self.service.coordinator is not None:
+            self.service.coordinator.router.end_all(error)
 
 
 def run(config: PrefillConfig) -> None:

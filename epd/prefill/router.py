@@ -72,6 +72,7 @@ class Router:
         self.streams: dict[str, Stream] = {}  # requests handed to decode, not finished
         self.disowned: OrderedDict[str, None] = OrderedDict()  # unknown requests aborted (LRU)
         self.disowning = PerSecond(DISOWNED_PER_S)
+        self.ended: PrefillError | None = None  # set by `end_all`: the error of every request
 
     def tasks(self) -> list[asyncio.Task[None]]:
         return [
@@ -92,6 +93,8 @@ class Router:
         """The embeddings of a request's part, once `encoder` sends them (`forget` after)."""
         future: asyncio.Future[ImageEmbeddings] = asyncio.get_running_loop().create_future()
         self.waits[(request_id, part)] = EncodeWait(encoder, future)
+        if self.ended is not None:
+            future.set_exception(self.ended)
         return future
 
     def forget(self, request_id: str, parts: int) -> None:
@@ -101,6 +104,8 @@ class Router:
     def open(self, stream: Stream) -> None:
         """Deltas for the stream's request go to its queue from now on (`release` after)."""
         self.streams[stream.request_id] = stream
+        if self.ended is not None:
+            stream.queue.put_nowait(self.ended)
 
     def release(self, stream: Stream, finished: bool = False) -> None:
         """The stream is over: forgotten, and aborted in decode unless it finished there (once,
@@ -170,6 +175,17 @@ class Router:
             if rid == request_id and not wait.future.done():
                 wait.future.set_exception(error)
         if (stream := self.streams.get(request_id)) is not None:
+            stream.queue.put_nowait(error)
+
+    def end_all(self, error: PrefillError) -> None:
+        """Fail every request with `error` now, those that wait from now on too: the process
+        stops, and a stream that ends with an error event tells its client why, where a
+        connection cut at exit would not."""
+        self.ended = error
+        for wait in self.waits.values():
+            if not wait.future.done():
+                wait.future.set_exception(error)
+        for stream in self.streams.values():
             stream.queue.put_nowait(error)
 
     # The peers.
