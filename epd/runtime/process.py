@@ -109,9 +109,10 @@ def skip_collection_at_exit() -> None:
     """Leave the objects alive at exit to the OS instead of the interpreter's collector.
 
     As it ends, the interpreter collects cycles again and again over every object left (a
-    model, a tokenizer, grammar tables): 1.5-2 s of CPU in each role, so an idle `epd serve`
-    took 6-11 s to stop on a busy 2-core machine, and 2-3 s frozen. Objects freed by their
-    reference counts still are, so what closes files or sockets still runs.
+    model, a tokenizer, grammar tables): ~2 s of CPU in a decode role, so an idle `epd serve`
+    took 3.9 s to stop on a 2-core machine, 9-14 s with other work on its cores, and 1.5 and
+    2.6-2.9 s frozen. Objects freed by their reference counts still are, so what closes files
+    or sockets still runs.
     """
     atexit.register(gc.freeze)  # before the last collections, which skip frozen objects
 

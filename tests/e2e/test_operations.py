@@ -442,9 +442,9 @@ def test_a_drain_that_runs_out_ends_what_is_left_with_the_reason(tiny_checkpoint
 
 
 def test_ctrl_c_stops_the_idle_stack_within_seconds(locked_stack):
-    """Last here: it stops the module's stack. Every process is gone in ~1.5 s on an idle
-    2-core machine; before the roles left their objects to the OS at exit, the interpreter's
-    collections took 3.9 s there, and 5-12 s with other work on the cores."""
+    """Last here: it stops the module's stack. Every process was gone in ~1.5 s on this
+    2-core machine, 2.6-2.9 s with other work on its cores; before the roles left their objects
+    to the OS at exit, the interpreter's collections made that 3.9 s, and 9-14 s."""
     stack, _ = locked_stack
     pids = [stack.popen.pid, *stack.role_pids().values()]
     asked = time.monotonic()
