@@ -26,15 +26,19 @@ def from_file_url(url: str, index: int, root: Path | None, max_bytes: int) -> by
             "allow the images under DIR",
         )
     parts = urlsplit(url)
-    path = Path(unquote(parts.path)).resolve()
-    if parts.netloc not in ("", "localhost") or not path.is_relative_to(root):
+    try:  # a NUL byte or a loop of links cannot be resolved: no file of the directory either
+        path = Path(unquote(parts.path)).resolve()
+    except (ValueError, OSError, RuntimeError):
+        path = None
+    if path is None or parts.netloc not in ("", "localhost") or not path.is_relative_to(root):
         raise refused(index, f"{url[:100]} is not under the allowed local media path")
     return read_regular_file(path, index, max_bytes)
 
 
 def read_regular_file(path: Path, index: int, max_bytes: int) -> bytes:
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        # a link put in its place since it was resolved is not followed
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
     except OSError:
         raise refused(index, f"{path.name[:100]} cannot be read") from None
     try:

@@ -62,6 +62,13 @@ def test_a_link_inside_the_directory_to_a_file_outside_is_refused(media):
     assert "is not under the allowed local media path" in refusal(f"file://{media}/link.png", media)
 
 
+@pytest.mark.parametrize("path", ["{media}/a%00.png", "{media}/loop/a.png"])
+def test_a_path_that_cannot_be_resolved_is_a_400(media, path):
+    (media / "loop").symlink_to(media / "loop")
+    url = "file://" + path.format(media=media)
+    assert "is not under the allowed local media path" in refusal(url, media)
+
+
 def test_a_remote_host_is_refused(media):
     assert "not under" in refusal(f"file://example.com{media}/a.png", media)
 
