@@ -18,6 +18,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
+import time
 from collections.abc import Iterable, Iterator, Sequence
 
 import httpx
@@ -37,6 +39,7 @@ from prometheus_client.parser import text_string_to_metric_families
 log = logging.getLogger(__name__)
 disable_created_metrics()  # as vLLM: a `_created` series per counter and histogram, unplotted
 PEER_TIMEOUT_S = 1.0  # a peer's metrics not back by then are left out of this scrape
+FRESH_S = 1.0  # how long a scrape of the stack is served again
 
 # Seconds: from a fast GPU step to a queued request on a busy CPU.
 LATENCY_BUCKETS = (
@@ -102,31 +105,54 @@ def metrics_router(
     registry: CollectorRegistry, peers: Sequence[str] = (), timeout_s: float = PEER_TIMEOUT_S
 ) -> APIRouter:
     """GET /metrics: the registry in Prometheus' text format (open, like /health), and the
-    series the `peers`' GET /metrics URLs give, fetched together, each within `timeout_s` (a
-    peer that does not answer is left out: its series' absence says so)."""
-    router = APIRouter()
+    series the `peers`' GET /metrics URLs give (`StackScrape`)."""
+    router, stack = APIRouter(), StackScrape(registry, tuple(peers), timeout_s)
 
     @router.get("/metrics")
     async def metrics() -> Response:
-        families = list(registry.collect())
-        if peers:
-            async with httpx.AsyncClient(timeout=timeout_s) as client:
-                found = await asyncio.gather(*(scrape(client, url) for url in peers))
-            families = merged([*families, *itertools.chain.from_iterable(found)])
-        return Response(generate_latest(Families(families)), media_type=CONTENT_TYPE_LATEST)
+        text = await stack.text() if peers else generate_latest(registry)
+        return Response(text, media_type=CONTENT_TYPE_LATEST)
 
     return router
 
 
-async def scrape(client: httpx.AsyncClient, url: str) -> list[Metric]:
-    """A peer's metric families; none where it does not answer in Prometheus' text format."""
-    try:
-        response = await client.get(url)
-        response.raise_for_status()
-        return list(text_string_to_metric_families(response.text))
-    except (httpx.HTTPError, ValueError) as e:
-        log.debug("metrics of %s left out: %s", url, e)
-        return []
+class StackScrape:
+    """A role's series and its peers', fetched together, each peer within `timeout_s` (one that
+    does not answer is left out: its series' absence says so, and the log once). The text is
+    kept for `FRESH_S`, so a client that asks for /metrics in a loop costs the event loop one
+    scrape of the peers a second, not one a request; the peers are on the loopback or named by
+    the operator, so no proxy of the environment is asked."""
+
+    def __init__(self, registry: CollectorRegistry, peers: tuple[str, ...], timeout_s: float):
+        self.registry, self.peers, self.timeout_s = registry, peers, timeout_s
+        self.lock, self.made, self.kept = asyncio.Lock(), -math.inf, b""
+        self.silent: set[str] = set()  # peers whose last scrape failed (logged once)
+
+    async def text(self) -> bytes:
+        async with self.lock:
+            if time.monotonic() - self.made > FRESH_S:
+                self.kept, self.made = await self.scrape(), time.monotonic()
+            return self.kept
+
+    async def scrape(self) -> bytes:
+        async with httpx.AsyncClient(timeout=self.timeout_s, trust_env=False) as client:
+            found = await asyncio.gather(*(self.peer(client, url) for url in self.peers))
+        families = merged([*self.registry.collect(), *itertools.chain.from_iterable(found)])
+        return generate_latest(Families(families))
+
+    async def peer(self, client: httpx.AsyncClient, url: str) -> list[Metric]:
+        """A peer's metric families; none where it does not answer in Prometheus' format."""
+        try:
+            response = await client.get(url)
+            response.raise_for_status()
+            families = list(text_string_to_metric_families(response.text))
+        except (httpx.HTTPError, ValueError) as e:
+            if url not in self.silent:
+                log.warning("metrics of %s left out of /metrics: %s", url, e)
+            self.silent.add(url)
+            return []
+        self.silent.discard(url)
+        return families
 
 
 def merged(families: Iterable[Metric]) -> list[Metric]:

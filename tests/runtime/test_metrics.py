@@ -28,10 +28,11 @@ def peer():
     decode.gauge("kv_cache_usage_perc", "KV in use").set(0.25)
     decode.counter("steps", "steps").inc(3)
     text = generate_latest(decode.registry)
-    hold = threading.Event()
+    hold, asked = threading.Event(), []
 
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
+            asked.append(self.path)
             if self.path == "/slow":
                 hold.wait(5)
             self.send_response(200)
@@ -44,18 +45,20 @@ def peer():
 
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
+    yield f"http://127.0.0.1:{server.server_address[1]}", asked
     hold.set()
     server.shutdown()
 
 
-def scraped(*peers: str, timeout_s: float = 1.0) -> dict[str, list]:
+def scraped(*peers: str, timeout_s: float = 1.0, times: int = 1) -> dict[str, list]:
     prefill = Prefill("kimi")
     prefill.gauge("kv_cache_usage_perc", "as decoders report it", ["decoder"]).labels("d").set(0.5)
     prefill.counter("requests", "requests").inc()
     app = FastAPI()
     app.include_router(metrics_router(prefill.registry, peers, timeout_s))
-    text = TestClient(app).get("/metrics").text
+    client = TestClient(app)
+    texts = {client.get("/metrics").text for _ in range(times)}
+    (text,) = texts  # asked again at once: the same scrape
     families = list(text_string_to_metric_families(text))
     assert len({f.name for f in families}) == len(families)  # each family once
     return {f.name: f.samples for f in families}
@@ -68,7 +71,9 @@ def test_every_series_carries_its_role_and_no_created_series_is_exposed():
 
 
 def test_a_peers_series_join_the_same_family_under_their_role(peer):
-    found = scraped(f"{peer}/metrics")
+    url, asked = peer
+    found = scraped(f"{url}/metrics", times=5)
+    assert asked == ["/metrics"]  # a client asking in a loop costs the peers one scrape
     usage = {
         (s.labels["role"], s.labels.get("decoder")): s.value
         for s in found["epd:kv_cache_usage_perc"]
@@ -78,5 +83,6 @@ def test_a_peers_series_join_the_same_family_under_their_role(peer):
 
 
 def test_a_peer_that_does_not_answer_in_time_is_left_out(peer):
-    found = scraped(f"{peer}/slow", "http://127.0.0.1:9/metrics", timeout_s=0.3)
+    url, _ = peer
+    found = scraped(f"{url}/slow", "http://127.0.0.1:9/metrics", timeout_s=0.3)
     assert "epd:steps" not in found and [s.value for s in found["epd:requests"]] == [1.0]
