@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+from epd.config.settings import SAMPLING_FIELDS
 from epd.dtypes import MODEL_DTYPES
 from epd.model.config import KimiVLConfig, TextConfig, VisionConfig
 
@@ -41,9 +42,6 @@ class GenerationConfig:
 
     eos_token_ids: tuple[int, ...]
     sampling_defaults: dict[str, float] = dataclasses.field(default_factory=dict)
-
-
-SAMPLING_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -154,21 +152,12 @@ def load_sampling_defaults(
 
 
 def sampling_overrides(text: str) -> dict[str, float]:
-    """`--override-generation-config`'s JSON object: sampling fields only, each a number."""
-    try:
-        given = json.loads(text) if text else {}
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"override_generation_config is not JSON: {e}") from None
-    known = (*SAMPLING_DEFAULTS, "max_new_tokens")
-    if not isinstance(given, dict) or not set(given) <= set(known):
-        raise CheckpointError(
-            f"override_generation_config must be a JSON object of {', '.join(known)}"
-        )
-    return sampling_defaults(given)
+    """`--override-generation-config`'s JSON object (checked with the settings)."""
+    return sampling_defaults(json.loads(text)) if text else {}
 
 
 def sampling_defaults(raw: dict[str, Any]) -> dict[str, float]:
-    defaults = {key: raw[key] for key in SAMPLING_DEFAULTS if raw.get(key) is not None}
+    defaults = {key: raw[key] for key in SAMPLING_FIELDS if raw.get(key) is not None}
     if raw.get("max_new_tokens") is not None:
         defaults["max_tokens"] = raw["max_new_tokens"]
     for key, value in defaults.items():

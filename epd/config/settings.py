@@ -5,8 +5,10 @@ every value passes (`Settings`), whichever dataclass holds it; `roles` holds the
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from epd.config.vllm import VllmFlag
@@ -17,6 +19,9 @@ ADDRESS_SCHEMES = ("tcp://", "ipc://", "inproc://")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 UVICORN_LOG_LEVELS = (*LOG_LEVELS, "critical", "trace")
 REASONING_PARSERS = ("auto", "none", "kimi_vl")
+# The sampling defaults a generation_config.json may give, and --override-generation-config.
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+GENERATION_FIELDS = (*SAMPLING_FIELDS, "max_new_tokens")
 AUTOMATIC = (  # 0: by device, or by the checkpoint
     "threads",
     "batch_patches",
@@ -58,6 +63,11 @@ def _check_value(name: str, value: Any) -> str | None:
         return "must be a positive number of seconds"
     if name in AUTOMATIC:
         return "must be 0 (automatic) or a positive number" if value < 0 else None
+    own_file = name == "generation_config" and value not in ("auto", "vllm")
+    if own_file and not Path(value, "generation_config.json").is_file():
+        return "must be auto, vllm or a directory holding a generation_config.json"
+    if name == "override_generation_config" and value:
+        return generation_overrides_problem(value)
     if name == "seed" and not -1 <= value < 2**63:
         return "must be -1 (fresh draws) or from 0 to 2**63 - 1"
     if name == "min_chunk_tokens" and value < 0:
@@ -82,6 +92,19 @@ def _check_value(name: str, value: Any) -> str | None:
     )
     if is_address and not (addresses and all(a.startswith(ADDRESS_SCHEMES) for a in addresses)):
         return "must be ZeroMQ addresses such as tcp://127.0.0.1:7101"
+    return None
+
+
+def generation_overrides_problem(text: str) -> str | None:
+    try:
+        given = json.loads(text)
+    except json.JSONDecodeError:
+        given = None
+    known = ", ".join(GENERATION_FIELDS)
+    if not isinstance(given, dict) or not set(given) <= set(GENERATION_FIELDS):
+        return f"must be a JSON object of {known}"
+    if any(isinstance(v, bool) or not isinstance(v, int | float) for v in given.values()):
+        return "must give each field a number"
     return None
 
 

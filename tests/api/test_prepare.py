@@ -272,6 +272,3 @@ def test_override_generation_config_wins_over_the_checkpoints_defaults(tiny_chec
     given = sampling(build('{"temperature": 0.6, "max_new_tokens": 9}'))
     assert (given.temperature, given.top_p, given.max_tokens) == (0.6, 0.9, 9)
     assert sampling(build('{"top_k": 5}', "vllm")).top_k == 5
-    for bad in ('{"temperature": "hot"}', '{"stop": 1}', "[1]", "{"):
-        with pytest.raises(CheckpointError, match="generation_config|override_generation_config"):
-            build(bad)

@@ -107,8 +107,10 @@ def test_gpu_memory_utilization_past_the_whole_is_refused(share):
 
 def test_max_model_len_zero_is_the_checkpoints_and_a_negative_is_refused():
     assert children("/m")["decode"].max_model_len == 0
-    with pytest.raises(ValueError, match="max_model_len=-1: must be 0"):
-        children("/m", "--max-model-len", "-1")
+    for automatic in ("auto", "-1"):  # vLLM's spellings of its automatic length
+        assert children("/m", "--max-model-len", automatic)["decode"].max_model_len == 0
+    with pytest.raises(ValueError, match="max_model_len=-2: must be 0"):
+        children("/m", "--max-model-len", "-2")
 
 
 def test_prefix_caching_is_on_unless_turned_off():
@@ -243,14 +245,30 @@ def test_enable_log_requests_is_the_inverse_of_disable():
     assert children("/m", "--no-enable-log-requests")["prefill"].disable_log_requests
 
 
-def test_override_generation_config_must_be_a_json_object():
-    given = '{"temperature": 0.6}'
+@pytest.mark.parametrize(
+    "given,says",
+    [
+        ("[1]", "must be a JSON object of temperature"),
+        ("{", "must be a JSON object"),
+        ('{"stop": 1}', "must be a JSON object"),
+        ('{"temperature": "hot"}', "must give each field a number"),
+    ],
+)
+def test_override_generation_config_is_checked_before_any_role_starts(given, says):
+    ok = '{"temperature": 0.6, "max_new_tokens": 9}'
     assert (
-        children("/m", "--override-generation-config", given)["prefill"].override_generation_config
-        == given
+        children("/m", "--override-generation-config", ok)["prefill"].override_generation_config
+        == ok
     )
-    with pytest.raises(ValueError, match="override_generation_config='\\[1\\]': must be a JSON"):
-        children("/m", "--override-generation-config", "[1]")
+    with pytest.raises(ValueError, match=f"override_generation_config=.*: {says}"):
+        children("/m", "--override-generation-config", given)
+
+
+def test_generation_config_is_auto_vllm_or_a_folder_with_one(tmp_path):
+    with pytest.raises(ValueError, match="generation_config=.*: must be auto, vllm or a dir"):
+        children("/m", "--generation-config", str(tmp_path))
+    (tmp_path / "generation_config.json").write_text("{}")
+    assert children("/m", "--generation-config", str(tmp_path))["prefill"].generation_config
 
 
 def test_seed_and_generation_config_reach_prefill(tmp_path):
