@@ -249,7 +249,7 @@ def create_app(service: Service, on_started: Callable[[], Any] | None = None) ->
             "parent": None,
             "max_model_len": service.builder.context_length,
         }
-        for name in config.served_model_name or (service.model_name,)
+        for name in config.served_model_name or (config.model_name,)
     }
 
     @app.get("/v1/models")
@@ -260,7 +260,7 @@ def create_app(service: Service, on_started: Callable[[], Any] | None = None) ->
     async def model(model_id: str) -> dict[str, Any]:
         if model_id not in config.model_names:
             raise unknown_model(model_id, service.model_name)
-        return cards.get(model_id, cards[service.model_name])
+        return cards.get(model_id, cards[config.model_name])  # the path: the first name's card
 
     @app.get("/version")  # as vLLM's: what clients read to tell servers apart
     async def version() -> dict[str, str]:
