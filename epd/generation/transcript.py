@@ -96,7 +96,10 @@ class Transcript:
             if self.sampling.include_stop_str:  # the stop token's text, where it has one
                 self.text += self.detokenizer.add(token)
             self.finish_reason = "stop"
-            self.stop_reason = None if eos else token  # an eos is no stop of the request's
+            # As vLLM: the tokenizer's eos is no stop of the request's; generation_config's
+            # other eos ids (Kimi's <|im_end|>, which ends every turn) are stop token ids.
+            primary = eos and token == self.tokenizer.eos_token_id
+            self.stop_reason = None if primary else token
         else:
             self._add_text(self.detokenizer.add(token))
         if self.finish_reason is None and grammar_done:

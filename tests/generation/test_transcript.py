@@ -16,7 +16,7 @@ def tokenizer(tiny_checkpoint):
 
 def transcript(tokenizer, **params):
     sampling = SamplingParams(**({"max_tokens": 100} | params))
-    eos = [tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    eos = [tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", tokenizer.eos_token)]
     return Transcript(sampling, tokenizer, eos, torch.tensor([1, 2, 3]))
 
 
@@ -133,7 +133,9 @@ def test_a_reply_started_by_prefill_and_continued_by_decode_is_the_reply_of_one(
 
 def test_stop_reason_names_the_stop_token_or_string_that_ended_the_reply(tokenizer):
     """vLLM's stop_reason: the stop token id, or the stop string as it matched (one that
-    began in an earlier token's text included); None for eos and max_tokens."""
+    began in an earlier token's text included); None for the tokenizer's eos and max_tokens,
+    and generation_config's other eos ids (Kimi's <|im_end|>) by id, as vLLM makes them stop
+    token ids."""
     two = tokenizer.encode(" two", add_special_tokens=False)[0]
     end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     by_token = transcript(tokenizer, stop_token_ids=(two,))
@@ -142,8 +144,11 @@ def test_stop_reason_names_the_stop_token_or_string_that_ended_the_reply(tokeniz
         for include in (False, True):
             reply = transcript(tokenizer, stop=stops, include_stop_str=include)
             assert feed(reply, tokenizer, "one two three four")[-1].stop_reason == matched
-    eos = transcript(tokenizer, stop_token_ids=(end,))  # an eos that is also a stop id
-    assert eos.accept(end).stop_reason is None
+    assert transcript(tokenizer).accept(end).stop_reason == end  # every Kimi turn's end
+    primary = tokenizer.eos_token_id
+    assert primary != end
+    eos = transcript(tokenizer, stop_token_ids=(primary,))  # the eos, also a stop id
+    assert eos.accept(primary).stop_reason is None
     assert eos.stop_reason is None
     cut = feed(transcript(tokenizer, max_tokens=2, stop=("zz",)), tokenizer, "one two three")
     assert [o.stop_reason for o in cut] == [None, None] and cut[-1].finish_reason == "length"
