@@ -38,7 +38,9 @@ class BenchConfig(Settings):
         vllm="--backend",
     )
     model: str = option("", "model name to ask for (default: the server's first)", "--model")
-    api_key: str = option("", "sent as a bearer token, if the server needs one")
+    api_key: str = option(
+        "", "sent as a bearer token, if the server needs one (default: $OPENAI_API_KEY)"
+    )
     requests: int = option(64, "requests to send (after the warm-up)", "--num-prompts")
     concurrency: int = option(
         0,

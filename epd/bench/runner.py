@@ -7,6 +7,7 @@ import asyncio
 import dataclasses
 import json
 import math
+import os
 import random
 import re
 import time
@@ -98,7 +99,10 @@ def session(config: BenchConfig) -> aiohttp.ClientSession:
     """The run's client (made in its event loop)."""
     # Each request's whole time is bounded by `stream`; here connecting and each read.
     timeout = aiohttp.ClientTimeout(sock_connect=30.0, sock_read=config.timeout_s)
-    headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
+    # The key from the flag, else the environment's, as vLLM's benchmark and OpenAI's clients
+    # read it (a command line's flags are visible to anyone on the machine).
+    key = config.api_key or os.environ.get("OPENAI_API_KEY", "")
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
     # A connection per request in flight, up to 100 where nothing bounds them (httpx's cap),
     # except all at once: every request then (0: no cap), or the server sees fewer than vLLM's.
     everyone = 0 if math.isinf(config.rate) else 100

@@ -192,3 +192,15 @@ def test_a_saved_run_says_inf_for_all_at_once_and_leaves_the_api_key_out(tmp_pat
     named = BenchConfig(json="run.json", result_dir=str(tmp_path / "out"))
     assert runner.result_path(named, "m") == tmp_path / "out" / "run.json"
     assert runner.result_path(BenchConfig(), "m") is None  # nothing asked: nothing written
+
+
+def test_the_api_key_comes_from_the_flag_else_openais_variable(monkeypatch):
+    async def authorization(**settings):
+        async with runner.session(BenchConfig(model="m", **settings)) as client:
+            return client.headers.get("Authorization")
+
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-env")
+    assert asyncio.run(authorization()) == "Bearer sk-env"
+    assert asyncio.run(authorization(api_key="sk-flag")) == "Bearer sk-flag"
+    monkeypatch.delenv("OPENAI_API_KEY")
+    assert asyncio.run(authorization()) is None
