@@ -27,8 +27,8 @@ def on_disk(config: Config) -> Config:
     """`config` with its model a directory: a repository's snapshot, found or downloaded, served
     under the repository's name unless served names are given."""
     folder = checkpoint_folder(config.model, config.revision, config.download_dir)
-    if folder == Path(config.model).expanduser():
-        return config
+    if folder == Path(config.model).expanduser():  # a directory: as given, `~` expanded
+        return dataclasses.replace(config, model=str(folder))
     names = config.served_model_name or (config.model,)
     return dataclasses.replace(config, model=str(folder), served_model_name=names)
 

@@ -64,7 +64,10 @@ BINARY = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 
 def readable_int(text: str) -> int:
     """A count as vLLM writes it: 32768, or with a suffix: lower case is decimal (`32k` is
-    32,000, `1.5k` 1,500), upper case binary (`32K` 32,768, `1M` 1,048,576, whole numbers)."""
+    32,000, `1.5k` 1,500), upper case binary (`32K` 32,768, `1M` 1,048,576, whole numbers);
+    `auto` or -1 (vLLM's automatic length) is epd's automatic 0."""
+    if text.strip() in ("auto", "-1"):
+        return 0
     match = re.fullmatch(r"(-?\d+(?:\.\d+)?)([kmgtKMGT]?)", text.strip())
     number, suffix = match.groups() if match else ("", "")
     if match and suffix in DECIMAL:
@@ -137,6 +140,10 @@ ACCEPTED = (
     Accepted(("--load-format",), "epd reads safetensors", ("auto", "safetensors")),
     Accepted(("--block-size",), "epd's KV blocks hold 16 tokens", ("16",)),
     Accepted(("--disable-custom-all-reduce",), "epd runs each role on one device"),
+    Accepted(
+        ("--enable-prompt-tokens-details",),
+        "usage always carries prompt_tokens_details.cached_tokens",
+    ),
 )
 REFUSED = (
     Refused(("-q", "--quantization"), "epd runs the checkpoint's weights in --dtype, unquantised"),

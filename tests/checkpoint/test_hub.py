@@ -74,7 +74,13 @@ def test_a_snapshot_path_is_served_under_the_path_given(tmp_path, tiny_checkpoin
 
 def test_a_directory_is_served_as_it_is(tiny_checkpoint):
     config = PrefillConfig(model=str(tiny_checkpoint))
-    assert on_disk(config) is config and config.model_name == tiny_checkpoint.name
+    assert on_disk(config) == config and config.model_name == tiny_checkpoint.name
+
+
+def test_a_directory_under_home_is_expanded(tiny_checkpoint, monkeypatch):
+    monkeypatch.setenv("HOME", str(tiny_checkpoint.parent))
+    config = on_disk(PrefillConfig(model=f"~/{tiny_checkpoint.name}"))
+    assert config.model == str(tiny_checkpoint) and config.model_name == tiny_checkpoint.name
 
 
 def test_a_repository_missing_from_the_cache_offline_is_an_error_naming_it(offline, tmp_path):
