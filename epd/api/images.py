@@ -108,7 +108,7 @@ class ImageLoader:
         timeout = self.policy.timeout_s
         try:
             return await asyncio.wait_for(self._fetch_when_free(url, index), timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise _refused(index, f"fetching {_short(url)} took over {timeout}s") from None
 
     def _lookup_done(self, _: object) -> None:
