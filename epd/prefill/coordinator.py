@@ -121,6 +121,9 @@ class Coordinator:
         rows = config.max_images * max_image_tokens
         largest = rows * engine.lm.config.hidden_size * 4  # float32 embeddings of every image
         self.router = Router(config, largest, self.metrics, polled=self.beat)
+        # An encoder not measured yet may hold one request at this server's limits (its
+        # images' patches: 2×2 of them make a token), which encode_timeout_s allows for.
+        self.router.load.first_patches = config.max_images * max_image_tokens * 4
         self.status: dict[str, Status] = {}  # requests between `submit` and their last delta
         budget = token_budget(config.max_prefill_tokens, engine.device)
         self.batcher = PrefillBatcher(

@@ -11,7 +11,9 @@ is ahead of it on its encoder, and itself, are done at that encoder's pace. The 
 slowest of three views: the decayed average of its replies, its latest reply alone, and the
 part under way (P patches not back after T seconds of its turn: at most P/T a second), so a
 machine that slows shows at its next reply, or while the part runs, not replies later. An
-encoder not measured yet has no pace: while it holds a part, nothing more is sent to it.
+encoder not measured yet has no pace: it is given at most one request's images at the
+server's limits (`first_patches`), which encode_timeout_s must allow for anyway; once it has
+answered, what was admitted on that trust is refused as soon as it would be late.
 """
 
 from __future__ import annotations
@@ -68,6 +70,7 @@ class EncodeLoad:
     """Patches sent and not back, by (request id, part), and each encoder's pace."""
 
     timeout_s: float
+    first_patches: int = 0  # the most an encoder not measured yet may hold
     sent: dict[Key, Sent] = field(default_factory=dict)  # in the order sent
     paces: dict[str, EncoderPace] = field(default_factory=dict)
 
@@ -95,11 +98,12 @@ class EncodeLoad:
 
     def wait_s(self, encoder: str, patches: int, now: float) -> float | None:
         """How long `patches` more sent to `encoder` would take to come back; None when that
-        cannot be told (an encoder not measured yet, holding a part)."""
+        cannot be promised (an encoder not measured yet, past `first_patches`; 0 within them:
+        its time is not known, but no more than a lone request's at the limits)."""
         rate, back = self.outlook(encoder, now)
         if rate is None:
-            held = any(s.encoder == encoder for s in self.sent.values())
-            return None if held else 0.0  # nothing ahead: how long it takes, it takes
+            held = sum(s.patches for s in self.sent.values() if s.encoder == encoder)
+            return None if held and held + patches > self.first_patches else 0.0
         return max(back.values(), default=0.0) + patches / rate
 
     def admit(self, parts: Sequence[tuple[str, int]]) -> None:
@@ -113,7 +117,7 @@ class EncodeLoad:
         if None in waits:
             raise Overloaded(
                 f"the encoders are busy with their first images, and their pace is not known "
-                f"until those are back: this request's {total} image patches could not be "
+                f"until those are back: this request's {total} image patches more could not be "
                 f"promised within {self.timeout_s:g}s (encode_timeout_s); retry in 1s",
                 1,
             )

@@ -435,7 +435,8 @@ def test_images_the_encoders_cannot_take_in_time_are_refused_before_the_prompt_i
         router = service.coordinator.router
         encoder = router.encoders.current[0]
         monkeypatch.setattr(router.outbox, "is_up", lambda address: True)
-        router.load.sending(("first", 0), encoder, 16)  # its pace is not known until it is back
+        # its pace is not known until these are back, and it holds a request at the limits
+        router.load.sending(("first", 0), encoder, router.load.first_patches)
         response = chat(client, messages=[image(url)])
     assert response.status_code == 503 and int(response.headers["Retry-After"]) >= 1
     assert "encode_timeout_s" in response.json()["error"]["message"]

@@ -58,7 +58,7 @@ def test_bodies_of_millions_of_values_are_refused_while_streams_flow(stack, clie
     assert gap < 5  # the old parse held every stream for as long as it built the arrays
 
 
-def flat_jpeg(seed: int, size: int = 448) -> str:
+def flat_jpeg(seed: int, size: int = 896) -> str:
     """A JPEG of one colour: a few KB to send, yet as many patches to encode as any photo of
     its size (the largest an image becomes); each seed its own file, so none is cached."""
     colour = (seed % 256, seed // 256 % 256, 99)
@@ -86,15 +86,24 @@ def burst(url: str, first_seed: int, requests_: int) -> list[tuple[requests.Resp
         return list(pool.map(timed, bodies))
 
 
+def backlog(base: int) -> int:
+    health = requests.get(f"http://127.0.0.1:{base + 20}/health", timeout=5).json()
+    return health["encode_backlog_patches"]
+
+
 def test_an_image_burst_is_served_or_refused_at_once_from_the_first_request(tiny_checkpoint):
     """A fresh server does not know its encoders' pace; admitting on a guess let a burst in
     that then timed out (504 after encode_timeout_s). Every reply is a 200 or a 503, and a
-    refusal at admission comes within 2 s, on a fresh server and again once it is measured."""
+    refusal at admission comes within 2 s, on a fresh server (which trusts its encoder with
+    one request at the limits, 4 images, until it answers) and again once it is measured."""
     base = free_base()
-    stack = serve(tiny_checkpoint, base, "--encode-timeout-s", "3")
+    stack = serve(tiny_checkpoint, base, "--encode-timeout-s", "8", "--max-images", "4")
     try:
         url = f"http://127.0.0.1:{base + 20}/v1/chat/completions"
         for first_seed in (0, 1000):  # fresh, then on the pace the first burst measured
+            deadline = time.monotonic() + 30
+            while backlog(base) and time.monotonic() < deadline:  # images refused late
+                time.sleep(0.2)
             answers = burst(url, first_seed, 16)
             statuses = [answer.status_code for answer, _ in answers]
             assert set(statuses) <= {200, 503}, statuses  # no timeouts: admitted means served

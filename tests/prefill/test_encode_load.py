@@ -25,20 +25,26 @@ def measured(clock, patches_per_s: float = 1000, encoder: str = "e1") -> EncodeL
     return load
 
 
-def test_an_encoder_not_measured_yet_takes_one_request_at_a_time(clock):
-    load = EncodeLoad(timeout_s=60)
-    load.admit([("e1", 100)])
-    load.sending(("a", 0), "e1", 100)
+def test_an_encoder_not_measured_yet_holds_at_most_one_request_at_the_limits(clock):
+    load = EncodeLoad(timeout_s=60, first_patches=1000)
+    load.admit([("e1", 5000)])  # alone: it goes whatever its size
+    load.sending(("huge", 0), "e1", 5000)
     with pytest.raises(Overloaded) as refused:  # however small: its pace is not known
         load.admit([("e1", 1)])
     assert refused.value.retry_after_s == 1
     assert "encode_timeout_s" in str(refused.value)
-    load.admit([("e2", 400)])  # another encoder, idle: nothing is ahead there
-    assert load.expected_s("a") is None  # nor is it refused later: nothing tells its end
+    load.failed("huge")
+    load.sending(("a", 0), "e1", 600)
+    load.admit([("e1", 400)])  # 1000 in all: as much as one request at the limits
+    load.sending(("b", 0), "e1", 400)
+    with pytest.raises(Overloaded):
+        load.admit([("e1", 1)])
+    load.admit([("e2", 5000)])  # another encoder, idle: nothing is ahead there
+    assert load.expected_s("b") is None  # nor is it refused later: nothing tells its end yet
     clock[0] = 0.5
     load.replied(("a", 0))
-    load.admit([("e1", 100)])
-    assert load.rate() == pytest.approx(200)
+    assert load.rate() == pytest.approx(1200)
+    assert load.expected_s("b") == pytest.approx(400 / 1200)
 
 
 def test_admission_follows_the_measured_pace(clock):
