@@ -170,12 +170,12 @@ class Service:
             raise bad_request(f"{len(urls)} images is over the limit of {self.config.max_images}")
         return await self.media.load(urls)
 
-    def check_encode_room(self, images: list[bytes]) -> None:
+    def check_encode_room(self, images: list[bytes], salt: str | None = None) -> None:
         """A 503 at once for images the encoders cannot take in time, judged from the sizes in
         their headers: before the prompt is built round them and before they are hashed, which
         in a burst of large images took seconds of their wait."""
         if images and self.coordinator is not None:
-            self.coordinator.check_room(images, self.builder.grids(images))
+            self.coordinator.check_room(images, self.builder.grids(images), salt)
 
 
 def handle_errors(app: FastAPI, metrics: PrefillMetrics) -> None:
@@ -413,7 +413,7 @@ async def start_chat(
     builder = service.builder
     conversation = await service.off_loop(builder.read, chat)
     images = await service.load_images(conversation.image_urls)
-    service.check_encode_room(images)
+    service.check_encode_room(images, chat.cache_salt)
     try:
         prepared = await service.off_loop(
             builder.prepare, conversation, images, request_id(request)

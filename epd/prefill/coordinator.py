@@ -198,7 +198,7 @@ class Coordinator:
         """Every image's embeddings, in prompt order: from the cache, or from the encoders."""
         if not request.images:
             return None
-        self.check_room(request.images, request.grids)  # before hashing them
+        self.check_room(request.images, request.grids, request.cache_salt)  # before hashing
         # Hashing large files takes time; salted keys keep one tenant's encodes its own.
         keys = await asyncio.to_thread(digests, request.images, request.cache_salt)
         rows = {
@@ -213,7 +213,8 @@ class Coordinator:
                 request, missing, payloads, lm.config.hidden_size, lm.lm_head.weight.dtype
             )
             for index, image_rows in zip(missing, encoded, strict=True):
-                self.images.put(keys[index], image_rows, len(request.images[index]))
+                size = len(request.images[index])
+                self.images.put(keys[index], image_rows, size, request.cache_salt)
                 rows[index] = image_rows
         return Images(torch.cat([rows[i] for i in range(len(request.images))]), tuple(keys))
 
@@ -259,13 +260,15 @@ class Coordinator:
             for group, encoder in zip(groups, encoders, strict=False)
         ]
 
-    def check_room(self, images: Sequence[bytes], grids: Sequence[Grid]) -> None:
+    def check_room(
+        self, images: Sequence[bytes], grids: Sequence[Grid], salt: str | None = None
+    ) -> None:
         """Raise Overloaded, before the images are hashed, if those surely not cached (of a
         file size no cached image has) would not be encoded in time; which of the others are
         cached, and cost no encode, the hashes tell. The API asks as soon as it has the files,
         before it builds the prompt round them."""
         router, cache = self.router, self.images
-        new = [i for i, data in enumerate(images) if not cache.may_hold(len(data))]
+        new = [i for i, data in enumerate(images) if not cache.may_hold(len(data), salt)]
         live = [a for a in router.encoders.current if router.outbox.is_up(a)]
         if new and live:  # none live: `pick` says so, after a grace for one connecting
             self.admit(self.parts(grids, new, live))

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import torch
 
 log = logging.getLogger(__name__)
+FileKey = tuple[str | None, int]  # what is known of an image before it is hashed: salt, size
 
 
 def digests(images: Sequence[bytes], salt: str | None = None) -> list[str]:
@@ -37,14 +38,16 @@ class ImageCache:
         self.max_bytes, self.bytes = max_bytes, 0
         self.entries: OrderedDict[str, torch.Tensor] = OrderedDict()  # digest → (tokens, hidden)
         self.hits = self.misses = 0
-        # Each kept image's file size (None: not given), and how many have each: a file of a
-        # size none has is not here, which is known before it is hashed (`may_hold`).
-        self.file_bytes: dict[str, int | None] = {}
-        self.sizes: Counter[int | None] = Counter()
+        # Each kept image's file size with the cache_salt it was sent under (None: not given),
+        # and how many have each: a file of a size none has under its salt is not here, which
+        # is known before it is hashed (`may_hold`), and says nothing of other salts' images.
+        self.file_bytes: dict[str, FileKey | None] = {}
+        self.sizes: Counter[FileKey | None] = Counter()
 
-    def may_hold(self, file_bytes: int) -> bool:
-        """Whether an image file of this size may be cached (False: surely not)."""
-        return bool(self.sizes[file_bytes] or self.sizes[None])
+    def may_hold(self, file_bytes: int, salt: str | None = None) -> bool:
+        """Whether an image file of this size, sent under `salt`, may be cached (False:
+        surely not)."""
+        return bool(self.sizes[(salt, file_bytes)] or self.sizes[None])
 
     def get(self, digest: str) -> torch.Tensor | None:
         rows = self.entries.get(digest)
@@ -55,9 +58,15 @@ class ImageCache:
         self.entries.move_to_end(digest)
         return rows
 
-    def put(self, digest: str, rows: torch.Tensor, file_bytes: int | None = None) -> None:
+    def put(
+        self,
+        digest: str,
+        rows: torch.Tensor,
+        file_bytes: int | None = None,
+        salt: str | None = None,
+    ) -> None:
         """Keep an image's rows (copied: a received frame may hold other images too), and its
-        file's size if given. The cache is optional: a copy that cannot be made (no memory
+        file's size and salt if given. The cache is optional: a copy that cannot be made (no memory
         left) is not kept, and the request goes on with its rows."""
         size = rows.nbytes
         if size > self.max_bytes or digest in self.entries:
@@ -76,8 +85,9 @@ class ImageCache:
                 del self.sizes[dropped_size]  # the sizes stay as many as the entries
         self.entries[digest] = copy
         self.bytes += size
-        self.file_bytes[digest] = file_bytes
-        self.sizes[file_bytes] += 1
+        key = None if file_bytes is None else (salt, file_bytes)
+        self.file_bytes[digest] = key
+        self.sizes[key] += 1
 
     def status(self) -> dict[str, object]:
         return {"image_cache": {"hits": self.hits, "misses": self.misses, "bytes": self.bytes}}

@@ -51,6 +51,13 @@ def test_a_salted_key_is_its_own_and_the_same_salt_finds_it():
     assert cache.get(plain) is None and cache.get(two) is None and cache.get(one) is not None
 
 
+def test_a_size_kept_under_one_salt_says_nothing_of_another_salts_files():
+    cache = ImageCache(max_bytes=2 * 16)
+    cache.put(digests([b"a"], "t-1")[0], rows(1), file_bytes=100, salt="t-1")
+    assert cache.may_hold(100, "t-1")
+    assert not cache.may_hold(100, "t-2") and not cache.may_hold(100)
+
+
 def test_a_file_of_a_size_no_kept_image_has_is_known_missing_before_hashing():
     cache = ImageCache(max_bytes=2 * 16)
     a, b, c = digests([b"a", b"bb", b"ccc"])
