@@ -16,7 +16,6 @@ metric that two roles expose (`epd:kv_cache_usage_perc`) is one family with a se
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import math
 import time
@@ -117,42 +116,47 @@ def metrics_router(
 
 
 class StackScrape:
-    """A role's series and its peers', fetched together, each peer within `timeout_s` (one that
-    does not answer is left out: its series' absence says so, and the log once). The text is
-    kept for `FRESH_S`, so a client that asks for /metrics in a loop costs the event loop one
-    scrape of the peers a second, not one a request; the peers are on the loopback or named by
-    the operator, so no proxy of the environment is asked."""
+    """A role's series, and its peers' as they last gave them, each peer within `timeout_s` (one
+    that does not answer is left out: its series' absence says so, and the log once). The
+    role's own are read at every scrape; the peers' texts are kept for `FRESH_S`, so a client
+    that asks for /metrics in a loop costs the event loop one fetch from the peers a second,
+    not one a request. The peers are on the loopback or named by the operator: no proxy of
+    the environment is asked."""
 
     def __init__(self, registry: CollectorRegistry, peers: tuple[str, ...], timeout_s: float):
         self.registry, self.peers, self.timeout_s = registry, peers, timeout_s
-        self.lock, self.made, self.kept = asyncio.Lock(), -math.inf, b""
+        self.lock, self.fetched, self.texts = asyncio.Lock(), -math.inf, [""] * len(peers)
         self.silent: set[str] = set()  # peers whose last scrape failed (logged once)
 
     async def text(self) -> bytes:
         async with self.lock:
-            if time.monotonic() - self.made > FRESH_S:
-                self.kept, self.made = await self.scrape(), time.monotonic()
-            return self.kept
+            if time.monotonic() - self.fetched > FRESH_S:
+                self.texts, self.fetched = await self.fetch(), time.monotonic()
+        # Parsed anew each time: merging adds samples to the families it is given.
+        theirs = [family for text in self.texts for family in parsed(text)]
+        return generate_latest(Families(merged([*self.registry.collect(), *theirs])))
 
-    async def scrape(self) -> bytes:
+    async def fetch(self) -> list[str]:
         async with httpx.AsyncClient(timeout=self.timeout_s, trust_env=False) as client:
-            found = await asyncio.gather(*(self.peer(client, url) for url in self.peers))
-        families = merged([*self.registry.collect(), *itertools.chain.from_iterable(found)])
-        return generate_latest(Families(families))
+            return await asyncio.gather(*(self.peer(client, url) for url in self.peers))
 
-    async def peer(self, client: httpx.AsyncClient, url: str) -> list[Metric]:
-        """A peer's metric families; none where it does not answer in Prometheus' format."""
+    async def peer(self, client: httpx.AsyncClient, url: str) -> str:
+        """A peer's metrics in Prometheus' text format; "" where it does not answer so."""
         try:
             response = await client.get(url)
             response.raise_for_status()
-            families = list(text_string_to_metric_families(response.text))
+            parsed(response.text)  # checked once here, where a failure can be told
         except (httpx.HTTPError, ValueError) as e:
             if url not in self.silent:
                 log.warning("metrics of %s left out of /metrics: %s", url, e)
             self.silent.add(url)
-            return []
+            return ""
         self.silent.discard(url)
-        return families
+        return response.text
+
+
+def parsed(text: str) -> list[Metric]:
+    return list(text_string_to_metric_families(text))
 
 
 def merged(families: Iterable[Metric]) -> list[Metric]:

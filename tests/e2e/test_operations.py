@@ -24,6 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from epd.checkpoint import progress
 from epd.local import LocalPipeline
 from epd.model.packed import packs_many_rows
+from epd.runtime.metrics import FRESH_S
 from epd.serve import BRIEF_SPIN, OPENMP_WAITING
 from epd.wire.curve import CurveKeys, make_keys
 
@@ -192,6 +193,7 @@ def test_metrics_count_real_requests_in_every_role_on_one_scrape_target(client, 
             max_tokens=3,
             extra_body={"ignore_eos": True},
         )
+    time.sleep(FRESH_S)  # the peers' series, as the API port last fetched them, are this old
     after, own = scrape(api), {"encode": scrape(encode), "decode": scrape(decode)}
 
     def key(name: str, role: str = "prefill", **labels: str) -> tuple[str, tuple]:

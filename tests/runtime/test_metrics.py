@@ -86,3 +86,20 @@ def test_a_peer_that_does_not_answer_in_time_is_left_out(peer):
     url, _ = peer
     found = scraped(f"{url}/slow", "http://127.0.0.1:9/metrics", timeout_s=0.3)
     assert "epd:steps" not in found and [s.value for s in found["epd:requests"]] == [1.0]
+
+
+def test_the_roles_own_series_are_fresh_at_every_scrape_and_the_peers_fetched_once(peer):
+    url, asked = peer
+    prefill = Prefill("kimi")
+    requests = prefill.counter("requests", "requests")
+    app = FastAPI()
+    app.include_router(metrics_router(prefill.registry, [f"{url}/metrics"]))
+    client = TestClient(app)
+    for count in range(3):
+        found = {
+            f.name: f.samples for f in text_string_to_metric_families(client.get("/metrics").text)
+        }
+        assert [s.value for s in found["epd:requests"]] == [count]
+        assert [s.value for s in found["epd:steps"]] == [3.0]  # once, not once per scrape
+        requests.inc()
+    assert asked == ["/metrics"]
