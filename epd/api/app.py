@@ -122,7 +122,7 @@ class Service:
         outbox = router.outbox
         requests["peers"] = {a: "up" if outbox.is_up(a) else "down" for a in router.peers()}
         refused = {"refused_messages": router.inbox.refusals.total}
-        images = coordinator.images.status() | router.load.status()
+        images = coordinator.encoding.images.status() | router.load.status()
         return requests | refused | images | coordinator.batcher.status()
 
     @contextmanager
@@ -175,7 +175,7 @@ class Service:
         their headers: before the prompt is built round them and before they are hashed, which
         in a burst of large images took seconds of their wait."""
         if images and self.coordinator is not None:
-            self.coordinator.check_room(images, self.builder.grids(images), salt)
+            self.coordinator.encoding.check_room(images, self.builder.grids(images), salt)
 
 
 def handle_errors(app: FastAPI, metrics: PrefillMetrics) -> None:

@@ -1,40 +1,34 @@
 """A request's life in prefill, from the API's hand-over to its last token, in one place.
 
-`submit` takes a prepared request through its images (from the image cache, or the encoders),
-its prefill (packed with whatever else waits, `PrefillBatcher`) and its hand-off to a decoder;
-`deltas` then streams its tokens: each choice's first, which prefill sampled, at once, and
-decode's after it. `Router` carries the messages to and from the peers; each request's `Status`
-says where it stands (on `/health`, by count).
+`submit` takes a prepared request through its images (`Encoding`: from the image cache, or
+the encoders), its prefill (packed with whatever else waits, `PrefillBatcher`) and its
+hand-off to a decoder; `deltas` then streams its tokens: each choice's first, which prefill
+sampled, at once, and decode's after it. `Router` carries the messages to and from the peers;
+each request's `Status` says where it stands (on `/health`, by count).
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import time
 import weakref
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import NamedTuple, TypeVar
-
-import torch
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TypeVar
 
 from epd.config.roles import PrefillConfig
-from epd.generation.finite import overflows
 from epd.generation.status import Status
-from epd.multimodal.grids import Grid, kimi_vl_grids
 from epd.prefill.batcher import PrefillBatcher, token_budget
+from epd.prefill.encoding import Encoding, Images
 from epd.prefill.engine import Prefilled, PrefillEngine, Prompt
 from epd.prefill.errors import (
     BadRequest,
     Internal,
-    Overloaded,
     PrefillError,
     TimedOut,
     Unavailable,
 )
-from epd.prefill.image_cache import ImageCache, digests
 from epd.prefill.metrics import PrefillMetrics
 from epd.prefill.prefix_cache import PrefixCache, image_spans
 from epd.prefill.request import PreparedRequest, Stream
@@ -42,31 +36,13 @@ from epd.prefill.router import Router
 from epd.runtime.process import torch_threads
 from epd.runtime.watchdog import Watchdog
 from epd.wire.codec import WireError
-from epd.wire.messages import EncodeRequest, ImageEmbeddings, TokenDelta
+from epd.wire.messages import TokenDelta
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 now = time.perf_counter
 # The statuses a request has between `submit` and its last delta.
 IN_PREFILL = (Status.ENCODING, Status.WAITING, Status.RUNNING, Status.DECODING)
-# How often a request waiting for its images asks whether they will still be back in time.
-LATE_CHECK_S = 0.5
-
-
-class Part(NamedTuple):
-    """The images of a request sent to one encoder."""
-
-    indices: list[int]  # in the request
-    encoder: str
-    patches: int
-
-
-class Images(NamedTuple):
-    """A request's images as prefill takes them: their embeddings, (rows, hidden) in prompt
-    order, and each file's key in the image cache (what the prefix cache knows them by)."""
-
-    rows: torch.Tensor
-    digests: tuple[str, ...]
 
 
 def prefix_cache(config: PrefillConfig, engine: PrefillEngine) -> PrefixCache | None:
@@ -141,7 +117,7 @@ class Coordinator:
             prefix_cache=prefix_cache(config, engine),
             moved=self.moved,
         )
-        self.images = ImageCache(config.image_cache_bytes)
+        self.encoding = Encoding(config, engine, self.router, self.metrics, self.alone)
         self.tasks: list[asyncio.Task[None]] = []
 
     def start(self) -> None:
@@ -187,125 +163,12 @@ class Coordinator:
         deltas then come from `deltas`, which ends its life."""
         self.status[request.request_id] = Status.ENCODING
         try:
-            images = await self.encode(request)
+            images = await self.encoding.embed(request)
             self.status[request.request_id] = Status.WAITING
             return await self.prefill(request, images)
         except BaseException:
             del self.status[request.request_id]
             raise
-
-    async def encode(self, request: PreparedRequest) -> Images | None:
-        """Every image's embeddings, in prompt order: from the cache, or from the encoders."""
-        if not request.images:
-            return None
-        self.check_room(request.images, request.grids, request.cache_salt)  # before hashing
-        # Hashing large files takes time; salted keys keep one tenant's encodes its own.
-        keys = await asyncio.to_thread(digests, request.images, request.cache_salt)
-        rows = {
-            i: found for i, key in enumerate(keys) if (found := self.images.get(key)) is not None
-        }
-        missing = [i for i in range(len(request.images)) if i not in rows]
-        self.metrics.images.inc(len(keys))
-        self.metrics.image_cache_hits.inc(len(rows))
-        if missing:
-            payloads, lm = await self.encode_images(request, missing), self.engine.lm
-            encoded = check_payloads(
-                request, missing, payloads, lm.config.hidden_size, lm.lm_head.weight.dtype
-            )
-            for index, image_rows in zip(missing, encoded, strict=True):
-                size = len(request.images[index])
-                self.images.put(keys[index], image_rows, size, request.cache_salt)
-                rows[index] = image_rows
-        return Images(torch.cat([rows[i] for i in range(len(request.images))]), tuple(keys))
-
-    async def encode_images(
-        self, request: PreparedRequest, indices: list[int]
-    ) -> list[ImageEmbeddings]:
-        """The embeddings of the images at `indices`, split over the live encoders."""
-        router = self.router
-        encoders = await router.pick(router.encoders, "encode")
-        parts = self.parts(request.grids, indices, encoders)
-        self.admit(parts)
-        waits, alone = [], self.alone()
-        for number, part in enumerate(parts):
-            future = router.expect(request.request_id, number, part.encoder)
-            router.load.sending((request.request_id, number), part.encoder, part.patches)
-            waits.append(future)
-            files = tuple(request.images[i] for i in part.indices)
-            message = EncodeRequest(
-                request.request_id,
-                number,
-                files,
-                tuple(part.indices),
-                self.config.reply_address,
-                alone,
-            )
-            if not router.outbox.send(part.encoder, message):
-                future.set_exception(Unavailable(f"encode server {part.encoder} is not reachable"))
-        start = time.perf_counter()
-        try:
-            replies = await self.until_encoded(request.request_id, waits)
-            self.metrics.encode_wait.observe(time.perf_counter() - start)
-            self.metrics.embedding_bytes.inc(sum(r.embeddings.nbytes for r in replies))
-            return replies
-        finally:
-            router.forget(request.request_id, len(parts))
-
-    def parts(self, grids: Sequence[Grid], indices: list[int], encoders: list[str]) -> list[Part]:
-        """The images at `indices` split over `encoders`, each part with its patches (from the
-        grids that the images' headers gave, before any pixel is decoded)."""
-        groups = [indices[start:stop] for start, stop in split(len(indices), len(encoders))]
-        return [
-            Part(group, encoder, sum(h * w for h, w in (grids[i] for i in group)))
-            for group, encoder in zip(groups, encoders, strict=False)
-        ]
-
-    def check_room(
-        self, images: Sequence[bytes], grids: Sequence[Grid], salt: str | None = None
-    ) -> None:
-        """Raise Overloaded, before the images are hashed, if those surely not cached (of a
-        file size no cached image has) would not be encoded in time; which of the others are
-        cached, and cost no encode, the hashes tell. The API asks as soon as it has the files,
-        before it builds the prompt round them."""
-        router, cache = self.router, self.images
-        new = [i for i, data in enumerate(images) if not cache.may_hold(len(data), salt)]
-        live = [a for a in router.encoders.current if router.outbox.is_up(a)]
-        if new and live:  # none live: `pick` says so, after a grace for one connecting
-            self.admit(self.parts(grids, new, live))
-
-    def admit(self, parts: list[Part]) -> None:
-        """Raise Overloaded unless the parts would be back well within encode_timeout_s."""
-        load = self.router.load
-        load.expire(2 * self.config.encode_timeout_s)
-        try:
-            load.admit([(part.encoder, part.patches) for part in parts])
-        except Overloaded:
-            self.metrics.refused.labels("encode_backlog").inc()
-            raise
-
-    async def until_encoded(
-        self, request_id: str, waits: list[asyncio.Future[ImageEmbeddings]]
-    ) -> list[ImageEmbeddings]:
-        """The parts' embeddings. Refused (Overloaded) as soon as the encoders' pace shows they
-        would not all be back within encode_timeout_s, so that an encoder slowing after the
-        request was admitted costs a 503 with Retry-After, not a timeout at the limit."""
-        limit, start = self.config.encode_timeout_s, time.perf_counter()
-        gathered = asyncio.ensure_future(asyncio.gather(*waits))
-        try:
-            while not gathered.done():
-                waited = time.perf_counter() - start
-                if waited >= limit:
-                    raise TimedOut(f"no image embeddings within {limit}s")
-                try:
-                    self.router.load.check_in_time(request_id, waited)
-                except Overloaded:
-                    self.metrics.refused.labels("encode_late").inc()
-                    raise
-                await asyncio.wait({gathered}, timeout=min(LATE_CHECK_S, limit - waited))
-        finally:
-            if not gathered.done():
-                gathered.cancel()
-        return gathered.result()
 
     async def prefill(self, request: PreparedRequest, images: Images | None) -> Stream:
         """Prefill the request, packed with whatever else waits for prefill, and hand it to a
@@ -434,48 +297,3 @@ def on_loop(loop: asyncio.AbstractEventLoop, fn: Callable[..., object], *args: o
     """fn(*args) on the loop, from any thread, unless the loop has closed (the process ends)."""
     if not loop.is_closed():
         loop.call_soon_threadsafe(fn, *args)
-
-
-def split(count: int, workers: int) -> list[tuple[int, int]]:
-    """Contiguous [start, stop) ranges of `count` images over at most `workers` parts."""
-    parts = min(count, workers)
-    bounds = [round(i * count / parts) for i in range(parts + 1)]
-    return list(itertools.pairwise(bounds))
-
-
-def check_payloads(
-    request: PreparedRequest,
-    indices: list[int],
-    payloads: list[ImageEmbeddings],
-    hidden: int,
-    dtype: torch.dtype,
-) -> list[torch.Tensor]:
-    """Each image's rows (tokens, hidden), refusing payloads whose grids or rows disagree with
-    the placeholders expanded for the images at `indices`, whose rows are not `hidden` wide, or
-    whose values a cast to the model's `dtype` would turn into ±inf. Each payload must hold its
-    own images' rows: a short one must not borrow the next one's. (Unchecked rows would be
-    cached by the images' hashes, and fail or mislead each later request for those images.)"""
-    try:
-        grids = tuple(grid for p in payloads for grid in kimi_vl_grids(p.grids))
-    except ValueError as e:  # e.g. an odd side, which the 2×2 merge cannot take
-        raise Internal(f"encode returned unusable grids: {e}") from None
-    expected = tuple(request.grids[i] for i in indices)
-    if grids != expected:
-        raise Internal(f"encode returned grids {list(grids)} for images of grids {list(expected)}")
-    rows: list[torch.Tensor] = []
-    for payload in payloads:
-        embeddings = payload.embeddings  # (Σ tokens of its images, hidden)
-        mine = indices[len(rows) : len(rows) + len(payload.grids)]  # its images, in order
-        slots = [request.image_tokens[i] for i in mine]
-        if embeddings.shape[1] != hidden:
-            raise Internal(
-                f"encode returned embeddings {embeddings.shape[1]} wide, not the model's {hidden}"
-            )
-        if embeddings.shape[0] != sum(slots):
-            raise Internal(
-                f"encode returned {embeddings.shape[0]} embedding rows for {sum(slots)} image slots"
-            )
-        if (largest := overflows(embeddings, dtype)) is not None:  # finite: the message checked
-            raise Internal(f"encode returned embeddings up to {largest:.3g}, past {dtype}'s range")
-        rows.extend(embeddings.split(slots))
-    return rows

@@ -20,7 +20,8 @@ from epd.generation.params import SamplingParams
 from epd.generation.status import Status
 from epd.generation.transcript import Output
 from epd.prefill import router as router_module
-from epd.prefill.coordinator import Coordinator, check_payloads, split, within
+from epd.prefill.coordinator import Coordinator, within
+from epd.prefill.encoding import check_payloads, split
 from epd.prefill.engine import Prefilled
 from epd.prefill.errors import BadRequest, PrefillError
 from epd.prefill.metrics import PrefillMetrics
@@ -302,9 +303,10 @@ def test_a_salted_request_gets_no_image_encoded_for_another_salt(tiny_checkpoint
 
     async def main():
         coordinator = Coordinator(config, service.engine, 64, service.watchdog)
-        coordinator.encode_images = encode_images
-        keys = [(await coordinator.encode(asking(s))).digests for s in (None, "t-1", "t-1", "t-2")]
-        again = await coordinator.encode(asking(None))
+        encoding = coordinator.encoding
+        encoding.encode_images = encode_images
+        keys = [(await encoding.embed(asking(s))).digests for s in (None, "t-1", "t-1", "t-2")]
+        again = await encoding.embed(asking(None))
         await coordinator.stop()
         return keys, again.digests
 
