@@ -9,7 +9,7 @@ import json
 import logging
 import re
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
@@ -150,7 +150,23 @@ class Service:
         return request
 
     async def off_loop(self, work: Callable[..., T], *args: Any) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self.prompts, work, *args)
+        """`work(*args)` on the prompts' threads, unless the process ends its requests first."""
+        self.check_serving()
+        return await self.unless_ended(
+            asyncio.get_running_loop().run_in_executor(self.prompts, work, *args)
+        )
+
+    async def unless_ended(self, work: Awaitable[T]) -> T:
+        if self.coordinator is None:
+            return await work
+        return await self.coordinator.unless_ended(work)
+
+    def check_serving(self) -> None:
+        """Raise the error of every request in flight once the process has ended them (at the
+        drain's end): a request must not start a step, a prompt built or images fetched, that
+        would carry it past the process's exit, into a cut connection."""
+        if self.coordinator is not None and self.coordinator.ending.is_set():
+            raise self.coordinator.ended()
 
     def problems(self) -> list[str]:
         """Why this prefill cannot serve now: shutting down, or no live encoder or decoder (a
@@ -168,7 +184,8 @@ class Service:
     async def load_images(self, urls: list[str]) -> list[bytes]:
         if len(urls) > self.config.max_images:
             raise bad_request(f"{len(urls)} images is over the limit of {self.config.max_images}")
-        return await self.media.load(urls)
+        self.check_serving()
+        return await self.unless_ended(self.media.load(urls))
 
     def check_encode_room(self, images: list[bytes], salt: str | None = None) -> None:
         """A 503 at once for images the encoders cannot take in time, judged from the sizes in

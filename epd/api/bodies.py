@@ -91,7 +91,9 @@ class Body:
         self.parsed()
 
     def cut_short(self) -> None:
-        if self.timeout is not None:
+        """End the read under way now, unless its deadline already did (in this pass of the
+        loop: an expiring timeout cannot be moved)."""
+        if self.timeout is not None and not self.timeout.expired():
             self.timeout.reschedule(-1)  # in the past: the read under way ends now
 
     async def receive(self, receive: Receive) -> Message:

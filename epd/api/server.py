@@ -7,6 +7,8 @@ import logging
 import socket
 import threading
 import time
+from collections.abc import Callable
+from functools import partial
 from types import FrameType
 
 import uvicorn
@@ -111,7 +113,7 @@ class DrainingServer(uvicorn.Server):
             why = "when asked again to stop" if self.hurried.is_set() else f"after {limit}s"
             message = "drain: %d requests still in flight %s: each ends with an error"
             log.warning(message, gate.in_flight, why)
-            self.loop.call_soon_threadsafe(self.end_requests)
+            self.loop.call_soon_threadsafe(end_requests, self.service)
             self.wait_while_in_flight(ENDING_S, unless=threading.Event())
         self.should_exit = True
 
@@ -122,12 +124,19 @@ class DrainingServer(uvicorn.Server):
             if unless.wait(0.05):
                 return
 
-    def end_requests(self) -> None:
-        """Every request still in flight fails now, those still sending their body too."""
-        error = Unavailable("the server stopped before this request finished")
-        self.service.reading.end_all(str(error))
-        if self.service.coordinator is not None:
-            self.service.coordinator.router.end_all(error)
+
+def end_requests(service: Service) -> None:
+    """Every request still in flight fails now, wherever it is, those still sending their body
+    too; each step apart, so that one that fails leaves the others to run (it is logged)."""
+    error = Unavailable("the server stopped before this request finished")
+    steps: list[Callable[[], None]] = [lambda: service.reading.end_all(str(error))]
+    if service.coordinator is not None:
+        steps.insert(0, partial(service.coordinator.end_all, error))  # streams first
+    for step in steps:
+        try:
+            step()
+        except Exception:  # e.g. a bug in one: the rest must still end their requests
+            log.exception("ending the requests in flight: a step failed")
 
 
 def run(config: PrefillConfig) -> None:

@@ -14,7 +14,7 @@ all of its chunks (a trade: the long prompt itself takes longer).
 A request whose caller has gone is skipped (its chunks so far dropped); at most
 `max_waiting_tokens` prompt tokens may wait, and a request beyond that is refused at once (503)
 rather than queued without end. When the batcher stops, for any reason, every request still waiting
-fails.
+fails; `end_all` fails every request it holds at once (the forward under way runs on, for nobody).
 """
 
 from __future__ import annotations
@@ -109,6 +109,7 @@ class PrefillBatcher:
         self.busy = False  # a forward is running
         self.forward: list[Job] = []  # the jobs it runs
         self.sizes: deque[int] = deque(maxlen=1000)  # prompts per forward, for /health
+        self.ended: Exception | None = None  # set by `end_all`: the error of every prompt
 
     async def prefill(self, prompt: Prompt) -> Prefilled:
         """The prompt's first tokens and hand-off, once a forward has taken it; Unavailable if
@@ -118,10 +119,12 @@ class PrefillBatcher:
             raise Unavailable(f"prefill is full: {waiting} prompt tokens are waiting")
         loop = asyncio.get_running_loop()
         job = Job(prompt, loop.create_future())
-        if self.prefix_cache is not None and prompt.cacheable:
+        if self.prefix_cache is not None and prompt.cacheable and self.ended is None:
             # On the engine's thread, as every use of the cache: a hit's rows are copied (at
             # Kimi-VL's widths 62 KB a token), which would hold up every stream on the loop.
             await loop.run_in_executor(self.executor, self.begin_cached, job)
+        if self.ended is not None:
+            raise self.ended
         self.waiting.append(job)
         self.arrived.set()
         return replace(await job.future, cached_tokens=job.cached)
@@ -162,6 +165,15 @@ class PrefillBatcher:
                 if not job.future.done():
                     job.future.set_exception(Unavailable("prefill stopped before this request"))
             self.waiting.clear()
+
+    def end_all(self, error: Exception) -> None:
+        """Fail every prompt now with `error`, those to come too: the process stops. A prompt
+        in the forward under way fails at once as well; the forward runs on (it cannot be
+        interrupted) and its results are dropped."""
+        self.ended = error
+        for job in [*self.forward, *self.waiting]:
+            if not job.future.done():
+                job.future.set_exception(error)
 
     def forward_threads(self) -> int:
         """Fewer threads for the forward that runs `self.forward` while other prompts wait for

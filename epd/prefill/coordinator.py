@@ -81,6 +81,20 @@ async def within(awaitable: Awaitable[T], seconds: float, error: Exception) -> T
     return future.result()
 
 
+async def unless_set(work: Awaitable[T], event: asyncio.Event, error: Callable[[], Exception]) -> T:
+    """Await `work`, or raise `error()` (cancelling it) as soon as `event` is set."""
+    task, setting = asyncio.ensure_future(work), asyncio.ensure_future(event.wait())
+    try:
+        await asyncio.wait({task, setting}, return_when=asyncio.FIRST_COMPLETED)
+        if not task.done():
+            raise error()
+        return task.result()
+    finally:
+        setting.cancel()
+        if not task.done():
+            task.cancel()
+
+
 class Coordinator:
     def __init__(
         self,
@@ -119,6 +133,7 @@ class Coordinator:
         )
         self.encoding = Encoding(config, engine, self.router, self.metrics, self.alone)
         self.tasks: list[asyncio.Task[None]] = []
+        self.ending = asyncio.Event()  # set by `end_all`
 
     def start(self) -> None:
         self.batching = asyncio.create_task(self.batcher.run())
@@ -130,6 +145,23 @@ class Coordinator:
         await asyncio.gather(*self.tasks, return_exceptions=True)
         self.batcher.close()
         self.router.close()
+
+    def end_all(self, error: PrefillError) -> None:
+        """Fail every request in flight with `error` now, and those that go on from now on,
+        wherever they are (waiting for images, for prefill or in it, for decode's tokens): the
+        process stops, and a client told why beats a connection cut at exit."""
+        self.router.end_all(error)
+        self.batcher.end_all(error)
+        self.ending.set()
+
+    async def unless_ended(self, work: Awaitable[T]) -> T:
+        """Await `work` (a prompt built, images fetched) unless `end_all` comes first: then
+        its error, at once."""
+        return await unless_set(work, self.ending, self.ended)
+
+    def ended(self) -> PrefillError:
+        """The error `end_all` gave every request; Unavailable before it."""
+        return self.router.ended or Unavailable("the server stopped before this request finished")
 
     def beat(self) -> None:
         """The loop is alive; so is prefill, when it has nothing to do."""
@@ -197,6 +229,8 @@ class Coordinator:
                 request_id, "", len(first), first, prompt_logprobs=scored, cached_tokens=cached
             )
         router = self.router
+        if router.ended is not None:  # its forward ran on through `end_all`
+            raise router.ended
         decoder = (await router.pick(router.decoders, "decode"))[0]
         stream = Stream(
             request_id,

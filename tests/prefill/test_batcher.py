@@ -333,3 +333,32 @@ def test_each_prompt_says_how_many_of_its_tokens_the_prefix_cache_gave(engine):
         return found
 
     assert asyncio.run(main()) == [0, 32, 16, 0]
+
+
+def test_ending_fails_the_prompts_in_the_forward_and_waiting_at_once_and_those_to_come(engine):
+    """At the drain's end every prompt fails with the error it is given, without waiting for
+    the forward under way (it runs on: it cannot be interrupted), and nothing more runs."""
+    gate = Gate(engine)
+    ended = Unavailable("the server stopped before this request finished")
+
+    async def main():
+        batcher, runner = gate.batcher()
+        inside = asyncio.ensure_future(batcher.prefill(prompt(3)))  # 40 tokens: 3 forwards
+        await gate.entered()
+        waiting = asyncio.ensure_future(batcher.prefill(prompt(0)))
+        await asyncio.sleep(0)
+        batcher.end_all(ended)
+        results = await asyncio.wait_for(asyncio.gather(inside, waiting, return_exceptions=True), 5)
+        later = await asyncio.gather(batcher.prefill(prompt(1)), return_exceptions=True)
+        gate.go.set()
+        while batcher.busy:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)
+        runner.cancel()
+        await asyncio.gather(runner, return_exceptions=True)
+        batcher.close()
+        return [*results, *later], list(batcher.sizes)
+
+    results, sizes = asyncio.run(main())
+    assert all(result is ended for result in results)
+    assert sizes == [1]  # the forward under way ran; no chunk after it

@@ -23,7 +23,7 @@ from epd.prefill import router as router_module
 from epd.prefill.coordinator import Coordinator, within
 from epd.prefill.encoding import check_payloads, split
 from epd.prefill.engine import Prefilled
-from epd.prefill.errors import BadRequest, PrefillError
+from epd.prefill.errors import BadRequest, PrefillError, Unavailable
 from epd.prefill.metrics import PrefillMetrics
 from epd.prefill.request import PreparedRequest, Stream
 from epd.prefill.router import DISOWNED_PER_S, EncodeWait
@@ -485,3 +485,30 @@ def test_a_flood_of_forged_tokens_is_not_amplified_into_aborts(tiny_checkpoint, 
     aborted = len(sent) // len(decoders)
     assert 0 < aborted <= 2 * DISOWNED_PER_S  # the loop may cross one second's boundary
     assert refused == 5000 - aborted
+
+
+def test_ending_fails_a_request_between_its_forward_and_its_hand_off(tiny_checkpoint, tmp_path):
+    """A forward that ran on through the drain's end hands nothing to decode: its request gets
+    the error, and what the API awaits through `unless_ended` ends at once."""
+    config = ipc_config(tiny_checkpoint, tmp_path)
+    service = build_service(config)
+    sent = []
+
+    async def main():
+        coordinator = Coordinator(config, service.engine, 64, service.watchdog)
+        coordinator.router.outbox.send = lambda peer, message: sent.append(message) or True
+        coordinator.router.outbox.is_up = lambda address: True
+        fetching = asyncio.ensure_future(coordinator.unless_ended(asyncio.sleep(30)))
+        await asyncio.sleep(0)
+        ended = Unavailable("the server stopped before this request finished")
+        coordinator.end_all(ended)
+        fetched = await asyncio.wait_for(asyncio.gather(fetching, return_exceptions=True), 1)
+        first = (Output(token_ids=(7,), text="", completion_tokens=1),)
+        handoff = SimpleNamespace(sampling=SamplingParams(4))
+        with pytest.raises(Unavailable) as failed:
+            await coordinator.hand_off("r1", Prefilled(first, handoff))  # type: ignore[arg-type]
+        await coordinator.stop()
+        return fetched[0], failed.value, ended
+
+    fetched, failed, ended = asyncio.run(main())
+    assert fetched is ended and failed is ended and not sent
