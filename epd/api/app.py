@@ -109,6 +109,7 @@ class Service:
         self.media = ImageLoader(MediaPolicy.of(self.config))
         self.metrics.waiting.set_function(lambda: self.waiting)
         self.gate.refused = lambda: self.metrics.refused.labels("draining").inc()
+        self.reading.refused = lambda: self.metrics.refused.labels("bodies").inc()
         self.prompts = ThreadPoolExecutor(2, thread_name_prefix="prompts")
 
     def status(self) -> dict[str, object]:
@@ -374,7 +375,10 @@ def create_app(service: Service, on_started: Callable[[], Any] | None = None) ->
 def reading_bound(config: PrefillConfig) -> Reading:
     """The bounds on request bodies arriving and parsed at once (`bodies.Reading`)."""
     return Reading(
-        config.max_arriving_bodies, config.max_request_bytes_at_once, config.request_body_timeout_s
+        config.max_arriving_bodies,
+        config.max_request_bytes_at_once,
+        config.request_body_timeout_s,
+        config.max_arriving_bodies_per_client,
     )
 
 

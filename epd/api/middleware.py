@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from epd.api.bodies import BodyReading, Reading
+from epd.api.bodies import CLOSE, BodyReading, Reading
 from epd.api.errors import APIError, overloaded
 from epd.wire.limits import ID_CHARS
 
@@ -184,12 +184,17 @@ class BodyLimit:
             await self.app(scope, receive, send)
             return
         max_bytes, setting = self.limits.size_for(scope["path"])
+        # Refused unread, or part read: the rest of the body is left on the wire, so its
+        # connection closes (else uvicorn would read and drop all of it for the next request).
         too_large = APIError(
-            413, f"the request body is over {max_bytes} bytes ({setting})", code="request_too_large"
+            413,
+            f"the request body is over {max_bytes} bytes ({setting})",
+            code="request_too_large",
+            headers=CLOSE,
         )
         declared = dict(scope["headers"]).get(b"content-length", b"")
         if declared.isdigit() and int(declared) > max_bytes:
-            await JSONResponse(too_large.body(), status_code=413)(scope, receive, send)
+            await JSONResponse(too_large.body(), 413, too_large.headers)(scope, receive, send)
             return
         received = values = 0
 
@@ -206,13 +211,11 @@ class BodyLimit:
                     f"the request body holds over {self.limits.max_values} JSON values "
                     "(arrays, objects and their members)",
                     code="request_too_large",
+                    headers=CLOSE,
                 )
             return message
 
         await self.app(scope, counted, send)
-
-
-CLOSE = {"Connection": "close"}
 
 
 @dataclass

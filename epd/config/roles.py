@@ -284,10 +284,16 @@ class PrefillConfig(ModelOptions):
         "request bodies that may be arriving at once; past it a new one gets 503 with "
         "Retry-After before it is read",
     )
+    max_arriving_bodies_per_client: int = option(
+        32,
+        "of those, how many may come from one client address (behind a proxy every client has "
+        "the proxy's: raise it to max_arriving_bodies there); past it a new one gets 503",
+    )
     request_body_timeout_s: float = option(
         30.0,
-        "longest time from a request's headers to its body's last byte; past it the request "
-        "gets 408 and its connection closes",
+        "longest time from a request's headers to its body's last byte (a small body gets "
+        "less: 2 s and a second per 64 KiB); past it the request gets 408 and its connection "
+        "closes",
     )
     max_queued_requests: int = option(
         256,

@@ -97,7 +97,8 @@ class PrefillMetrics(RoleMetrics):
         self.refused = counter(
             "requests_refused",
             "Requests refused with 503, by reason: at once (overloaded, encode_backlog, "
-            "draining), or while their images wait (encode_late).",
+            "draining, bodies: while their bodies arrive), or while their images wait "
+            "(encode_late).",
             ["reason"],
         )
         self.prefix_cache_queries = counter(

@@ -6,14 +6,16 @@ import json
 import socket
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 import uvicorn
 
 from epd.api.app import create_app
-from epd.api.bodies import Reading
+from epd.api.bodies import FIRST_BYTES_S, MIN_RATE, Reading, body_length
 from epd.api.errors import APIError
-from epd.api.server import build_service
+from epd.api.middleware import BodyLimit, BodyLimits
+from epd.api.server import build_service, end_requests
 from epd.config.roles import PrefillConfig
 from epd.runtime.health import HTTP_PROTOCOL
 
@@ -152,4 +154,118 @@ def test_ending_fails_the_bodies_still_arriving_at_once():
 
     error = asyncio.run(run())
     assert error.status == 503 and error.message == "the server is shutting down"
+    # as every request in flight ends at the drain's end: no Retry-After from a server that stops
+    assert (error.code, error.headers) == ("service_unavailable", {"Connection": "close"})
     assert not reading.arriving
+
+
+def test_a_cut_short_after_the_bodys_own_deadline_fired_does_not_raise():
+    """The deadline and the stop in the same pass of the loop: an expiring timeout cannot be
+    moved, and the stop's clean-up must go on (it used to raise RuntimeError)."""
+    reading = Reading(max_arriving=4, max_bytes=3000, timeout_s=30.0)
+
+    async def run() -> None:
+        body = reading.admit(100)
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(-1) as body.timeout:  # fires at the next pass
+                try:
+                    await asyncio.sleep(1)
+                except asyncio.CancelledError:
+                    assert body.timeout.expired()
+                    reading.end_all("the server is shutting down")
+                    raise
+
+    asyncio.run(run())
+
+
+def test_the_end_of_the_drain_runs_every_step_though_one_fails(caplog):
+    ended = []
+
+    def broken(error):
+        raise RuntimeError("a bug in one step")
+
+    service = SimpleNamespace(
+        coordinator=SimpleNamespace(end_all=broken),
+        reading=SimpleNamespace(end_all=ended.append),
+    )
+    end_requests(service)  # type: ignore[arg-type]
+    assert ended == ["the server stopped before this request finished"]
+    assert "a step failed" in caplog.text
+
+
+def test_a_small_bodys_deadline_is_short_and_a_chunked_ones_moves_as_its_bytes_come():
+    reading = Reading(max_arriving=4, max_bytes=3000, timeout_s=30.0)
+    assert reading.admit(2).allowed_s == pytest.approx(FIRST_BYTES_S, abs=1e-3)
+    assert reading.admit(MIN_RATE * 4).allowed_s == FIRST_BYTES_S + 4
+    assert reading.admit(100 << 20).allowed_s == 30.0  # never past request_body_timeout_s
+    chunked = reading.admit(None)
+    assert chunked.allowed_s == FIRST_BYTES_S
+    chunked.received = MIN_RATE * 3
+    assert chunked.allowed_s == FIRST_BYTES_S + 3
+
+
+def test_one_address_holds_at_most_its_share_of_the_bodies_arriving(caplog):
+    refused = []
+    reading = Reading(max_arriving=8, max_bytes=3000, timeout_s=30.0, max_per_client=2)
+    reading.refused = lambda: refused.append(1)
+    reading.logged = SimpleNamespace(take=iter([True] + [False] * 9).__next__)  # 1 a second
+    first, _ = reading.admit(10, "10.0.0.1"), reading.admit(10, "10.0.0.1")
+    with pytest.raises(APIError, match="max_arriving_bodies_per_client") as third:
+        reading.admit(10, "10.0.0.1")
+    assert third.value.status == 503 and third.value.headers["Connection"] == "close"
+    reading.admit(10, "10.0.0.2")  # another address is not held back
+    first.close()
+    reading.admit(10, "10.0.0.1")  # its place is free again
+    assert refused == [1] and "max_arriving_bodies_per_client" in caplog.text
+    for _ in range(5):  # a flood of refusals within the second logs no more lines
+        with pytest.raises(APIError):
+            reading.admit(10, "10.0.0.1")
+    assert len(refused) == 6 and caplog.text.count("refused with 503") == 1
+
+
+def test_a_chunked_bodys_refusal_closes_its_connection():
+    reading = Reading(max_arriving=4, max_bytes=1000, timeout_s=30.0, small=100)
+    reading.admit(900)
+    chunked = reading.admit(None)
+
+    async def receive() -> dict:
+        return {"type": "http.request", "body": b"x" * 200, "more_body": True}
+
+    with pytest.raises(APIError, match="max_request_bytes_at_once") as refused:
+        asyncio.run(chunked.receive(receive))
+    assert refused.value.headers == {"Retry-After": "1", "Connection": "close"}
+
+
+def test_a_body_too_large_part_read_closes_its_connection():
+    async def route(scope, receive, send) -> None:
+        await receive()
+
+    limit = BodyLimit(route, BodyLimits(max_bytes=10))
+    scope = {"type": "http", "path": "/v1/chat/completions", "headers": []}
+
+    async def receive() -> dict:
+        return {"type": "http.request", "body": b"x" * 20, "more_body": True}
+
+    with pytest.raises(APIError, match="over 10 bytes") as refused:
+        asyncio.run(limit(scope, receive, None))  # type: ignore[arg-type]
+    assert (refused.value.status, refused.value.headers["Connection"]) == (413, "close")
+
+
+@pytest.mark.parametrize(
+    ("headers", "length"),
+    [
+        ([], 0),
+        ([(b"content-length", b"12")], 12),
+        ([(b"transfer-encoding", b"chunked")], None),
+        ([(b"transfer-encoding", b"gzip, chunked"), (b"content-length", b"5")], None),
+        ([(b"content-length", b"twelve")], 400),
+        ([(b"content-length", b"-1")], 400),
+    ],
+)
+def test_a_bodys_length_as_its_headers_give_it(headers, length):
+    if length == 400:
+        with pytest.raises(APIError, match="Content-Length") as refused:
+            body_length({"headers": headers})
+        assert refused.value.status == 400
+    else:
+        assert body_length({"headers": headers}) == length
