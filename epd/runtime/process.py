@@ -110,7 +110,9 @@ def skip_collection_at_exit() -> None:
     model, a tokenizer, grammar tables): ~2 s of CPU in a decode role, so an idle `epd serve`
     took 3.9 s to stop on a 2-core machine, 9-14 s with other work on its cores, and 1.5 and
     2.6-2.9 s frozen. Objects freed by their reference counts still are, so what closes files
-    or sockets still runs.
+    or sockets when its last reference goes still runs; objects in reference cycles are no
+    longer collected at exit, so their finalizers (`__del__`, weakref callbacks) do not run:
+    whatever must happen at exit belongs in an explicit close or an `atexit` function.
     """
     atexit.register(gc.freeze)  # before the last collections, which skip frozen objects
 
