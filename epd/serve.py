@@ -19,6 +19,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from types import FrameType
 from typing import Any
 
 from epd.config.roles import ROLES, DecodeConfig, EncodeConfig, PrefillConfig, ServeConfig
@@ -133,13 +134,20 @@ def kill_all(children: list[Child]) -> None:
         child.kill()
 
 
-def stop_at_once_when_asked_again(children: list[Child]) -> None:
-    """From now on a stop signal (a second Ctrl-C) cuts the drain short: prefill, asked
-    again, ends the requests it holds at once, each with an error (a stream's last event, then
-    [DONE]) rather than a cut connection, and exits; any child still running HURRY_S later is
-    killed."""
+def stop_at_once_when_asked_again(children: list[Child], stop: threading.Event) -> None:
+    """A stop signal once `stop` is set (a second Ctrl-C, while the children start or stop)
+    cuts the stop short: prefill, asked again, ends the requests it holds at once, each with
+    an error (a stream's last event, then [DONE]) rather than a cut connection, and exits; any
+    child still running HURRY_S later is killed. The first signal goes to the handler found
+    (`stop_event`'s), which sets `stop`."""
+    first = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
 
-    def again(*_: object) -> None:
+    def asked(sig: int, frame: FrameType | None) -> None:
+        if not stop.is_set():
+            handler = first[signal.Signals(sig)]
+            assert callable(handler), "stop_event's handler is installed first"
+            handler(sig, frame)
+            return
         for child in children:
             if child.role == "prefill":
                 child.terminate()
@@ -147,8 +155,8 @@ def stop_at_once_when_asked_again(children: list[Child]) -> None:
         killer.daemon = True
         killer.start()
 
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, again)
+    for sig in first:
+        signal.signal(sig, asked)
 
 
 def start_all(children: list[Child], stop: threading.Event) -> None:
@@ -320,6 +328,7 @@ def run(config: ServeConfig, child_configs: dict[str, Any]) -> None:
         Child(role, [*base, role, *to_flags(c)], secret_env(c), openmp_env(c.device))
         for role, c in child_configs.items()
     ]
+    stop_at_once_when_asked_again(children, stop)  # from the start: children load for minutes
     start_all(children, stop)
     announce(config, child_configs["prefill"].model_name)
     try:
@@ -328,7 +337,6 @@ def run(config: ServeConfig, child_configs: dict[str, Any]) -> None:
                 supervise(child, config.max_restart_delay_s)
             stop.wait(0.2)
     finally:
-        stop_at_once_when_asked_again(children)
         stop_in_order(children, drain_s)
         skip_collection_at_exit()
         print("epd serve: stopped", flush=True)

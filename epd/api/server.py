@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 import socket
 import threading
 import time
@@ -85,14 +86,25 @@ class DrainingServer(uvicorn.Server):
     shuts down as usual. A second signal ends them at once, a third is uvicorn's own.
     """
 
-    def __init__(self, config: uvicorn.Config, service: Service) -> None:
+    def __init__(
+        self, config: uvicorn.Config, service: Service, stop: threading.Event | None = None
+    ) -> None:
         super().__init__(config)
         self.service = service
+        self.stop = stop or threading.Event()  # the process's own stop event (`start_process`)
         self.hurried = threading.Event()  # asked again: the drain ends now
 
     async def serve(self, sockets: list[socket.socket] | None = None) -> None:
         self.loop = asyncio.get_running_loop()  # requests are ended on it (`drain`)
         await super().serve(sockets)
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        """uvicorn's start; then, if a stop signal came before uvicorn took the signals (it
+        went to the process's own handler, which set `stop` and started the exit timer), the
+        drain begins at once rather than serve until that timer kills the process."""
+        await super().startup(sockets)
+        if self.stop.is_set() and not self.service.gate.draining:
+            self.handle_exit(signal.SIGTERM, None)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         gate = self.service.gate
@@ -154,6 +166,8 @@ def run(config: PrefillConfig) -> None:
     async def announce() -> None:
         while not server.started:
             await asyncio.sleep(0.05)
+        if service.gate.draining:  # stopping already (`DrainingServer.startup`): not ready
+            return
         api = f"http://{config.host}:{config.port}/v1"
         announce_ready(
             "prefill", api=api, zmq=config.bind, health=f"http://{config.host}:{config.port}/health"
@@ -174,5 +188,6 @@ def run(config: PrefillConfig) -> None:
             http=HTTP_PROTOCOL,
         ),
         service,
+        stop,
     )
     server.run()
