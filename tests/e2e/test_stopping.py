@@ -4,6 +4,7 @@ connection or a traceback. Timings leave room for a loaded 2-core machine."""
 
 import json
 import signal
+import socket
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -43,6 +44,25 @@ def streams_under_way(pool: ThreadPoolExecutor, port: int, count: int) -> list[F
     return streams
 
 
+def body_under_way(port: int) -> socket.socket:
+    """A chat request whose body has begun to arrive (a few bytes of the 1 MB announced): its
+    deadline is ~17 s away."""
+    connection = socket.create_connection(("127.0.0.1", port), timeout=30)
+    head = "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    connection.sendall(f"{head}Content-Length: {1 << 20}\r\n\r\n".encode() + b'{"model": ')
+    return connection
+
+
+def answer(connection: socket.socket) -> tuple[str, dict]:
+    """The response's head and JSON body, read until the server closes the connection."""
+    data = b""
+    while chunk := connection.recv(65536):
+        data += chunk
+    connection.close()
+    head, _, body = data.partition(b"\r\n\r\n")
+    return head.decode().lower(), json.loads(body)
+
+
 def assert_ended_with_an_error(said: list[str]) -> None:
     assert said[-1] == "[DONE]", said[-3:]
     error = json.loads(said[-2])["error"]
@@ -68,17 +88,25 @@ def test_streams_the_drain_leaves_end_with_an_error_event(tiny_checkpoint):
     try:
         with ThreadPoolExecutor(2) as pool:
             streams = streams_under_way(pool, base + 20, 2)
+            arriving = body_under_way(base + 20)
+            deadline = time.monotonic() + 10
+            while health(base + 20)[1].get("in_flight") != 3:  # its headers are in
+                assert time.monotonic() < deadline, "the body's request was not taken"
+                time.sleep(0.05)
             asked = time.monotonic()
             stack.popen.send_signal(signal.SIGINT)
             ended = [stream.result(timeout=30) for stream in streams]
             took = time.monotonic() - asked
         for said in ended:
             assert_ended_with_an_error(said)
+        head, body = answer(arriving)  # as the streams' error, and no retry on this server
+        assert head.startswith("http/1.1 503") and "connection: close" in head
+        assert "retry-after" not in head and body["error"]["code"] == "service_unavailable"
         assert 2 <= took < 2 + 8  # the drain, then at once (it was ~44 s, cut, before)
         assert_gone_within(stack, pids, 2 + 12, asked)
     finally:
         stack.stop()
-    assert "drain: 2 requests still in flight after 2.0s: each ends with an error" in stack.output
+    assert "drain: 3 requests still in flight after 2.0s: each ends with an error" in stack.output
 
 
 def test_a_second_ctrl_c_ends_the_streams_at_once(tiny_checkpoint):
