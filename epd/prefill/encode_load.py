@@ -13,7 +13,9 @@ part under way (P patches not back after T seconds of its turn: at most P/T a se
 machine that slows shows at its next reply, or while the part runs, not replies later. An
 encoder not measured yet has no pace: it is given at most one request's images at the
 server's limits (`first_patches`), which encode_timeout_s must allow for anyway; once it has
-answered, what was admitted on that trust is refused as soon as it would be late.
+answered, what was admitted on that trust is refused as soon as it would be late. An encoder
+with nothing out takes a part whatever its pace: waiting would not make it faster, and its
+reply measures it again (a pace from one stalled reply must not refuse it for good).
 """
 
 from __future__ import annotations
@@ -96,38 +98,60 @@ class EncodeLoad:
             back[key] = patches / rate - begun  # ≥ 0: the rate is at most oldest / begun
         return rate, back
 
+    def held(self, encoder: str) -> int:
+        """Patches sent to `encoder` and not back."""
+        return sum(s.patches for s in self.sent.values() if s.encoder == encoder)
+
     def wait_s(self, encoder: str, patches: int, now: float) -> float | None:
-        """How long `patches` more sent to `encoder` would take to come back; None when that
-        cannot be promised (an encoder not measured yet, past `first_patches`; 0 within them:
-        its time is not known, but no more than a lone request's at the limits)."""
+        """How long `patches` more sent to `encoder` would take to come back: 0 with nothing
+        out there (see the module's notes); None when that cannot be promised (an encoder not
+        measured yet, past `first_patches`; 0 within them: its time is not known, but no more
+        than a lone request's at the limits)."""
+        if not (held := self.held(encoder)):
+            return 0.0
         rate, back = self.outlook(encoder, now)
         if rate is None:
-            held = sum(s.patches for s in self.sent.values() if s.encoder == encoder)
-            return None if held and held + patches > self.first_patches else 0.0
+            return None if held + patches > self.first_patches else 0.0
         return max(back.values(), default=0.0) + patches / rate
 
-    def admit(self, parts: Sequence[tuple[str, int]]) -> None:
-        """Raise Overloaded unless every part, (encoder, patches), would be back in time. With
-        nothing out at all they go whatever their size: waiting would not make them faster."""
+    def quickest(self, encoders: Sequence[str]) -> list[str]:
+        """`encoders` by when they would be through what they hold, soonest first (idle ones
+        first, one not measured yet but busy last; ties in the order given, a rotation): the
+        order parts are given in, so that admission judges the encoders a send would use."""
         now = time.perf_counter()
-        waits = [self.wait_s(encoder, patches, now) for encoder, patches in parts]
-        limit, total = ADMIT_SHARE * self.timeout_s, sum(patches for _, patches in parts)
+
+        def clears_s(encoder: str) -> float:
+            wait = self.wait_s(encoder, 0, now)
+            return math.inf if wait is None or (wait == 0 and self.held(encoder)) else wait
+
+        return sorted(encoders, key=clears_s)
+
+    def admit(self, parts: Sequence[tuple[str, int]]) -> None:
+        """Raise Overloaded unless every part, (encoder, patches), would be back in time. A
+        part for an encoder with nothing out goes whatever its size: waiting would not make it
+        faster (with nothing out at all, every part goes)."""
         if not self.sent:
             return
-        if None in waits:
+        now = time.perf_counter()
+        waits = [
+            (self.wait_s(encoder, patches, now), encoder, patches) for encoder, patches in parts
+        ]
+        if unknown := [(encoder, patches) for wait, encoder, patches in waits if wait is None]:
+            encoder, patches = unknown[0]
             raise Overloaded(
-                f"the encoders are busy with their first images, and their pace is not known "
-                f"until those are back: this request's {total} image patches more could not be "
-                f"promised within {self.timeout_s:g}s (encode_timeout_s); retry in 1s",
+                f"an encoder for these images is busy with its first images "
+                f"({self.held(encoder)} patches), and its pace is not known until those are "
+                f"back: this request's {patches} image patches more could not be promised "
+                f"within {self.timeout_s:g}s (encode_timeout_s); retry in 1s",
                 1,
             )
-        wait = max((w for w in waits if w is not None), default=0.0)
-        if wait > limit:
+        wait, encoder, patches = max((w, e, p) for w, e, p in waits if w is not None)
+        if wait > (limit := ADMIT_SHARE * self.timeout_s):
             retry = max(1, math.ceil(wait - limit))
             raise Overloaded(
-                f"the encoders have {self.backlog} image patches to get through before this "
-                f"request's {total}, more than they encode within {self.timeout_s:g}s "
-                f"(encode_timeout_s); retry in {retry}s",
+                f"an encoder for these images has {self.held(encoder)} image patches to get "
+                f"through before this request's {patches}, more than it encodes within "
+                f"{self.timeout_s:g}s (encode_timeout_s); retry in {retry}s",
                 retry,
             )
 

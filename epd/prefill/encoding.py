@@ -94,7 +94,7 @@ class Encoding:
     ) -> list[ImageEmbeddings]:
         """The embeddings of the images at `indices`, split over the live encoders."""
         router = self.router
-        encoders = await router.pick(router.encoders, "encode")
+        encoders = router.load.quickest(await router.pick(router.encoders, "encode"))
         parts = self.parts(request.grids, indices, encoders)
         self.admit(parts)
         waits, alone = [], self.alone()
@@ -137,10 +137,11 @@ class Encoding:
         """Raise Overloaded, before the images are hashed, if those surely not cached (of a
         file size no cached image has) would not be encoded in time; which of the others are
         cached, and cost no encode, the hashes tell. The API asks as soon as it has the files,
-        before it builds the prompt round them."""
+        before it builds the prompt round them. The images are judged on the encoders a send
+        now would give them to: the quickest (`EncodeLoad.quickest`)."""
         router, cache = self.router, self.images
         new = [i for i, data in enumerate(images) if not cache.may_hold(len(data), salt)]
-        live = [a for a in router.encoders.current if router.outbox.is_up(a)]
+        live = router.load.quickest([a for a in router.encoders.current if router.outbox.is_up(a)])
         if new and live:  # none live: `pick` says so, after a grace for one connecting
             self.admit(self.parts(grids, new, live))
 

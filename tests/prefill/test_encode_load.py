@@ -151,3 +151,40 @@ def test_parts_that_will_not_come_back_leave_the_backlog(clock):
     assert load.backlog == 1
     load.replied(("unknown", 0))  # a reply for nothing sent: ignored
     assert load.backlog == 1
+
+
+def test_an_idle_encoder_takes_a_part_whatever_its_pace(clock):
+    """One stalled reply put e1 at 10 patches a second; with e2 busy, e1 was refused even
+    small parts, and never measured again. Idle, it takes one, and its reply measures it."""
+    load = measured(clock, 1000, "e2")
+    load.sending(("stalled", 0), "e1", 1000)
+    clock[0] += 100.0
+    load.replied(("stalled", 0))
+    load.sending(("b", 0), "e2", 20_000)  # e2 busy: work is out
+    load.admit([("e1", 1000)])  # 100 s at e1's pace, but nothing is ahead of it
+    load.sending(("c", 0), "e1", 1000)
+    with pytest.raises(Overloaded):  # behind c, its pace counts
+        load.admit([("e1", 1000)])
+    clock[0] += 1.0
+    load.replied(("c", 0))  # measured again: 1000 a second this time
+    assert load.paces["e1"].latest == pytest.approx(1000)
+    load.admit([("e1", 5000)])  # idle again
+
+
+def test_the_quickest_encoder_comes_first(clock):
+    load = measured(clock, 1000, "e1")
+    load.sending(("w", 0), "e3", 1000)  # e3 not measured yet, busy: its end is not known
+    load.sending(("a", 0), "e1", 5000)
+    assert load.quickest(["e3", "e1", "e2", "e4"]) == ["e2", "e4", "e1", "e3"]
+
+
+def test_a_refusal_counts_the_backlog_of_the_encoder_it_judged(clock):
+    load = measured(clock, 1000, "e1")
+    load.sending(("w", 0), "e2", 1000)
+    clock[0] += 1.0
+    load.replied(("w", 0))
+    load.sending(("a", 0), "e1", 40_000)
+    load.sending(("b", 0), "e2", 5_000)
+    with pytest.raises(Overloaded) as refused:
+        load.admit([("e1", 10_000), ("e2", 1)])
+    assert "40000 image patches to get through before this request's 10000" in str(refused.value)
