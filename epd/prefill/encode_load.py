@@ -194,10 +194,17 @@ class EncodeLoad:
         if (sent := self.sent.pop(key, None)) is not None:
             self.paces.setdefault(sent.encoder, EncoderPace()).replied(sent, time.perf_counter())
 
-    def failed(self, request_id: str) -> None:
-        """A request's parts that will not come back (a Failure, a lost encoder)."""
-        for key in [k for k in self.sent if k[0] == request_id]:
-            del self.sent[key]
+    def failed(self, request_id: str, encoder: str | None = None) -> None:
+        """A request's parts that will not come back: those that never reached `encoder` (a
+        message the outbox gave up on), or on a Failure, all of them. A Failure names the
+        request, not the part, so the encoder that sent it cannot be told from those still
+        busy with the request's other parts: kept, its part would stay at the head of its
+        queue, refusing others until `expire`. Dropped, another encoder's part is missed for
+        no longer than it takes, and the time it takes is counted in that encoder's next
+        reply (measured from its previous one): its pace errs slow, not fast."""
+        for key in [k for k, s in self.sent.items() if k[0] == request_id]:
+            if encoder is None or self.sent[key].encoder == encoder:
+                del self.sent[key]
 
     def lost(self, encoder: str) -> None:
         for key in [k for k, s in self.sent.items() if s.encoder == encoder]:

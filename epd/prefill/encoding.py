@@ -100,7 +100,6 @@ class Encoding:
         waits, alone = [], self.alone()
         for number, part in enumerate(parts):
             future = router.expect(request.request_id, number, part.encoder)
-            router.load.sending((request.request_id, number), part.encoder, part.patches)
             waits.append(future)
             files = tuple(request.images[i] for i in part.indices)
             message = EncodeRequest(
@@ -111,7 +110,9 @@ class Encoding:
                 self.config.reply_address,
                 alone,
             )
-            if not router.outbox.send(part.encoder, message):
+            if router.outbox.send(part.encoder, message):  # counted once it is on its way
+                router.load.sending((request.request_id, number), part.encoder, part.patches)
+            else:
                 future.set_exception(Unavailable(f"encode server {part.encoder} is not reachable"))
         start = time.perf_counter()
         try:

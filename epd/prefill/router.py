@@ -143,7 +143,7 @@ class Router:
             else:
                 self.disown(message.request_id)
         elif isinstance(message, Failure):
-            self.load.failed(message.request_id)
+            self.load.failed(message.request_id)  # on every encoder: see `EncodeLoad.failed`
             self.fail(message.request_id, from_failure(message))
         else:
             self.inbox.refusals.log(f"a {type(message).__name__}: prefill does not take it")
@@ -199,6 +199,7 @@ class Router:
                 log.warning("lost the connection to %s", address)
                 self.fail_held_by(address)
             for address, request_id in losses.requests:
+                self.load.failed(request_id, address)  # never reached it: not in its queue
                 self.fail(request_id, Unavailable(f"{address} did not take this request in time"))
             await asyncio.sleep(PEER_POLL_S)
 

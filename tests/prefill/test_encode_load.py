@@ -188,3 +188,17 @@ def test_a_refusal_counts_the_backlog_of_the_encoder_it_judged(clock):
     with pytest.raises(Overloaded) as refused:
         load.admit([("e1", 10_000), ("e2", 1)])
     assert "40000 image patches to get through before this request's 10000" in str(refused.value)
+
+
+def test_a_failure_drops_the_requests_parts_on_every_encoder(clock):
+    """A Failure names no part: which encoder sent it is not known, and the one that did
+    will not answer its part (see EncodeLoad.failed). A part the outbox gave up on is
+    dropped from its own encoder only: the others have theirs to do."""
+    load = EncodeLoad(timeout_s=60)
+    for part, encoder in enumerate(("e1", "e2")):
+        load.sending(("a", part), encoder, 100)
+        load.sending(("b", part), encoder, 10)
+    load.failed("b", "e1")
+    assert (load.held("e1"), load.held("e2")) == (100, 110)
+    load.failed("a")
+    assert (load.held("e1"), load.held("e2")) == (0, 10)

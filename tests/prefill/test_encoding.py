@@ -1,4 +1,5 @@
-"""A request's images on the encoders: judged on the encoders a send would use."""
+"""A request's images on the encoders: judged on the encoders a send would use, and counted
+in an encoder's queue only while they are on their way to it or in it."""
 
 import asyncio
 
@@ -8,10 +9,11 @@ import epd.prefill.encode_load as encode_load
 from epd.config.roles import PrefillConfig
 from epd.generation.params import SamplingParams
 from epd.prefill.encoding import Encoding
-from epd.prefill.errors import Overloaded
+from epd.prefill.errors import Overloaded, Unavailable
 from epd.prefill.metrics import PrefillMetrics
 from epd.prefill.request import PreparedRequest
 from epd.prefill.router import Router
+from epd.wire.outbox import Losses
 
 BUSY, IDLE = "ipc://busy-encoder", "ipc://idle-encoder"
 
@@ -71,3 +73,33 @@ def test_an_image_is_judged_on_the_encoder_a_send_would_give_it_to(
         return sent, router.load.held(IDLE)
 
     assert asyncio.run(main()) == ([IDLE], 10_000)
+
+
+def test_a_part_that_never_reaches_its_encoder_leaves_its_queue(tiny_checkpoint, tmp_path, clock):
+    """A send the outbox refuses at once, or gives up on later, fails its request and takes
+    its part out of that encoder's queue (not another's): left there, it held the queue up
+    and refused every later request for up to 2 × encode_timeout_s."""
+
+    async def main():
+        encoding = encoding_of(tiny_checkpoint, tmp_path, clock)
+        router, load = encoding.router, encoding.router.load
+        router.outbox.send = lambda peer, message: False
+        router.pick = lambda peers, role: asyncio.sleep(0, [IDLE])
+        with pytest.raises(Unavailable, match="not reachable"):
+            await encoding.encode_images(request(50_000), [0])
+        assert load.held(IDLE) == 0
+        encoding.admit(encoding.parts(((10, 10),), [0], [IDLE]))  # a small one goes
+
+        load.sending(("lost", 0), IDLE, 50_000)  # queued for IDLE, never delivered
+        load.sending(("lost", 1), BUSY, 100)  # delivered: BUSY has it to do
+        polls = iter([Losses(requests=[(IDLE, "lost")])])
+        router.outbox.poll = lambda: next(polls, Losses())
+        watching = asyncio.ensure_future(router.watch_peers())
+        await asyncio.sleep(0.05)
+        watching.cancel()
+        held = load.held(IDLE), load.held(BUSY)
+        encoding.admit(encoding.parts(((10, 10),), [0], [IDLE]))
+        router.close()
+        return held
+
+    assert asyncio.run(main()) == (0, 40_100)
