@@ -55,6 +55,7 @@ from epd.checkpoint.tokenizer import decode_text
 from epd.config.roles import PrefillConfig
 from epd.generation.reasoning import Markers
 from epd.generation.sampling import Scored, spelled
+from epd.multimodal.grids import Grid
 from epd.prefill.coordinator import Coordinator
 from epd.prefill.engine import PrefillEngine
 from epd.prefill.errors import PrefillError
@@ -188,12 +189,14 @@ class Service:
         self.check_serving()
         return await self.unless_ended(self.media.load(urls))
 
-    def check_encode_room(self, images: list[bytes], salt: str | None = None) -> None:
+    def check_encode_room(
+        self, images: list[bytes], grids: tuple[Grid, ...], salt: str | None = None
+    ) -> None:
         """A 503 at once for images the encoders cannot take in time, judged from the sizes in
-        their headers: before the prompt is built round them and before they are hashed, which
-        in a burst of large images took seconds of their wait."""
+        their headers (`grids`): before the prompt is built round them and before they are
+        hashed, which in a burst of large images took seconds of their wait."""
         if images and self.coordinator is not None:
-            self.coordinator.encoding.check_room(images, self.builder.grids(images), salt)
+            self.coordinator.encoding.check_room(images, grids, salt)
 
 
 def handle_errors(app: FastAPI, metrics: PrefillMetrics) -> None:
@@ -434,10 +437,13 @@ async def start_chat(
     builder = service.builder
     conversation = await service.off_loop(builder.read, chat)
     images = await service.load_images(conversation.image_urls)
-    service.check_encode_room(images, chat.cache_salt)
+    # Off the loop, once: a header can take milliseconds to read (`open_image`), and prepare
+    # takes the grids found here.
+    grids = await service.off_loop(builder.grids, images)
+    service.check_encode_room(images, grids, chat.cache_salt)
     try:
         prepared = await service.off_loop(
-            builder.prepare, conversation, images, request_id(request)
+            builder.prepare, conversation, images, request_id(request), grids
         )
     except ValueError as e:  # e.g. more images than the prompt has placeholders
         raise bad_request(str(e)) from None

@@ -250,11 +250,16 @@ class PromptBuilder:
         return tuple(grids)
 
     def prepare(
-        self, conversation: Conversation, images: list[bytes], request_id: str = ""
+        self,
+        conversation: Conversation,
+        images: list[bytes],
+        request_id: str = "",
+        grids: tuple[Grid, ...] | None = None,
     ) -> PreparedRequest:
         """The request as prefill takes it, once its images are fetched; its id holds the
-        client's `x-request-id` where one was given (made unique: clients reuse theirs)."""
-        grids, counts = self.image_tokens(images)
+        client's `x-request-id` where one was given (made unique: clients reuse theirs).
+        `grids`: the images' grids where the caller has read them already (not read again)."""
+        grids, counts = self.image_tokens(images, grids)
         ids = self.prompt_ids(conversation, counts)
         return PreparedRequest(
             request_id=unique_id("chatcmpl", request_id),
@@ -282,9 +287,11 @@ class PromptBuilder:
         ids = self.tokenizer.convert_tokens_to_ids(self.special_tokens)
         return frozenset(ids if isinstance(ids, list) else [ids])
 
-    def image_tokens(self, images: list[bytes]) -> tuple[tuple[Grid, ...], list[int]]:
+    def image_tokens(
+        self, images: list[bytes], grids: tuple[Grid, ...] | None = None
+    ) -> tuple[tuple[Grid, ...], list[int]]:
         """Each image's (h, w) grid and the tokens it becomes; a 400 for a bad image."""
-        grids = self.grids(images)
+        grids = self.grids(images) if grids is None else grids
         return grids, [self.processor.tokens(grid) for grid in grids]
 
     def prompt_ids(self, conversation: Conversation, image_tokens: list[int]) -> list[int]:

@@ -3,6 +3,7 @@
 import base64
 import io
 import json
+import threading
 import time
 
 import pytest
@@ -441,6 +442,31 @@ def test_images_the_encoders_cannot_take_in_time_are_refused_before_the_prompt_i
     assert response.status_code == 503 and int(response.headers["Retry-After"]) >= 1
     assert "encode_timeout_s" in response.json()["error"]["message"]
     assert built == []  # refused from the image's header, before the prompt was built
+
+
+def test_image_headers_are_read_once_and_off_the_event_loop(client, monkeypatch):
+    """Reading a header can take a while (Pillow reads a JPEG's fill bytes one at a time):
+    not on the loop, and not again when the prompt is built."""
+    read, given = [], []
+    grids = PromptBuilder.grids
+
+    def reading(builder, images):
+        read.append(threading.current_thread().name)
+        return grids(builder, images)
+
+    def prepare(builder, conversation, images, request_id="", grids=None):
+        given.append(grids)
+        raise ValueError("stop here")
+
+    monkeypatch.setattr(PromptBuilder, "grids", reading)
+    monkeypatch.setattr(PromptBuilder, "prepare", prepare)
+    png = io.BytesIO()
+    Image.new("RGB", (56, 56)).save(png, "PNG")
+    url = "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
+    response = chat(client, messages=[image(url)])
+    assert response.status_code == 400 and "stop here" in response.json()["error"]["message"]
+    assert len(read) == 1 and read[0].startswith("prompts")
+    assert given == [((4, 4),)]
 
 
 def test_unreachable_peers_are_503_not_a_hang(client):
