@@ -209,7 +209,7 @@ class EncodeLoad:
         no longer than it takes, and the time it takes is counted in that encoder's next
         reply (measured from its previous one): its pace errs slow, not fast."""
         for key in [k for k, s in self.sent.items() if k[0] == request_id]:
-            if encoder is None or self.sent[key].encoder == encoder:
+            if encoder in (None, self.sent[key].encoder):
                 del self.sent[key]
 
     def lost(self, encoder: str) -> None:
