@@ -115,17 +115,17 @@ class EncodeLoad:
             return None if held + patches > self.first_patches else 0.0
         return max(back.values(), default=0.0) + patches / rate
 
-    def quickest(self, encoders: Sequence[str]) -> list[str]:
-        """`encoders` by when they would be through what they hold, soonest first (idle ones
-        first, one not measured yet but busy last; ties in the order given, a rotation): the
-        order parts are given in, so that admission judges the encoders a send would use."""
+    def quickest(self, encoders: Sequence[str], patches: int = 0) -> list[str]:
+        """`encoders` by when `patches` more would be back from each, soonest first (then the
+        least held; then in the order given, a rotation; one that cannot promise them last):
+        the order parts are given in, so that admission judges the encoders a send would use."""
         now = time.perf_counter()
 
-        def clears_s(encoder: str) -> float:
-            wait = self.wait_s(encoder, 0, now)
-            return math.inf if wait is None or (wait == 0 and self.held(encoder)) else wait
+        def soonest(encoder: str) -> tuple[float, int]:
+            wait = self.wait_s(encoder, patches, now)
+            return math.inf if wait is None else wait, self.held(encoder)
 
-        return sorted(encoders, key=clears_s)
+        return sorted(encoders, key=soonest)
 
     def admit(self, parts: Sequence[tuple[str, int]]) -> None:
         """Raise Overloaded unless every part, (encoder, patches), would be back in time. A

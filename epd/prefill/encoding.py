@@ -94,7 +94,8 @@ class Encoding:
     ) -> list[ImageEmbeddings]:
         """The embeddings of the images at `indices`, split over the live encoders."""
         router = self.router
-        encoders = router.load.quickest(await router.pick(router.encoders, "encode"))
+        live = await router.pick(router.encoders, "encode")
+        encoders = router.load.quickest(live, patches(request.grids, indices))
         parts = self.parts(request.grids, indices, encoders)
         self.admit(parts)
         waits, alone = [], self.alone()
@@ -128,7 +129,7 @@ class Encoding:
         grids that the images' headers gave, before any pixel is decoded)."""
         groups = [indices[start:stop] for start, stop in split(len(indices), len(encoders))]
         return [
-            Part(group, encoder, sum(h * w for h, w in (grids[i] for i in group)))
+            Part(group, encoder, patches(grids, group))
             for group, encoder in zip(groups, encoders, strict=False)
         ]
 
@@ -142,7 +143,8 @@ class Encoding:
         now would give them to: the quickest (`EncodeLoad.quickest`)."""
         router, cache = self.router, self.images
         new = [i for i, data in enumerate(images) if not cache.may_hold(len(data), salt)]
-        live = router.load.quickest([a for a in router.encoders.current if router.outbox.is_up(a)])
+        up = [a for a in router.encoders.current if router.outbox.is_up(a)]
+        live = router.load.quickest(up, patches(grids, new))
         if new and live:  # none live: `pick` says so, after a grace for one connecting
             self.admit(self.parts(grids, new, live))
 
@@ -179,6 +181,11 @@ class Encoding:
             if not gathered.done():
                 gathered.cancel()
         return gathered.result()
+
+
+def patches(grids: Sequence[Grid], indices: Sequence[int]) -> int:
+    """The vision tower's patches of the images at `indices`."""
+    return sum(h * w for h, w in (grids[i] for i in indices))
 
 
 def split(count: int, workers: int) -> list[tuple[int, int]]:

@@ -174,9 +174,11 @@ def test_an_idle_encoder_takes_a_part_whatever_its_pace(clock):
 
 def test_the_quickest_encoder_comes_first(clock):
     load = measured(clock, 1000, "e1")
-    load.sending(("w", 0), "e3", 1000)  # e3 not measured yet, busy: its end is not known
-    load.sending(("a", 0), "e1", 5000)
-    assert load.quickest(["e3", "e1", "e2", "e4"]) == ["e2", "e4", "e1", "e3"]
+    load.first_patches = 2000
+    load.sending(("w", 0), "e3", 1000)  # e3 not measured yet, busy: trusted up to 2000
+    load.sending(("a", 0), "e1", 5000)  # 5 s
+    assert load.quickest(["e3", "e1", "e2", "e4"], 500) == ["e2", "e4", "e3", "e1"]
+    assert load.quickest(["e3", "e1", "e2", "e4"], 1500) == ["e2", "e4", "e1", "e3"]
 
 
 def test_a_refusal_counts_the_backlog_of_the_encoder_it_judged(clock):
