@@ -15,8 +15,10 @@ encoder not measured yet has no pace: it is given at most one request's images a
 server's limits (`first_patches`), which encode_timeout_s must allow for anyway; once it has
 answered, what was admitted on that trust is refused as soon as it would be late. An encoder
 with nothing out takes a part whatever its pace: waiting would not make it faster, and its
-reply measures it again (a pace from one stalled reply must not refuse it for good); for the
-same reasons a part its encoder is on, nothing ahead of it, is never refused as late.
+reply measures it again (a pace from one stalled reply must not refuse it for good). Its
+request is still refused while it waits if that pace says it would be late: a 503 at once
+is worth more than a 504 at the limit when the pace is right, and when it is stale, the
+encoder answers the part all the same and is measured by it.
 """
 
 from __future__ import annotations
@@ -156,26 +158,21 @@ class EncodeLoad:
                 retry,
             )
 
-    def expected_s(self, request_id: str, queued: bool = False) -> float | None:
-        """Seconds until the request's parts still out should all be back (0 when none is),
-        or with `queued`, those behind another part on their encoder; None while one is on an
-        encoder not measured yet."""
+    def expected_s(self, request_id: str) -> float | None:
+        """Seconds until the request's parts still out should all be back (0 when none is);
+        None while one is on an encoder not measured yet."""
         now, expected = time.perf_counter(), 0.0
         for encoder in {s.encoder for key, s in self.sent.items() if key[0] == request_id}:
             rate, back = self.outlook(encoder, now)
             if rate is None:
                 return None
-            times = list(back.items())[1 if queued else 0 :]
-            expected = max([expected, *(t for key, t in times if key[0] == request_id)])
+            expected = max([expected, *(t for key, t in back.items() if key[0] == request_id)])
         return expected
 
     def check_in_time(self, request_id: str, waited: float) -> None:
         """Raise Overloaded once the request's parts out, after `waited` seconds, would not all
-        be back within the time limit at the encoders' pace now. A part its encoder is on,
-        nothing ahead of it, is left to the time limit: as at admission, a retry would not be
-        back sooner, and a pace from one stalled reply must not refuse at once the part an
-        idle encoder was given whatever its pace (its reply measures the encoder again)."""
-        expected = self.expected_s(request_id, queued=True)
+        be back within the time limit at the encoders' pace now."""
+        expected = self.expected_s(request_id)
         if expected is None or waited + expected <= self.timeout_s:
             return
         retry = max(1, math.ceil(waited + expected - self.timeout_s))
