@@ -56,10 +56,7 @@ def role_command(args: argparse.Namespace) -> None:
     if args.command == "serve":
         from epd import serve
 
-        config, children = serve.plan(args)
-        if problem := serve.taken_port(config):  # before a download that may take long
-            sys.exit(f"epd serve: {problem}")
-        serve.run(config, {role: on_disk(child) for role, child in children.items()})
+        serve.run(*serve.plan(args))
     else:
         runner(args.command)(on_disk(resolve(ROLES[args.command], args.command, args)))
 

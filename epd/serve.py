@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any
 
+from epd.checkpoint.hub import on_disk
 from epd.config.roles import ROLES, DecodeConfig, EncodeConfig, PrefillConfig, ServeConfig
 from epd.config.sources import (
     SHARED,
@@ -321,6 +322,9 @@ def taken_port(config: ServeConfig) -> str | None:
 def run(config: ServeConfig, child_configs: dict[str, Any]) -> None:
     if problem := taken_port(config):
         sys.exit(f"epd serve: {problem}")
+    # Each child's model as a directory, looked up (or downloaded) once, after the ports: a
+    # download may take long.
+    child_configs = {role: on_disk(c) for role, c in child_configs.items()}
     drain_s = child_configs["prefill"].drain_timeout_s
     stop = stop_event(grace_s=drain_s + 3 * STOP_TIMEOUT_S)  # the stop below, and a margin
     base = [sys.executable, "-m", "epd.cli"]

@@ -254,7 +254,7 @@ def create_app(service: Service, on_started: Callable[[], Any] | None = None) ->
     limits = BodyLimits(config.max_request_bytes, config.max_text_request_bytes)
     key, gate = api_key(config.api_key), service.gate
     add_middleware(app, config.allowed_origins, key, limits, gate, service.reading)
-    trusted = key_holders(api_key(config.api_key))  # only they see /health's counts
+    trusted = key_holders(key)  # only they see /health's counts
     app.include_router(
         health_router("prefill", service.watchdog, service.status, service.problems, trusted)
     )

@@ -338,9 +338,6 @@ class PrefillConfig(ModelOptions):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        local = self.allowed_local_media_path
-        if local and not Path(local).is_dir():
-            raise ValueError(f"allowed_local_media_path={local!r}: must be a directory")
 
         host = self.bind.split("://", 1)[1].rsplit(":", 1)[0]
         if host in ("*", "0.0.0.0", "[::]", "::") and not self.advertise:

@@ -63,6 +63,8 @@ def _check_value(name: str, value: Any) -> str | None:
         return "must be a positive number of seconds"
     if name in AUTOMATIC:
         return "must be 0 (automatic) or a positive number" if value < 0 else None
+    if name == "allowed_local_media_path" and value and not Path(value).is_dir():
+        return "must be a directory"
     own_file = name == "generation_config" and value not in ("auto", "vllm")
     if own_file and not Path(value, "generation_config.json").is_file():
         return "must be auto, vllm or a directory holding a generation_config.json"
