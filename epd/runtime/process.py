@@ -82,6 +82,9 @@ def setup_logging(role: str, level: str = "", form: str = "text") -> None:
     root.setLevel((level or os.environ.get("EPD_LOG_LEVEL", "") or "info").upper())
     # uvicorn's start and stop notices are noise next to the ready line; its access log is not.
     logging.getLogger("uvicorn.error").setLevel(max(logging.WARNING, root.level))
+    # httpx's line per request (each image fetched, each scrape of a peer's /metrics: two a
+    # Prometheus scrape) is noise beside the request's own line.
+    logging.getLogger("httpx").setLevel(max(logging.WARNING, root.level))
 
 
 def stop_event(grace_s: float = STOP_GRACE_S) -> threading.Event:
