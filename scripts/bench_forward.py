@@ -7,7 +7,7 @@ What the serving benchmark (`scripts/bench_serving.py`) cannot separate: how muc
 the model's own arithmetic and how much the serving around it. Each round runs both sides in
 fresh processes, one after the other, the first side alternating: epd's prefill forward of a
 240- and a 1,024-token prompt (and the last token's logits) and its decode step at 1 and 16
-rows over ~300-token caches in a `LatentPool`, as its roles run them, and the forward of 176
+rows over ~300-token caches in a `BlockPool`, as its roles run them, and the forward of 176
 new tokens after a 2,304-token past that a prefix cache holds (a conversation's next turn);
 vLLM's one-token generations of the same lengths (the last one after a prefix cache hit) and
 its time per output token at 1 and 16 requests (`scripts/vllm/forward.py`). Both in float32

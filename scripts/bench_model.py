@@ -25,8 +25,8 @@ from epd.checkpoint.weights import load_model
 from epd.dtypes import MODEL_DTYPES, TENSOR_DTYPES
 from epd.model.config import KimiVLConfig, TextConfig
 from epd.model.deepseek import DeepseekV3ForCausalLM
-from epd.model.latent_cache import LatentCache
-from epd.model.latent_pool import BLOCK_TOKENS, LatentPool
+from epd.kv.hashing import BLOCK_TOKENS
+from epd.kv.pool import BlockPool
 from epd.model.moe import Experts, Router
 from epd.model.paged import GatherEachStep
 from epd.runtime.process import reuse_freed_memory
@@ -90,25 +90,24 @@ def decode_step_seconds(
     lm: DeepseekV3ForCausalLM, batch: int, context: int, repeats: int, kept: bool = True
 ) -> float:
     """Median time of one decode step for `batch` requests with `context`-token caches, in a
-    `LatentPool` as decode holds them (keeping the gathered caches between steps where decode
+    `BlockPool` as decode holds them (keeping the gathered caches between steps where decode
     does, unless not `kept`)."""
     t = lm.config
     dtype, device = lm.lm_head.weight.dtype, lm.lm_head.weight.device
     budget = batch * (context + repeats + 2 * BLOCK_TOKENS)
     reader = lm.block_reader() if kept else GatherEachStep()
-    pool = LatentPool(t.num_hidden_layers, t.latent_dim, device, dtype, budget, reader=reader)
+    pool = BlockPool(t.num_hidden_layers, t.latent_dim, device, dtype, budget)
     shape = (t.num_hidden_layers, context, t.latent_dim)
-    caches = [
-        pool.admit(LatentCache.from_tensor(torch.randn(shape, dtype=dtype, device=device)))
-        for _ in range(batch)
-    ]
+    caches = [pool.table() for _ in range(batch)]
+    for cache in caches:
+        pool.write(cache, torch.randn(shape, dtype=dtype, device=device))
     ids = torch.randint(0, t.vocab_size, (batch,), device=device)
     times = []
     for _ in range(repeats + 1):
         start = time.perf_counter()
         for cache in caches:
             pool.make_room(cache)
-        lm.decode(ids, pool.batch(caches))
+        lm.decode(ids, reader.batch(pool.storage, caches, pool.max_bytes))
         times.append(time.perf_counter() - start)
     return sorted(times[1:])[repeats // 2]
 

@@ -18,6 +18,7 @@ LAYERS = [
     {"epd.generation", "epd.multimodal"},
     {"epd.checkpoint"},
     {"epd.model"},
+    {"epd.kv"},
     {"epd.config"},
     {"epd.dtypes", "epd.memory"},
 ]

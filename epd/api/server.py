@@ -16,6 +16,7 @@ import uvicorn
 
 from epd.api.app import Service, create_app
 from epd.api.prepare import PromptBuilder
+from epd.checkpoint.identity import checkpoint_digest
 from epd.checkpoint.progress import phase
 from epd.checkpoint.tokenizer import load_tokenizer, stop_token_ids
 from epd.checkpoint.weights import load_model
@@ -24,6 +25,7 @@ from epd.dtypes import model_dtype
 from epd.generation.reasoning import prepare
 from epd.prefill.engine import PrefillEngine
 from epd.prefill.errors import Unavailable
+from epd.prefill.kv import prefill_pool
 from epd.runtime.health import HTTP_PROTOCOL
 from epd.runtime.process import (
     STOP_GRACE_S,
@@ -69,7 +71,8 @@ def build_service(config: PrefillConfig) -> Service:
         config.cpu_weight_copies,
     ).language_model
     eos_ids = stop_token_ids(config.model, tokenizer)
-    engine = PrefillEngine(lm, tokenizer, builder.placeholder_id, eos_ids)
+    kv, checkpoint = prefill_pool(config, lm), checkpoint_digest(config.model)
+    engine = PrefillEngine(lm, tokenizer, builder.placeholder_id, eos_ids, kv, checkpoint)
     with phase("warming up: the grammar tables", "warmed up"):
         prepare(engine.grammars)  # built now (or found unavailable), not at the first grammar
     return Service(

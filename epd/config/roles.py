@@ -152,6 +152,12 @@ class DecodeConfig(ModelOptions):
         "on a CPU a quarter, as decode keeps a copy of the running caches, up to as much again)",
     )
     max_model_len: int = max_model_len_option()
+    enable_prefix_caching: bool = option(
+        True,
+        "keep the blocks of prompts' KV after their requests (in free space only), so that a "
+        "hand-off of a prompt that begins as one before did carries only the rows after them",
+        vllm="--enable-prefix-caching",
+    )
     gpu_memory_utilization: float = option(
         0.0,
         "share of the device's memory decode may use, weights and KV cache together: an "

@@ -23,6 +23,13 @@ class DecodeMetrics(RoleMetrics):
             "kv_cache_usage_perc",
             "Fraction (0 to 1) of the KV cache's blocks held by running sequences (vLLM's name).",
         )
+        self.prefix_cache_queries = self.counter(
+            "prefix_cache_queries", "Prompt tokens of the hand-offs taken (vLLM's name)."
+        )
+        self.prefix_cache_hits = self.counter(
+            "prefix_cache_hits",
+            "Prompt tokens whose KV decode held already, cached, so that no hand-off carried it.",
+        )
         self.preemptions = self.counter(
             "num_preemptions", "Running sequences sent back to wait for KV cache blocks."
         )

@@ -1,12 +1,20 @@
 """Continuous batching: every step advances all running sequences by one token together.
 
 New sequences join between steps (their first token, sampled by prefill, is emitted on
-arrival); finished and aborted ones leave between steps and their caches are freed. A running
-sequence's cache lives in the blocks of a `LatentPool`, which holds at most `max_kv_tokens` rows.
+arrival); finished and aborted ones leave between steps and their blocks are let go. A running
+sequence's KV lives in the blocks of a `BlockPool`, which holds at most `max_kv_tokens` rows.
 Sequences wait, in arrival order, for a batch slot (beyond `max_batch_size`) and for blocks
-enough for their cache; the first in line is never passed. When a running sequence needs a new
-block and none is free, the one that joined last goes back to the head of the line, its cache
+enough for their KV; the first in line is never passed. When a running sequence needs a new
+block and none is free, the one that joined last goes back to the head of the line, its rows
 moved to host memory (preempted, as vLLM swaps), and joins again, unchanged, when blocks free up.
+
+Decode keeps a prefix cache too: the full blocks of a prompt stay cached after its request,
+by hash (`kv/hashing.py`), in free space only. A hand-off names its prompt's blocks and carries
+the rows only of those after the ones prefill believes decode holds; decode checks the names
+against the prompt (hashing it again), holds the blocks it was told it has from admission on,
+and answers `Lacking` (a `KVMissing` on the wire) where it evicted one meanwhile. Only blocks
+computed by prefill are named: a reply's own rows, computed step by step, are never shared, so
+outputs are the same with the cache on or off.
 
 A step samples every row in one batched call (one finiteness check, the requests' penalties,
 biases and bans applied batched, one transfer to the host).
@@ -26,6 +34,7 @@ from functools import cached_property
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from epd.dtypes import NAMES
 from epd.generation.finite import finite_rows, overflows
 from epd.generation.grammar import GrammarError, Grammars
 from epd.generation.logits import NoTokenAllowed, adjust, require_a_token
@@ -34,11 +43,11 @@ from epd.generation.sampling import restore_generator, sample_batch
 from epd.generation.sequence import Sequence
 from epd.generation.status import Status
 from epd.generation.transcript import Output
+from epd.kv.hashing import BLOCK_TOKENS, ImageSpan, block_hashes, chain_seed, model_key
+from epd.kv.pool import BlockPool, PoolFull
 from epd.memory import available_memory
 from epd.model.config import TextConfig
 from epd.model.deepseek import DeepseekV3ForCausalLM
-from epd.model.latent_cache import LatentCache
-from epd.model.latent_pool import LatentPool, PagedCache, PoolFull
 from epd.wire.messages import KVHandoff
 
 log = logging.getLogger(__name__)
@@ -55,6 +64,14 @@ class TooLarge(ValueError):
 
 class Busy(ValueError):
     """Decode holds as many requests as it may: this one must go elsewhere or come back later."""
+
+
+class Lacking(ValueError):
+    """The hand-off says decode holds blocks it no longer holds: only its first `held`."""
+
+    def __init__(self, held: int, keeps: bool) -> None:
+        super().__init__(f"decode holds {held} of the blocks named as cached")
+        self.held, self.keeps = held, keeps
 
 
 @dataclass
@@ -79,9 +96,13 @@ class Scheduler:
         preallocate: bool = False,
         context_length: int = 0,
         memory_share: float = 0.0,
+        checkpoint: bytes = b"",
+        prefix_caching: bool = True,
     ) -> None:
         """`context_length`: the most tokens of a sequence (0: the model's); `memory_share`:
-        of the device's memory, for an automatic KV budget (`kv_memory`)."""
+        of the device's memory, for an automatic KV budget (`kv_memory`); `checkpoint`: its
+        digest, which names the blocks it is handed (`hashing.model_key`); `prefix_caching`:
+        keep prompts' blocks after their requests."""
         self.lm, self.tokenizer, self.eos_ids = lm, tokenizer, eos_ids
         self.max_batch_size = max_batch_size
         self.context_length = context_length or lm.config.max_position_embeddings
@@ -89,8 +110,9 @@ class Scheduler:
         self.device = lm.lm_head.weight.device
         self.running: dict[tuple[str, int], Sequence] = {}  # by (request id, choice)
         self.waiting: deque[Sequence] = deque()
+        self.checkpoint = checkpoint
         config, dtype = lm.config, lm.lm_head.weight.dtype
-        reader = lm.block_reader()  # how steps read the pool: what it keeps beside it
+        self.reader = reader = lm.block_reader()  # how steps read the pool: what it keeps beside
         budget = max_kv_tokens or default_kv_tokens(
             config,
             max_batch_size,
@@ -101,8 +123,11 @@ class Scheduler:
             reader.copies,
         )
         layers, width = config.num_hidden_layers, config.latent_dim
+        cached = None if prefix_caching else 0  # cached blocks: any number, in free space
         try:
-            self.pool = LatentPool(layers, width, self.device, dtype, budget, preallocate, reader)
+            self.pool = BlockPool(
+                layers, width, self.device, dtype, budget, preallocate, max_cached_tokens=cached
+            )
         except torch.OutOfMemoryError as e:
             raise RuntimeError(
                 f"decode's KV cache of {budget} tokens does not fit in memory: set a smaller "
@@ -132,7 +157,8 @@ class Scheduler:
         the model: sizes, the vocabulary and the context length.
         """
         config = self.lm.config
-        expected = (config.num_hidden_layers, handoff.prompt_tokens, config.latent_dim)
+        rows = handoff.prompt_tokens - handoff.cached_blocks * BLOCK_TOKENS
+        expected = (config.num_hidden_layers, rows, config.latent_dim)
         if tuple(handoff.cache.shape) != expected:
             raise ValueError(f"KV cache of shape {tuple(handoff.cache.shape)}, expected {expected}")
         if any(not 0 <= t < config.vocab_size for t in handoff.first_tokens):
@@ -171,42 +197,70 @@ class Scheduler:
             raise Busy(f"decode is full: {waiting_bytes} bytes of caches wait for a batch slot")
 
     def waiting_bytes(self) -> int:
-        """The memory the waiting sequences' caches take (a request's choices share one)."""
-        caches = {
-            id(s.cache.data): s.cache.data.nbytes
-            for s in self.waiting
-            if isinstance(s.cache, LatentCache)  # as waiting ones are: paged only in the batch
-        }
-        return sum(caches.values())
+        """The memory the waiting sequences' rows take (a request's choices share one)."""
+        pending = {id(s.pending): s.pending.nbytes for s in self.waiting if s.pending is not None}
+        return sum(pending.values())
+
+    def named(self, handoff: KVHandoff) -> tuple[bytes, ...]:
+        """The hand-off's block hashes, checked against its prompt: hashed here again from the
+        tokens, images and salt it gives, and from this decoder's checkpoint and the rows'
+        dtype. A hand-off whose names do not match is refused: its blocks would be another's."""
+        named = handoff.block_hashes
+        if not named.shape[0]:
+            return ()
+        images = [ImageSpan(i.start, i.length, i.digest) for i in handoff.images]
+        seed = chain_seed(model_key(self.checkpoint, NAMES[handoff.cache.dtype]), handoff.salt)
+        hashes = tuple(block_hashes(handoff.prompt_ids.tolist(), images, seed))
+        if b"".join(hashes) != named.numpy().tobytes():
+            raise ValueError("the hand-off's block hashes do not match its prompt")
+        return hashes
 
     def add(self, handoff: KVHandoff) -> list[tuple[Sequence, Output]]:
-        """Admit a prefilled request, a sequence per choice; the choices share the prompt's cache
-        until each joins the batch, where the pool copies it into the choice's own slot. Each
-        first token is accepted (and may already finish its choice)."""
+        """Admit a prefilled request, a sequence per choice; the choices share the blocks decode
+        held of the prompt already, and its rows that came, until each joins the batch, where
+        the rows go into blocks of its own. Each first token is accepted (and may already finish
+        its choice). Raises Lacking where a block named as held is not."""
         self.check(handoff)
+        hashes = self.named(handoff)
         try:
             generators = [restore_generator(state) for state in handoff.rng_states]
         except RuntimeError as e:
             raise ValueError(f"unusable sampler state: {e}") from None
-        # Waiting caches stay where they arrived (host memory, from the wire); the pool's
-        # budget bounds the device's.
-        cache = handoff.cache.to(dtype=self.lm.lm_head.weight.dtype)
+        held = self.pool.match(hashes[: handoff.cached_blocks])
+        if held.length < handoff.cached_blocks * BLOCK_TOKENS:
+            self.pool.release(held)
+            raise Lacking(held.length // BLOCK_TOKENS, self.pool.caching)
+        # Rows that came wait where they arrived (host memory, from the wire); the pool's budget
+        # bounds the device's.
+        rows = handoff.cache.to(dtype=self.lm.lm_head.weight.dtype)
+        tables = [held, *(self.pool.share(held) for _ in generators[1:])]
         added = []
-        for index, generator in enumerate(generators):
-            sequence = Sequence(
-                handoff.request_id,
-                handoff.sampling,
-                generator,
-                LatentCache.from_tensor(cache),  # shared while waiting; copied on joining
-                self.tokenizer,
-                self.eos_ids,
-                handoff.prompt_ids,
-                gate(self.grammars, handoff.sampling),  # GrammarError: refused
-                index,
-            )
-            first = handoff.first_tokens[index], handoff.first_logprobs[index]
-            added.append((sequence, sequence.accept(*first)))
-        self.waiting.extend(s for s, _ in added if s.finish_reason is None)
+        try:
+            for index, (generator, table) in enumerate(zip(generators, tables, strict=True)):
+                sequence = Sequence(
+                    handoff.request_id,
+                    handoff.sampling,
+                    generator,
+                    table,
+                    rows,
+                    self.tokenizer,
+                    self.eos_ids,
+                    handoff.prompt_ids,
+                    gate(self.grammars, handoff.sampling),  # GrammarError: refused
+                    index,
+                )
+                sequence.block_hashes = hashes
+                first = handoff.first_tokens[index], handoff.first_logprobs[index]
+                added.append((sequence, sequence.accept(*first)))
+        except BaseException:
+            for table in tables:
+                self.pool.release(table)
+            raise
+        for sequence, _ in added:
+            if sequence.finish_reason is None:
+                self.waiting.append(sequence)
+            else:
+                self.pool.release(sequence.table)
         return added
 
     def abort(self, request_id: str) -> bool:
@@ -215,6 +269,9 @@ class Scheduler:
         for key in keys:
             self._leave(self.running[key])
         kept = [s for s in self.waiting if s.request_id != request_id]
+        for sequence in self.waiting:
+            if sequence.request_id == request_id:
+                self.pool.release(sequence.table)
         found = bool(keys) or len(kept) != len(self.waiting)
         self.waiting = deque(kept)
         return found
@@ -224,6 +281,7 @@ class Scheduler:
         sequences = self.sequences()
         self.running.clear()
         self.pool.clear()
+        self.reader.forget()
         self.waiting.clear()
         return sequences
 
@@ -259,17 +317,36 @@ class Scheduler:
     def _join(self, step: Step) -> None:
         """Waiting sequences join, in order, while there are batch slots and free blocks."""
         while self.waiting and len(self.running) < self.max_batch_size:
-            if not self.pool.can_admit(self.waiting[0].cache.length):
+            first = self.waiting[0]
+            length, shared = first.num_computed_tokens, first.table.length
+            if not self.pool.can_admit(length, shared, len(self.running)):
                 return  # the first in line waits for blocks, and nobody passes it
             sequence = self.waiting.popleft()
             try:
-                sequence.cache = self.pool.admit(sequence.cache)
-            except Exception as e:  # e.g. no memory for its cache: it fails alone
+                self._into_pool(sequence)
+            except Exception as e:  # e.g. no memory for its rows: it fails alone
                 log.error("request %s could not join the batch", sequence.request_id, exc_info=e)
                 step.failed.append((sequence, f"decode failed: {type(e).__name__}: {e}"))
+                self.pool.release(sequence.table)
                 continue
             self.running[sequence.key] = sequence
             sequence.status = Status.RUNNING
+
+    def _into_pool(self, sequence: Sequence) -> None:
+        """A joining sequence's rows into blocks, with room for its next: after the cached
+        blocks of its prompt where it holds none yet (another choice of its request, or an
+        earlier request, may have put them there), and its prompt's full blocks published."""
+        pending = sequence.pending
+        if pending is not None and not sequence.table.length and sequence.block_hashes:
+            self.pool.release(sequence.table)
+            usable = sequence.block_hashes[: pending.shape[1] // BLOCK_TOKENS]
+            sequence.table = self.pool.match(usable)
+            pending = pending[:, sequence.table.length :]
+        if pending is not None:
+            self.pool.write(sequence.table, pending)
+            sequence.pending = None
+        self.pool.make_room(sequence.table)
+        self.pool.publish(sequence.table, sequence.block_hashes, sequence.prompt_ids.tolist())
 
     def _make_room(self, step: Step) -> None:
         """A row for every running sequence's next token. When no block is free, the sequence
@@ -278,7 +355,7 @@ class Scheduler:
         for sequence in list(self.running.values()):  # in the order they joined
             while sequence.key in self.running:
                 try:
-                    self.pool.make_room(paged(sequence))
+                    self.pool.make_room(sequence.table)
                     break
                 except PoolFull:
                     self._preempt(step, list(self.running.values())[-1])
@@ -289,7 +366,8 @@ class Scheduler:
         """Send a running sequence back to the head of the line, its cache in host memory."""
         del self.running[sequence.key]
         try:
-            sequence.cache = self.pool.evict(paged(sequence))
+            sequence.pending = self.pool.evict(sequence.table)
+            sequence.table = self.pool.table()
         except Exception as e:
             self.running[sequence.key] = sequence  # so that failing it releases its blocks
             self._fail(step, sequence, e)
@@ -298,11 +376,15 @@ class Scheduler:
         sequence.status = Status.PREEMPTED
         step.preempted += 1
         log.info("request %s waits for KV cache blocks", sequence.request_id)
+        if not self.running:
+            self.reader.forget()
 
     def _leave(self, sequence: Sequence) -> None:
         del self.running[sequence.key]
-        self.pool.release(paged(sequence))
+        self.pool.release(sequence.table)
         sequence.status = Status.FINISHED
+        if not self.running:  # what the reader keeps beside the pool goes
+            self.reader.forget()
 
     def counts(self) -> dict[str, int]:
         """Sequences by status: waiting (not yet run), running, preempted (waiting again)."""
@@ -358,12 +440,12 @@ class Scheduler:
         """Each sequence's next-token logits (vocab,), or the error that kept it from them."""
         if not batch:
             return []
-        lengths = [s.cache.length for s in batch]
+        lengths = [s.table.length for s in batch]
         try:
             return list(zip(batch, self._forward(batch), strict=True))
         except Exception as e:
             for sequence, length in zip(batch, lengths, strict=True):
-                sequence.cache.length = length  # a failure after the caches grew must not count
+                sequence.table.length = length  # a failure after the caches grew must not count
             if len(batch) == 1:
                 return [(batch[0], e)]
             log.exception("a batched decode step failed; running its %d requests alone", len(batch))
@@ -371,14 +453,9 @@ class Scheduler:
 
     def _forward(self, batch: list[Sequence]) -> torch.Tensor:
         tokens = torch.tensor([s.last_token for s in batch], device=self.device)
-        caches = self.pool.batch([paged(s) for s in batch])
-        return self.lm.logits(self.lm.decode(tokens, caches))  # (B, vocab)
-
-
-def paged(sequence: Sequence) -> PagedCache:
-    """A running sequence's cache, which lives in the pool."""
-    assert isinstance(sequence.cache, PagedCache), "the sequence is not running"
-    return sequence.cache
+        tables = [s.table for s in batch]
+        steps = self.reader.batch(self.pool.storage, tables, self.pool.max_bytes)
+        return self.lm.logits(self.lm.decode(tokens, steps))  # (B, vocab)
 
 
 def default_kv_tokens(

@@ -17,16 +17,18 @@ import torch
 import zmq
 
 from epd.checkpoint.config import context_length, load_model_config
+from epd.checkpoint.identity import checkpoint_digest
 from epd.checkpoint.progress import phase
 from epd.checkpoint.tokenizer import load_tokenizer, stop_token_ids
 from epd.checkpoint.weights import load_model
 from epd.config.roles import DecodeConfig
 from epd.decode.metrics import DecodeMetrics
-from epd.decode.scheduler import Busy, Scheduler, TooLarge
+from epd.decode.scheduler import Busy, Lacking, Scheduler, TooLarge
 from epd.dtypes import model_dtype
 from epd.generation.reasoning import prepare
 from epd.generation.sequence import Sequence
 from epd.generation.transcript import Output
+from epd.kv.hashing import BLOCK_TOKENS
 from epd.runtime.idle import OthersIdle
 from epd.runtime.process import torch_threads, use_torch_threads
 from epd.runtime.role import run_role
@@ -34,7 +36,7 @@ from epd.runtime.watchdog import Watchdog
 from epd.wire.addresses import Prefills
 from epd.wire.curve import process_keys
 from epd.wire.limits import cut
-from epd.wire.messages import Abort, Failure, KVHandoff, TokenDelta
+from epd.wire.messages import Abort, Failure, KVHandoff, KVMissing, TokenDelta
 from epd.wire.outbox import Outbox
 from epd.wire.transport import Inbox, Refusals
 
@@ -106,8 +108,12 @@ class DecodeServer:
             why = "decode is shutting down: it finishes what it holds and takes nothing new"
             self.outbox.send(reply_to, Failure(request_id, "unavailable", why))
             return
+        self.metrics.prefix_cache_queries.inc(handoff.prompt_tokens)
         try:
             added = self.scheduler.add(handoff)
+        except Lacking as e:  # blocks it evicted since: prefill sends the rows again
+            self.outbox.send(reply_to, KVMissing(request_id, e.held, e.keeps))
+            return
         except Exception as e:  # a bad hand-off fails its own request, never the server
             self.refused_handoffs.log(f"the hand-off of {request_id}: {e}")
             code = REFUSALS.get(type(e), "bad_handoff")
@@ -115,6 +121,7 @@ class DecodeServer:
             self.outbox.send(reply_to, Failure(request_id, code, why))
             return
         self.metrics.handoff_bytes.inc(handoff.cache.nbytes)
+        self.metrics.prefix_cache_hits.inc(handoff.cached_blocks * BLOCK_TOKENS)
         if handoff.alone:  # its prefill has nothing else to do: no need to wait a window to see
             self.others_idle.assume_idle()
         # Prefill has sent each choice's first output: the deltas from here are the rest.
@@ -273,6 +280,8 @@ def load_scheduler(config: DecodeConfig) -> Scheduler:
         preallocate=torch.device(config.device).type == "cuda",  # a GPU of its own: take it now
         context_length=context,
         memory_share=config.gpu_memory_utilization,
+        checkpoint=checkpoint_digest(config.model),
+        prefix_caching=config.enable_prefix_caching,
     )
     with phase("warming up: the grammar tables", "warmed up"):
         prepare(scheduler.grammars)  # built now (or found unavailable), not at the first grammar

@@ -1,5 +1,5 @@
 """One choice being generated: its transcript (prompt, stop rules, text) and what generates it,
-its cache and sampler. Shared by decode and tests; where its outputs go is decode's business."""
+its KV and sampler. Shared by decode and tests; where its outputs go is decode's business."""
 
 from __future__ import annotations
 
@@ -13,8 +13,7 @@ from epd.generation.reasoning import Gate
 from epd.generation.sampling import token_logprob
 from epd.generation.status import Status
 from epd.generation.transcript import Transcript
-from epd.model.latent_cache import LatentCache
-from epd.model.latent_pool import PagedCache
+from epd.kv.pool import BlockTable
 
 
 class Sequence(Transcript):
@@ -23,7 +22,8 @@ class Sequence(Transcript):
         request_id: str,
         sampling: SamplingParams,
         generator: torch.Generator,
-        cache: LatentCache | PagedCache,  # paged while it runs in decode's batch
+        table: BlockTable,
+        pending: torch.Tensor | None,
         tokenizer: PreTrainedTokenizerBase,
         eos_ids: Collection[int],
         prompt_ids: torch.Tensor,
@@ -32,12 +32,21 @@ class Sequence(Transcript):
     ) -> None:
         super().__init__(sampling, tokenizer, eos_ids, prompt_ids, grammar)
         self.request_id, self.index = request_id, index  # index: the choice (n > 1)
-        self.generator, self.cache = generator, cache
+        self.generator = generator
+        # Its KV: rows [0, table.length) in the pool's blocks, then `pending` ones, (layers,
+        # rows, latent) in host memory, not in the pool yet (waiting to join the batch).
+        self.table, self.pending = table, pending
+        self.block_hashes: tuple[bytes, ...] = ()  # its prompt's full blocks', where named
         self.status = Status.WAITING  # the scheduler's to move on
 
     @property
     def key(self) -> tuple[str, int]:
         return self.request_id, self.index
+
+    @property
+    def num_computed_tokens(self) -> int:
+        """Tokens whose KV it has: in the pool, and waiting to go in."""
+        return self.table.length + (0 if self.pending is None else self.pending.shape[1])
 
     @property
     def last_token(self) -> int:

@@ -13,10 +13,9 @@ from typing import NamedTuple
 
 import torch
 
-from epd.model.block_manager import BLOCK_TOKENS
-from epd.model.latent_cache import Part
-from epd.model.latent_pool import PagedCache
-from epd.model.paged import PagedBatch, padded_parts, table_of
+from epd.kv.hashing import BLOCK_TOKENS
+from epd.kv.pool import BlockTable
+from epd.model.paged import PagedBatch, Part, padded_parts, table_of
 
 # Blocks a kept copy has past each part's longest cache: it is gathered again at most every
 # HEADROOM_BLOCKS · BLOCK_TOKENS steps as caches grow, and attention reads as many more rows
@@ -42,7 +41,7 @@ class Gathered:
     Each step writes its rows in too (`append`), so the copy holds what the blocks hold for as
     long as the batch is the same caches, in the same order (`serves`)."""
 
-    def __init__(self, storage: torch.Tensor, caches: list[PagedCache]) -> None:
+    def __init__(self, storage: torch.Tensor, caches: list[BlockTable]) -> None:
         self.caches = list(caches)
         self.lengths = [c.length for c in caches]  # rows each holds before the step
         device = storage.device
@@ -56,13 +55,13 @@ class Gathered:
             self.parts.append(GatheredPart(rows, part, own, copied))
 
     @staticmethod
-    def nbytes_for(caches: list[PagedCache], storage: torch.Tensor) -> int:
+    def nbytes_for(caches: list[BlockTable], storage: torch.Tensor) -> int:
         """What a copy of these caches would take (each part padded as `by_length` pads it)."""
         per_row = storage.shape[0] * storage.shape[-1] * storage.element_size()
         parts = padded_parts([c.length + 1 for c in caches], HEADROOM_BLOCKS)
         return sum(len(part) * width for part, width in parts) * BLOCK_TOKENS * per_row
 
-    def serves(self, caches: list[PagedCache]) -> bool:
+    def serves(self, caches: list[BlockTable]) -> bool:
         """Whether the copy holds these caches as they are, with room for one more row each."""
         return (
             len(caches) == len(self.caches)
@@ -100,7 +99,7 @@ class KeptBatch(PagedBatch):
     """A step over pooled caches that attends over a `Gathered` copy of them kept from the
     steps before; the copy takes each step's rows, as the blocks do."""
 
-    def __init__(self, storage: torch.Tensor, caches: list[PagedCache], kept: Gathered) -> None:
+    def __init__(self, storage: torch.Tensor, caches: list[BlockTable], kept: Gathered) -> None:
         self.kept = kept
         super().__init__(storage, caches)
         self.step = kept.begin(self.positions)
@@ -126,7 +125,7 @@ class KeepGathered:
     def __init__(self) -> None:
         self.kept: Gathered | None = None
 
-    def batch(self, storage: torch.Tensor, caches: list[PagedCache], budget: int) -> PagedBatch:
+    def batch(self, storage: torch.Tensor, caches: list[BlockTable], budget: int) -> PagedBatch:
         if self.kept is None or not self.kept.serves(caches):
             self.kept = None  # the old copy goes first: two at once would be the peak
             if Gathered.nbytes_for(caches, storage) <= budget:

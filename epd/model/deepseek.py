@@ -3,19 +3,28 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import cast
+from typing import Protocol, cast
 
 import torch
 from torch import nn
 
 from epd.model.config import TextConfig
 from epd.model.cpu_gathered import KeepGathered
-from epd.model.latent_cache import DecodeBatch, LatentCache
 from epd.model.mla import MLAttention
 from epd.model.moe import MLP, MoE
 from epd.model.norm import RMSNorm
-from epd.model.paged import BlockReader, GatherEachStep
+from epd.model.paged import BlockReader, GatherEachStep, PagedBatch
 from epd.model.rope import rotor, text_angles
+
+
+class Past(Protocol):
+    """A prompt's rows prefilled before (a `BlockTable`): what its next chunk attends to."""
+
+    length: int
+
+    def layer(self, index: int) -> torch.Tensor:
+        """That layer's rows, (length, latent_dim)."""
+        ...
 
 
 class DecoderLayer(nn.Module):
@@ -39,7 +48,7 @@ class DecoderLayer(nn.Module):
         x = x + attended
         return x + self.mlp(self.post_attention_layernorm(x)), latent
 
-    def decode(self, x: torch.Tensor, angles: torch.Tensor, batch: DecodeBatch) -> torch.Tensor:
+    def decode(self, x: torch.Tensor, angles: torch.Tensor, batch: PagedBatch) -> torch.Tensor:
         x = x + self.self_attn.decode(self.input_layernorm(x), angles, batch)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -82,15 +91,16 @@ class DeepseekV3ForCausalLM(nn.Module):
         self,
         embeds: torch.Tensor,
         lengths: list[int] | None = None,
-        pasts: list[LatentCache | None] | None = None,
-    ) -> tuple[torch.Tensor, LatentCache]:
-        """Input embeddings (T, D) → final hidden states (T, D) and the latent cache (T rows).
+        pasts: list[Past | None] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Input embeddings (T, D) → final hidden states (T, D) and their latent cache rows
+        (layers, T, latent_dim).
 
         With `lengths`, embeds holds several prompts back to back: each attends only to itself
-        (use `LatentCache.split(lengths)` for per-prompt caches). With `pasts`, a prompt's
-        embeddings continue one whose earlier tokens are in its past cache (chunked prefill):
-        they start at that cache's length and attend to it; the cache returned holds the new
-        rows only.
+        (split the rows by `lengths` on dim 1 for each prompt's). With `pasts`, a prompt's
+        embeddings continue one whose earlier tokens are in its past (chunked prefill, a prefix
+        found cached): they start at the past's length and attend to it, read one layer at a
+        time; the rows returned are the new ones only.
         """
         lengths = lengths or [embeds.shape[0]]
         pasts = pasts or [None] * len(lengths)
@@ -100,13 +110,13 @@ class DeepseekV3ForCausalLM(nn.Module):
         angles = self.angles(positions)
         x, latents = embeds, []
         for index, layer in enumerate(self.model.decoder_layers()):
-            rows = [None if past is None else past.tensor()[index] for past in pasts]
+            rows = [None if not past or not past.length else past.layer(index) for past in pasts]
             x, latent = layer.prefill(x, angles, lengths, rows)
             latents.append(latent)
-        return self.model.norm(x), LatentCache.from_tensor(torch.stack(latents))
+        return self.model.norm(x), torch.stack(latents)
 
     def block_reader(self) -> BlockReader:
-        """How decode steps read a `LatentPool`'s blocks on this model's device: on a CPU, where
+        """How decode steps read a `BlockPool`'s blocks on this model's device: on a CPU, where
         no paged attention kernel reads them in place and memory is plentiful, from a copy kept
         gathered between steps; elsewhere gathered every step (a kept copy is unmeasured there,
         and device memory tighter)."""
@@ -114,14 +124,9 @@ class DeepseekV3ForCausalLM(nn.Module):
             return KeepGathered()
         return GatherEachStep()
 
-    def decode(
-        self, input_ids: torch.Tensor, caches: list[LatentCache] | DecodeBatch
-    ) -> torch.Tensor:
-        """One token per request (B,) → final hidden states (B, D); each cache grows by one.
-
-        `caches` may come as a DecodeBatch already, e.g. one over a LatentPool's blocks.
-        """
-        batch = caches if isinstance(caches, DecodeBatch) else DecodeBatch(caches)
+    def decode(self, input_ids: torch.Tensor, batch: PagedBatch) -> torch.Tensor:
+        """One token per request (B,) → final hidden states (B, D); each cache grows by one
+        row, written into its blocks (`BlockReader.batch` makes the batch over a pool)."""
         angles = self.angles(batch.positions)
         x = self.embed(input_ids)
         for layer in self.model.decoder_layers():

@@ -22,8 +22,8 @@ from epd.model.attention import (
     prompt_products,
 )
 from epd.model.config import TextConfig
-from epd.model.latent_cache import DecodeBatch
 from epd.model.norm import RMSNorm
+from epd.model.paged import PagedBatch
 from epd.model.rope import rotate
 
 
@@ -159,7 +159,7 @@ class MLAttention(nn.Module):
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
         return out[0].transpose(0, 1)[..., : self.v_dim]
 
-    def decode(self, x: torch.Tensor, angles: torch.Tensor, batch: DecodeBatch) -> torch.Tensor:
+    def decode(self, x: torch.Tensor, angles: torch.Tensor, batch: PagedBatch) -> torch.Tensor:
         """One new token per request, x (B, D) → (B, D), attending through the latent cache.
 
         Every head scores the same latent rows, so attention is two batched matrix multiplies

@@ -1,4 +1,5 @@
-"""A decode step's attention over a `LatentPool`'s blocks, and how it reads them.
+"""A decode step's attention over a `BlockPool`'s blocks, and how it reads them: the seam
+between the one home of KV (`epd/kv/`) and the attention code.
 
 A running cache's rows sit in the blocks of its table: row t at
 `storage[:, blocks[t // BLOCK_TOKENS], t % BLOCK_TOKENS]`. A step writes each cache's new row
@@ -12,15 +13,20 @@ model chooses its reader (`DeepseekV3ForCausalLM.block_reader`), the pool does n
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 
-from epd.model.block_manager import BLOCK_TOKENS, blocks_for
-from epd.model.latent_cache import DecodeBatch, Part
+from epd.kv.hashing import BLOCK_TOKENS, blocks_for
+from epd.kv.pool import BlockTable
 
-if TYPE_CHECKING:
-    from epd.model.latent_pool import PagedCache
+
+class Part(NamedTuple):
+    """Some of a decode step's requests, for one attention call."""
+
+    rows: torch.Tensor | None  # (n,) which rows of the batch; None: all of them, in order
+    cache: torch.Tensor  # (n, T, latent_dim): their caches padded to the longest of them
+    visible: torch.Tensor  # (n, T): the real rows
 
 
 def by_length(lengths: list[int]) -> list[list[int]]:
@@ -37,16 +43,18 @@ def by_length(lengths: list[int]) -> list[list[int]]:
     return [list(range(len(lengths)))] if len(groups) == 1 else groups
 
 
-class PagedBatch(DecodeBatch):
+class PagedBatch:
     """A decode step over pooled caches: each writes its row into its own block, and the step
     attends over their blocks gathered by table, in parts of similar lengths (`by_length`), so
-    that one long cache does not pad every short one to its length."""
+    that one long cache does not pad every short one to its length. Layers call
+    `append_and_gather` with the step's latent rows; `advance` ends the step."""
 
-    def __init__(self, storage: torch.Tensor, caches: list[PagedCache]) -> None:
+    def __init__(self, storage: torch.Tensor, caches: list[BlockTable]) -> None:
         for cache in caches:
             cache.reserve(1)
         self.storage, self.paged = storage, caches
-        self.index([c.length for c in caches], storage.device)
+        # (B,) the positions of the tokens decoded, after each cache's rows
+        self.positions = torch.tensor([c.length for c in caches], device=storage.device)
         self.block = torch.tensor(
             [c.blocks[c.length // BLOCK_TOKENS] for c in caches], device=storage.device
         )
@@ -86,7 +94,7 @@ class PagedBatch(DecodeBatch):
             cache.length += 1
 
 
-def table_of(caches: list[PagedCache], width: int, device: torch.device) -> torch.Tensor:
+def table_of(caches: list[BlockTable], width: int, device: torch.device) -> torch.Tensor:
     """The caches' first `width` blocks each, padded with the zero block, flat (n · width,)."""
     blocks = [b for c in caches for b in (c.blocks + [0] * width)[:width]]
     return torch.tensor(blocks, device=device)
@@ -104,7 +112,7 @@ class BlockReader(Protocol):
 
     copies: int
 
-    def batch(self, storage: torch.Tensor, caches: list[PagedCache], budget: int) -> PagedBatch:
+    def batch(self, storage: torch.Tensor, caches: list[BlockTable], budget: int) -> PagedBatch:
         """A step over these caches, in this order; what it keeps takes at most `budget` bytes."""
         ...
 
@@ -118,7 +126,7 @@ class GatherEachStep:
 
     copies = 1
 
-    def batch(self, storage: torch.Tensor, caches: list[PagedCache], budget: int) -> PagedBatch:
+    def batch(self, storage: torch.Tensor, caches: list[BlockTable], budget: int) -> PagedBatch:
         return PagedBatch(storage, caches)
 
     def forget(self) -> None:

@@ -31,10 +31,11 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from epd.generation.status import Status
+from epd.kv.hashing import BLOCK_TOKENS
+from epd.kv.pool import BlockTable
 from epd.prefill.engine import Chunk, Partial, Prefilled, PrefillEngine, Prompt
 from epd.prefill.errors import Unavailable
 from epd.prefill.metrics import PrefillMetrics
-from epd.prefill.prefix_cache import PrefixCache
 from epd.runtime.process import use_torch_threads
 
 log = logging.getLogger(__name__)
@@ -45,12 +46,10 @@ WAITING_TOKENS = 32768  # prompt tokens that may wait, at least: 8 forwards at t
 CPU_BUDGET, GPU_BUDGET = 512, 4096
 
 
-def stored(done: Future[None]) -> None:
-    """A store into the prefix cache that failed is logged: the cache is only a help."""
+def released(done: Future[object]) -> None:
+    """Letting go of blocks that failed is logged: it should not."""
     if (error := done.exception()) is not None:
-        log.warning(
-            "keeping a prompt in the prefix cache failed: %s: %s", type(error).__name__, error
-        )
+        log.error("letting go of a prompt's KV blocks failed: %s: %s", type(error).__name__, error)
 
 
 def token_budget(configured: int, device: torch.device) -> int:
@@ -63,13 +62,13 @@ class Job:
     future: asyncio.Future[Prefilled]
     queued_at: float = field(default_factory=time.perf_counter)
     started: float = 0.0  # when its first chunk's forward began
-    done: int = 0  # num_computed_tokens: prompt tokens prefilled so far, or found cached
+    num_computed_tokens: int = 0  # prompt tokens prefilled so far, or found cached
     cached: int = 0  # of those, found cached: what its reply's usage reports
-    past: Partial | None = None  # their cache
+    past: Partial | None = None  # their blocks
 
     @property
     def left(self) -> int:
-        return len(self.prompt.prompt_ids) - self.done
+        return len(self.prompt.prompt_ids) - self.num_computed_tokens
 
 
 class PrefillBatcher:
@@ -85,11 +84,11 @@ class PrefillBatcher:
         threads: int = 0,
         busy_threads: int = 0,
         others_running: Callable[[], bool] = lambda: False,
-        prefix_cache: PrefixCache | None = None,
         moved: Callable[[str, Status], None] = lambda request_id, status: None,
     ) -> None:
         self.engine, self.max_tokens, self.reply_to = engine, max_tokens, reply_to
-        self.prefix_cache = prefix_cache  # None: every prompt prefilled from its start
+        self.kv = engine.kv  # prompts' blocks, and those cached (used on the engine's thread)
+        self.queries = self.hits = 0  # prompt tokens looked up in the prefix cache, and found
         self.moved = moved  # told as a request's forward starts, and as its chunk ends
         # torch threads for a forward (0: leave them as they are), and while other requests
         # run (0: the same), at most as many
@@ -119,38 +118,48 @@ class PrefillBatcher:
             raise Unavailable(f"prefill is full: {waiting} prompt tokens are waiting")
         loop = asyncio.get_running_loop()
         job = Job(prompt, loop.create_future())
-        if self.prefix_cache is not None and prompt.cacheable and self.ended is None:
-            # On the engine's thread, as every use of the cache: a hit's rows are copied (at
-            # Kimi-VL's widths 62 KB a token), which would hold up every stream on the loop.
+        if self.kv.caching and prompt.block_hashes and self.ended is None:
+            # On the engine's thread, as every use of the pool.
             await loop.run_in_executor(self.executor, self.begin_cached, job)
         if self.ended is not None:
+            self.let_go(job)
             raise self.ended
         self.waiting.append(job)
         self.arrived.set()
         return replace(await job.future, cached_tokens=job.cached)
 
     def begin_cached(self, job: Job) -> None:
-        """Start a job from its prompt's longest cached prefix, if there is one."""
-        assert self.prefix_cache is not None
+        """Start a job from its prompt's longest cached prefix of whole blocks, short of its
+        last token (whose logits give the first token): those blocks are shared, not copied."""
         prompt = job.prompt
-        cached = self.prefix_cache.lookup(
-            prompt.prompt_ids, prompt.image_spans or (), prompt.cache_salt
-        )
+        usable = (len(prompt.prompt_ids) - 1) // BLOCK_TOKENS
+        table = self.kv.match(prompt.block_hashes[:usable])
+        self.queries += len(prompt.prompt_ids)
         self.metrics.prefix_cache_queries.inc(len(prompt.prompt_ids))
-        if cached is not None:
-            job.done, job.cached, job.past = cached.length, cached.length, Partial(cached)
-            self.metrics.prefix_cache_hits.inc(cached.length)
-
-    def keep(self, job: Job, prefilled: Prefilled) -> None:
-        """Store a prefilled prompt's blocks in the prefix cache, from its hand-off (which holds
-        its whole cache) or, where its first tokens ended it, its forward's rows, on the
-        engine's thread before its next forward."""
-        prompt, rows, cache = job.prompt, prefilled.rows(), self.prefix_cache
-        if cache is None or not prompt.cacheable or rows is None:
+        if not table.length:
+            self.kv.release(table)
             return
-        ids, spans, salt = prompt.prompt_ids, prompt.image_spans or (), prompt.cache_salt
-        with contextlib.suppress(RuntimeError):  # the batcher has stopped: nothing more is kept
-            self.executor.submit(cache.store, ids, spans, rows, salt).add_done_callback(stored)
+        job.num_computed_tokens = job.cached = table.length
+        job.past = Partial(table)
+        self.hits += table.length
+        self.metrics.prefix_cache_hits.inc(table.length)
+
+    def let_go(self, job: Job, result: object = None) -> None:
+        """Let go of a job's blocks that nobody will use: its chunks so far, or the prompt's
+        whole table where its caller left; on the engine's thread."""
+        tables: list[BlockTable] = []
+        if isinstance(result, Prefilled) and result.table is not None:
+            tables.append(result.table)
+        elif job.past is not None:
+            tables.append(job.past.cache)
+        job.past = None
+        for table in tables:
+            self.on_engine(self.kv.release, table)
+
+    def on_engine(self, fn: Callable[..., object], *args: object) -> None:
+        """fn(*args) on the engine's thread, between forwards; nothing once it has stopped."""
+        with contextlib.suppress(RuntimeError):  # shut down: the pool goes with the process
+            self.executor.submit(fn, *args).add_done_callback(released)
 
     async def run(self) -> None:
         """Prefill whatever waits, batch after batch, until cancelled."""
@@ -164,6 +173,7 @@ class PrefillBatcher:
             for job in [*self.forward, *self.waiting]:  # in the forward it left, or waiting
                 if not job.future.done():
                     job.future.set_exception(Unavailable("prefill stopped before this request"))
+                self.let_go(job)
             self.waiting.clear()
 
     def end_all(self, error: Exception) -> None:
@@ -174,6 +184,8 @@ class PrefillBatcher:
         for job in [*self.forward, *self.waiting]:
             if not job.future.done():
                 job.future.set_exception(error)
+            if job not in self.forward:  # a forward's own jobs are let go as it ends
+                self.let_go(job)
 
     def forward_threads(self) -> int:
         """Fewer threads for the forward that runs `self.forward` while other prompts wait for
@@ -196,9 +208,9 @@ class PrefillBatcher:
         use_torch_threads(threads)
         results = self.engine.run_chunks(chunks, self.reply_to)
         short = [i for i, r in enumerate(results) if isinstance(r, torch.OutOfMemoryError)]
-        if short and self.prefix_cache is not None and self.prefix_cache.nbytes:
-            # The cache's blocks are only a help: the memory goes to the prompts, which run again.
-            freed = self.prefix_cache.clear()
+        if short and self.kv.blocks.cached:
+            # Cached blocks are only a help: the memory goes to the prompts, which run again.
+            freed = self.kv.drop_cached()
             log.warning("out of memory in a forward: emptied the prefix cache (%d bytes)", freed)
             again = self.engine.run_chunks([chunks[i] for i in short], self.reply_to)
             for i, result in zip(short, again, strict=True):
@@ -226,21 +238,25 @@ class PrefillBatcher:
             self.progressed()
         self.forward = []  # kept when cancelled, so that run() fails them
         for (job, chunk), result in zip(batch, results, strict=True):
-            if isinstance(result, Partial):  # more chunks to come: it stays first in line
-                job.done, job.past = chunk.stop, result
+            if isinstance(result, Partial) and not job.future.done():  # more chunks to come
+                job.num_computed_tokens, job.past = chunk.stop, result  # it stays first in line
                 self.moved(job.prompt.request_id, Status.WAITING)
                 continue
-            if self.waiting and self.waiting[0] is job:  # a chunked prompt whose chunk failed
+            if self.waiting and self.waiting[0] is job:  # a chunked prompt that ended early
                 self.waiting.popleft()
-            if job.future.done():  # its caller left meanwhile
+            if job.future.done() or isinstance(result, Exception):  # caller gone, or failed
+                if not job.future.done():
+                    job.future.set_exception(result)  # type: ignore[arg-type]
+                self.let_go(job, result)
                 continue
-            if isinstance(result, Exception):
-                job.future.set_exception(result)
-            else:
-                self.metrics.prompt_tokens.inc(len(job.prompt.prompt_ids))
-                self.metrics.prefill_time.observe(time.perf_counter() - job.started)
-                job.future.set_result(result)
-                self.keep(job, result)
+            assert isinstance(result, Prefilled)
+            self.metrics.prompt_tokens.inc(len(job.prompt.prompt_ids))
+            self.metrics.prefill_time.observe(time.perf_counter() - job.started)
+            job.past = None  # its blocks are the result's now: the caller lets go of them
+            if result.handoff is None:  # no decoder will ask for its rows
+                self.on_engine(self.kv.release, result.table)
+                result = replace(result, table=None)
+            job.future.set_result(result)
 
     def take(self) -> list[tuple[Job, Chunk]]:
         """Chunks of the waiting jobs, oldest first, filling the token budget.
@@ -258,26 +274,37 @@ class PrefillBatcher:
             if job.future.done():
                 continue
             if job.left <= room - owed:
-                batch.append((job, Chunk(job.prompt, job.done, job.done + job.left, job.past)))
+                start = job.num_computed_tokens
+                batch.append((job, Chunk(job.prompt, start, start + job.left, job.past)))
                 room -= job.left
             elif chunked is None:
                 chunked, owed = job, min(room, self.min_chunk or room)
             else:  # only the chunked prompt is passed: the others keep their order
                 break
         taken = {job for job, _ in batch}
+        for job in self.waiting:
+            if job.future.done() and job not in taken:  # its caller left: its chunks go too
+                self.let_go(job)
         self.waiting = deque(j for j in self.waiting if j not in taken and not j.future.done())
         if chunked is not None:
-            batch.append(
-                (chunked, Chunk(chunked.prompt, chunked.done, chunked.done + room, chunked.past))
-            )
+            start = chunked.num_computed_tokens
+            batch.append((chunked, Chunk(chunked.prompt, start, start + room, chunked.past)))
         return batch
 
     def status(self) -> dict[str, object]:
         sizes = list(self.sizes)
         mean = sum(sizes) / len(sizes) if sizes else 0.0
         waiting = sum(not job.future.done() for job in self.waiting)
-        cache = self.prefix_cache.status() if self.prefix_cache is not None else {}
-        return {"prefill": {"waiting": waiting, "mean_batch": round(mean, 2)}} | cache
+        prefill = {"waiting": waiting, "mean_batch": round(mean, 2)}
+        if not self.kv.caching:
+            return {"prefill": prefill}
+        rate = self.hits / self.queries if self.queries else 0.0
+        cache = {
+            "cached_tokens": self.kv.blocks.cached * BLOCK_TOKENS,
+            "bytes": self.kv.storage.nbytes,
+            "hit_rate": round(rate, 4),
+        }
+        return {"prefill": prefill, "prefix_cache": cache}
 
     def close(self) -> None:
         self.executor.shutdown(wait=True)

@@ -15,13 +15,15 @@ import time
 import weakref
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import replace
 from typing import TypeVar
 
 from epd.config.roles import PrefillConfig
 from epd.generation.status import Status
+from epd.kv.hashing import image_spans, salt_digest
 from epd.prefill.batcher import PrefillBatcher, token_budget
 from epd.prefill.encoding import Encoding, Images
-from epd.prefill.engine import Prefilled, PrefillEngine, Prompt
+from epd.prefill.engine import Handed, Prefilled, PrefillEngine, Prompt
 from epd.prefill.errors import (
     BadRequest,
     Internal,
@@ -29,39 +31,22 @@ from epd.prefill.errors import (
     TimedOut,
     Unavailable,
 )
+from epd.prefill.kv import DecoderBlocks
 from epd.prefill.metrics import PrefillMetrics
-from epd.prefill.prefix_cache import PrefixCache, image_spans
 from epd.prefill.request import PreparedRequest, Stream
 from epd.prefill.router import Router
 from epd.runtime.process import torch_threads
 from epd.runtime.watchdog import Watchdog
 from epd.wire.codec import WireError
-from epd.wire.messages import TokenDelta
+from epd.wire.messages import KVHandoff, KVMissing, TokenDelta
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 now = time.perf_counter
 # The statuses a request has between `submit` and its last delta.
 IN_PREFILL = (Status.ENCODING, Status.WAITING, Status.RUNNING, Status.DECODING)
-
-
-def prefix_cache(config: PrefillConfig, engine: PrefillEngine) -> PrefixCache | None:
-    """The prefix cache, if it is on; a cache that cannot be made is left out, with a warning:
-    an optional part never keeps prefill from serving."""
-    if not config.enable_prefix_caching or not config.prefix_cache_bytes:
-        return None
-    lm = engine.lm
-    try:
-        return PrefixCache(
-            lm.config.num_hidden_layers,
-            lm.config.latent_dim,
-            lm.lm_head.weight.dtype,
-            engine.device,
-            config.prefix_cache_bytes,
-        )
-    except Exception as e:  # e.g. no memory for its first block on the device
-        log.warning("prefill runs without a prefix cache: %s: %s", type(e).__name__, e)
-        return None
+MAX_RESENDS = 2  # hand-offs sent again to a decoder that says it lacks blocks, per request
+HASHED_ON_LOOP = 4096  # prompt tokens hashed on the event loop; longer prompts off it
 
 
 async def within(awaitable: Awaitable[T], seconds: float, error: Exception) -> T:
@@ -128,10 +113,10 @@ class Coordinator:
             # API requests other than the forward's (in flight from arrival to their last
             # byte): read and tokenised, encoding, waiting, decoding.
             others_running=lambda: self.requests() > len(self.batcher.forward),
-            prefix_cache=prefix_cache(config, engine),
             moved=self.moved,
         )
         self.encoding = Encoding(config, engine, self.router, self.metrics, self.alone)
+        self.decoder_blocks = DecoderBlocks()  # what each decoder holds, as prefill believes
         self.tasks: list[asyncio.Task[None]] = []
         self.ending = asyncio.Event()  # set by `end_all`
 
@@ -216,11 +201,30 @@ class Coordinator:
             request.prompt_logprobs,
             image_spans=spans,
             alone=self.alone(),  # its decoder may then take the idle cores from its first step
-            cache_salt=request.cache_salt,
+            salt=salt_digest(request.cache_salt),
         )
-        return await self.hand_off(request.request_id, await self.batcher.prefill(prompt))
+        if prompt.cacheable:
+            prompt = replace(prompt, block_hashes=await self.hashes(prompt))
+        # Its decoder, chosen now, so that the hand-off leaves out the blocks it holds; where
+        # none is up, after the prefill (whose first token may end the request: none needed).
+        live = self.router.live(self.router.decoders) if request.sampling.max_tokens > 1 else []
+        decoder = live[0] if live else ""
+        if decoder:
+            held = self.decoder_blocks.blocks(decoder, prompt.block_hashes)
+            prompt = replace(prompt, decoder_blocks=held)
+        prefilled = await self.batcher.prefill(prompt)
+        return await self.hand_off(request.request_id, prefilled, decoder, prompt.block_hashes)
 
-    async def hand_off(self, request_id: str, prefilled: Prefilled) -> Stream:
+    async def hashes(self, prompt: Prompt) -> tuple[bytes, ...]:
+        """The prompt's block hashes (a long prompt's off the event loop)."""
+        ids, spans = prompt.prompt_ids, prompt.image_spans or ()
+        if len(ids) <= HASHED_ON_LOOP:
+            return self.engine.hashes(ids, spans, prompt.salt)
+        return await asyncio.to_thread(self.engine.hashes, ids, spans, prompt.salt)
+
+    async def hand_off(
+        self, request_id: str, prefilled: Prefilled, decoder: str, hashes: tuple[bytes, ...]
+    ) -> Stream:
         first = tuple(TokenDelta.of(request_id, i, out) for i, out in enumerate(prefilled.first))
         handoff, scored = prefilled.handoff, prefilled.prompt_logprobs
         cached = prefilled.cached_tokens  # for the reply's usage
@@ -228,10 +232,15 @@ class Coordinator:
             return Stream(
                 request_id, "", len(first), first, prompt_logprobs=scored, cached_tokens=cached
             )
+        assert prefilled.table is not None, "a hand-off's blocks are held until decode has it"
+        handed = Handed.of(handoff, prefilled.table, hashes)
         router = self.router
-        if router.ended is not None:  # its forward ran on through `end_all`
-            raise router.ended
-        decoder = (await router.pick(router.decoders, "decode"))[0]
+        if not decoder:
+            try:
+                decoder = (await router.pick(router.decoders, "decode"))[0]
+            except BaseException:
+                self.batcher.on_engine(self.engine.kv.release, handed.table)
+                raise
         stream = Stream(
             request_id,
             decoder,
@@ -241,22 +250,53 @@ class Coordinator:
             max_tokens=handoff.sampling.max_tokens,
             prompt_logprobs=scored,
             cached_tokens=cached,
+            handed=handed,
         )
         router.open(stream)
         try:
-            sent = router.outbox.send(decoder, handoff)
-        except WireError as e:  # its settings (grammar, stop strings, logprobs...) add up past it
-            router.release(stream, finished=True)
-            raise BadRequest(f"the request is too large to hand to decode: {e}") from None
-        except BaseException:  # e.g. a value the wire cannot carry: no stream to wait for
-            router.release(stream, finished=True)
+            if router.ended is not None:  # its forward ran on through `end_all`
+                raise router.ended
+            self.send(stream, handoff)
+        except BaseException:
+            self.release(stream, finished=True)
             raise
-        if not sent:
-            router.release(stream, finished=True)
-            raise Unavailable(f"decode server {decoder} is not reachable")
         self.moved(request_id, Status.DECODING)
-        self.metrics.handoff_bytes.inc(handoff.cache.nbytes)
         return stream
+
+    def send(self, stream: Stream, handoff: KVHandoff) -> None:
+        """Hand a request to its decoder; raises what kept it from going."""
+        try:
+            sent = self.router.outbox.send(stream.decoder, handoff)
+        except WireError as e:  # its settings (grammar, stop strings, logprobs...) add up past it
+            raise BadRequest(f"the request is too large to hand to decode: {e}") from None
+        if not sent:
+            raise Unavailable(f"decode server {stream.decoder} is not reachable")
+        assert stream.handed is not None
+        self.decoder_blocks.sent(stream.decoder, stream.handed.hashes)
+        self.metrics.handoff_bytes.inc(handoff.cache.nbytes)
+
+    async def resend(self, stream: Stream, missing: KVMissing) -> None:
+        """The decoder lacks blocks it was said to hold (it evicted them): the hand-off again,
+        with the rows after those it has."""
+        handed = stream.handed
+        if handed is None or handed.resends >= MAX_RESENDS:
+            raise Internal(f"decode asked {MAX_RESENDS + 1} times for the request's KV blocks")
+        handed.resends += 1
+        self.decoder_blocks.missing(
+            stream.decoder, handed.hashes, missing.held_blocks, missing.keeps
+        )
+        loop = asyncio.get_running_loop()
+        handoff = await loop.run_in_executor(
+            self.batcher.executor, self.engine.resend, handed, missing.held_blocks
+        )
+        self.send(stream, handoff)
+
+    def decoded(self, stream: Stream) -> None:
+        """Decode took the hand-off (or gave up on it): prefill lets go of its blocks, which
+        stay cached where they were published."""
+        if stream.handed is not None:
+            self.batcher.on_engine(self.engine.kv.release, stream.handed.table)
+            stream.handed = None
 
     def deltas(self, stream: Stream) -> AsyncIterator[TokenDelta]:
         """The request's deltas until each choice's last one; leaving early aborts it in decode.
@@ -275,6 +315,7 @@ class Coordinator:
         """The request's life is over: its stream forgotten (and aborted in decode unless it
         finished there), once, whichever of its ends comes first."""
         self.status.pop(stream.request_id, None)
+        self.decoded(stream)
         self.router.release(stream, finished)
 
     async def read_deltas(self, stream: Stream) -> AsyncIterator[TokenDelta]:
@@ -294,6 +335,10 @@ class Coordinator:
                 item = await within(
                     stream.queue.get(), limit, TimedOut(f"decode sent nothing for {limit}s")
                 )
+                if isinstance(item, KVMissing):
+                    await self.resend(stream, item)
+                    continue
+                self.decoded(stream)
                 if isinstance(item, PrefillError):
                     raise item
                 if stream.sent_at:  # decode's first delta: the hand-off's round trip is done

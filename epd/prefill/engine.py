@@ -18,12 +18,13 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from epd.dtypes import NAMES
 from epd.generation.finite import all_finite
 from epd.generation.grammar import GrammarError, Grammars
 from epd.generation.logits import NoTokenAllowed, adjust, require_a_token
@@ -37,12 +38,19 @@ from epd.generation.sampling import (
     token_logprob,
 )
 from epd.generation.transcript import Output, Transcript
-from epd.model.block_manager import ImageSpan
+from epd.kv.hashing import (
+    BLOCK_TOKENS,
+    HASH_BYTES,
+    ImageSpan,
+    block_hashes,
+    chain_seed,
+    model_key,
+)
+from epd.kv.pool import BlockPool, BlockTable
 from epd.model.deepseek import DeepseekV3ForCausalLM
-from epd.model.latent_cache import LatentCache
 from epd.multimodal.prompt import image_slots, scatter_image_embeddings
 from epd.prefill.errors import BadRequest
-from epd.wire.messages import KVHandoff
+from epd.wire.messages import ImageRows, KVHandoff
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +70,11 @@ class Prompt:
     # None: unknown, and a prompt with images is then never cached.
     image_spans: tuple[ImageSpan, ...] | None = None
     alone: bool = False  # no other request was in flight: said to decode (`KVHandoff.alone`)
-    cache_salt: str | None = None  # the prefix cache's hashes start from it (`block_hashes`)
+    salt: bytes = b""  # the digest of the request's cache_salt (`hashing.salt_digest`)
+    # Each full block's hash (`PrefillEngine.hashes`), where the prompt is `cacheable`; and
+    # how many of them its decoder holds already: the hand-off carries the rows after them.
+    block_hashes: tuple[bytes, ...] = ()
+    decoder_blocks: int = 0
 
     @property
     def cacheable(self) -> bool:
@@ -79,10 +91,11 @@ class Prompt:
 
 @dataclass(frozen=True)
 class Partial:
-    """A prompt part-way through: the cache of its tokens so far, and if it asked, the scores
-    of those its positions predict (each token's logprob after the ones before it)."""
+    """A prompt part-way through: its blocks so far (`num_computed_tokens` rows), and if it
+    asked, the scores of those its positions predict (each token's logprob after the ones
+    before it)."""
 
-    cache: LatentCache
+    cache: BlockTable
     scored: tuple[Scored, ...] = ()
 
 
@@ -114,14 +127,9 @@ class Prefilled:
     # Prompt tokens whose KV came from the prefix cache, not from this prefill (`usage`'s
     # cached_tokens); the batcher knows them, the engine does not.
     cached_tokens: int = 0
-    unsent: LatentCache | None = None  # the prompt's cache where no hand-off carries it
-
-    def rows(self) -> torch.Tensor | None:
-        """The prompt's whole cache, (layers, tokens, latent_dim), for the prefix cache: the
-        hand-off's, or the forward's own where the first tokens ended the request."""
-        if self.handoff is not None:
-            return self.handoff.cache
-        return None if self.unsent is None else self.unsent.tensor()
+    # The prompt's blocks, held until the caller lets go (`PrefillEngine.release`): decode may
+    # ask for rows again (`KVMissing`). None once let go.
+    table: BlockTable | None = None
 
 
 class PrefillEngine:
@@ -131,10 +139,35 @@ class PrefillEngine:
         tokenizer: PreTrainedTokenizerBase,
         placeholder_id: int,
         eos_ids: Collection[int],
+        kv: BlockPool | None = None,
+        checkpoint: bytes = b"",
     ) -> None:
+        """`kv`: the pool prompts' KV lives in (default: one that keeps nothing cached);
+        `checkpoint`: the checkpoint's digest (`checkpoint/identity.py`), which with the dtype
+        its forward runs in names every block it computes (`hashing.model_key`)."""
         self.lm, self.tokenizer, self.placeholder_id = lm, tokenizer, placeholder_id
         self.eos_ids = eos_ids  # banned from the first token while min_tokens asks for more
         self.device = lm.lm_head.weight.device
+        config, dtype = lm.config, lm.lm_head.weight.dtype
+        self.model_key = model_key(checkpoint, NAMES[dtype])
+        self.kv = (
+            kv
+            if kv is not None
+            else BlockPool(
+                config.num_hidden_layers,
+                config.latent_dim,
+                self.device,
+                dtype,
+                max_tokens=1 << 24,  # bounded by what prefill admits, not here
+                max_cached_tokens=0,
+            )
+        )
+
+    def hashes(
+        self, prompt_ids: list[int], images: tuple[ImageSpan, ...], salt: bytes
+    ) -> tuple[bytes, ...]:
+        """Each full block's hash, from this model's key and the request's salt digest."""
+        return tuple(block_hashes(prompt_ids, images, chain_seed(self.model_key, salt)))
 
     @cached_property
     def grammars(self) -> Grammars:  # built on first use: a large vocabulary takes a second
@@ -158,10 +191,18 @@ class PrefillEngine:
 
     def run_batch(self, prompts: list[Prompt], reply_to: str = "") -> list[Prefilled | Exception]:
         """Prefill whole prompts packed into one forward; each gets its first tokens or its
-        error."""
+        error. Their blocks are let go at once: nobody asks for them again."""
         results = self.run_chunks([Chunk.whole(p) for p in prompts], reply_to)
-        assert not any(isinstance(r, Partial) for r in results)  # whole prompts end
-        return [r for r in results if not isinstance(r, Partial)]
+        done = [r for r in results if not isinstance(r, Partial)]
+        assert len(done) == len(results)  # whole prompts end
+        return [self.release(r) if isinstance(r, Prefilled) else r for r in done]
+
+    def release(self, prefilled: Prefilled) -> Prefilled:
+        """Let go of a prefilled prompt's blocks (published ones stay cached); on the engine's
+        thread, as every use of the pool."""
+        if prefilled.table is not None:
+            self.kv.release(prefilled.table)
+        return replace(prefilled, table=None)
 
     @torch.inference_mode()
     def run_chunks(
@@ -183,17 +224,19 @@ class PrefillEngine:
                 continue
             chunk, (logits, hidden, rows) = chunks[i], outcome
             scored = chunk.past.scored if chunk.past else ()
-            if chunk.prompt.prompt_logprobs is not None:
-                try:
+            table = chunk.past.cache if chunk.past else self.kv.table()
+            try:
+                if chunk.prompt.prompt_logprobs is not None:
                     scored += tuple(self.score(chunk, hidden))
-                except Exception as e:  # its own failure (a NaN logprob fails validation)
-                    results[i] = e
-                    continue
-            past = Partial(grown(chunk.past, rows), scored)
-            if chunk.last:
-                results[i] = self.hand_off(chunk.prompt, logits, past, reply_to)
-            else:
-                results[i] = past
+                self.kv.write(table, rows)  # PoolFull: this prompt fails alone
+            except Exception as e:  # its own failure (a NaN logprob fails validation)
+                self.kv.release(table)
+                results[i] = e
+                continue
+            past = Partial(table, scored)
+            results[i] = self.hand_off(chunk.prompt, logits, past, reply_to) if chunk.last else past
+            if isinstance(results[i], Exception):
+                self.kv.release(table)
         return [results[i] for i in range(len(chunks))]
 
     def embed(self, prompt: Prompt, start: int = 0, stop: int | None = None) -> torch.Tensor:
@@ -226,18 +269,19 @@ class PrefillEngine:
         return entries
 
     def forward(
-        self, embeds: list[torch.Tensor], pasts: list[LatentCache | None]
-    ) -> list[tuple[torch.Tensor, torch.Tensor, LatentCache] | Exception]:
+        self, embeds: list[torch.Tensor], pasts: list[BlockTable | None]
+    ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor] | Exception]:
         """Each chunk's last-token logits (vocab,), its hidden states (rows, D) and its new
-        cache rows; alone if the packed run fails."""
+        cache rows (layers, rows, latent_dim); alone if the packed run fails."""
         if not embeds:
             return []
         lengths = [e.shape[0] for e in embeds]
         try:
-            hidden, cache = self.lm.prefill(torch.cat(embeds), lengths, pasts)
+            hidden, rows = self.lm.prefill(torch.cat(embeds), lengths, list(pasts))
             last = [end - 1 for end in itertools.accumulate(lengths)]
             logits = self.lm.logits(hidden[last])  # (chunks, vocab)
-            return list(zip(logits, hidden.split(lengths), cache.split(lengths), strict=True))
+            pieces = zip(logits, hidden.split(lengths), rows.split(lengths, dim=1), strict=True)
+            return list(pieces)
         except Exception as e:
             if len(embeds) == 1:
                 return [e]
@@ -281,8 +325,10 @@ class PrefillEngine:
             outputs = tuple(
                 reply.accept(t, lp) for reply, t, lp in zip(replies, tokens, logprobs, strict=True)
             )
+            self.kv.publish(past.cache, prompt.block_hashes, prompt.prompt_ids)
+            held = min(prompt.decoder_blocks, len(prompt.block_hashes))  # its decoder's already
             if all(output.finish_reason for output in outputs):
-                return Prefilled(outputs, None, past.scored, unsent=past.cache)
+                return Prefilled(outputs, None, past.scored, table=past.cache)
             handoff = KVHandoff(
                 request_id=prompt.request_id,
                 reply_to=reply_to,
@@ -291,11 +337,15 @@ class PrefillEngine:
                 first_logprobs=logprobs,
                 sampling=sampling,
                 rng_states=torch.stack([g.get_state() for g in generators]),
-                cache=past.cache.tensor().contiguous().cpu(),  # its own memory, off the loop
+                cache=past.cache.rows(held * BLOCK_TOKENS).contiguous().cpu(),  # off the loop
                 prompt_ids=ids,
+                block_hashes=hash_rows(prompt.block_hashes),
+                cached_blocks=held,
+                salt=prompt.salt,
+                images=image_rows(prompt.image_spans) if prompt.block_hashes else (),
                 alone=prompt.alone,
             )
-            return Prefilled(outputs, handoff, past.scored)
+            return Prefilled(outputs, handoff, past.scored, table=past.cache)
         except (NoTokenAllowed, GrammarError) as e:  # what the request asked for: a 400
             if isinstance(e, GrammarError) and prompt.sampling.grammar:
                 self.grammars.forget(prompt.sampling.grammar)
@@ -303,12 +353,35 @@ class PrefillEngine:
         except Exception as e:  # e.g. a cache with NaN from an overflow: this request only
             return e
 
+    def resend(self, handed: Handed, held: int) -> KVHandoff:
+        """A hand-off again, for a decoder that holds only its first `held` blocks: the rows
+        after them, copied into host memory of their own (on the engine's thread)."""
+        held = min(held, handed.fields["cached_blocks"])  # type: ignore[call-overload]
+        rows = handed.table.rows(held * BLOCK_TOKENS).contiguous().cpu()
+        return KVHandoff(**(handed.fields | {"cache": rows, "cached_blocks": held}))  # type: ignore[arg-type]
 
-def grown(past: Partial | None, rows: LatentCache) -> LatentCache:
-    """A prompt's cache after a chunk: its past's with the chunk's rows appended, or, for a
-    first chunk, the rows themselves (a view of the packed forward's cache: the hand-off copies
-    it, and a next chunk's append moves it to memory of its own)."""
-    if past is None:
-        return rows
-    past.cache.extend(rows.tensor())
-    return past.cache
+
+@dataclass
+class Handed:
+    """A hand-off sent, until its decoder's first word: what sending it again needs."""
+
+    fields: dict[str, object]  # the hand-off's, but its rows (which may be large)
+    table: BlockTable  # the prompt's blocks, held
+    hashes: tuple[bytes, ...]
+    resends: int = 0
+
+    @classmethod
+    def of(cls, handoff: KVHandoff, table: BlockTable, hashes: tuple[bytes, ...]) -> Handed:
+        fields = {f: getattr(handoff, f) for f in handoff.__struct_fields__ if f != "cache"}
+        return cls(fields, table, hashes)
+
+
+def hash_rows(hashes: tuple[bytes, ...]) -> torch.Tensor:
+    """Block hashes as the wire carries them: (blocks, 32) uint8."""
+    if not hashes:
+        return torch.empty(0, HASH_BYTES, dtype=torch.uint8)
+    return torch.frombuffer(bytearray(b"".join(hashes)), dtype=torch.uint8).view(-1, HASH_BYTES)
+
+
+def image_rows(spans: tuple[ImageSpan, ...] | None) -> tuple[ImageRows, ...]:
+    return tuple(ImageRows(s.start, s.length, s.digest) for s in spans or ())

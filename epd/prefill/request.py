@@ -10,8 +10,9 @@ from dataclasses import dataclass, field
 from epd.generation.params import SamplingParams
 from epd.generation.sampling import Scored
 from epd.multimodal.grids import Grid
+from epd.prefill.engine import Handed
 from epd.prefill.errors import PrefillError
-from epd.wire.messages import TokenDelta
+from epd.wire.messages import KVMissing, TokenDelta
 
 
 @dataclass(frozen=True)
@@ -36,8 +37,11 @@ class Stream:
     decoder: str  # "" when the first tokens ended every choice: nothing was handed off
     choices: int  # the request's n: it ends once each choice has had its last delta
     first: tuple[TokenDelta, ...] = ()  # each choice's first token, from prefill
-    queue: asyncio.Queue[TokenDelta | PrefillError] = field(default_factory=asyncio.Queue)
+    queue: asyncio.Queue[TokenDelta | KVMissing | PrefillError] = field(
+        default_factory=asyncio.Queue
+    )
     sent_at: float = 0.0  # when the hand-off went to the decoder (perf_counter)
     max_tokens: int = sys.maxsize  # the request's: no choice may have more
     prompt_logprobs: tuple[Scored, ...] = ()  # scored prompt tokens, if asked (`Prompt`)
     cached_tokens: int = 0  # prompt tokens whose KV the prefix cache gave (`Prefilled`)
+    handed: Handed | None = None  # the hand-off, until decode's first word: to send it again

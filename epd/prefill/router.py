@@ -22,7 +22,7 @@ from epd.prefill.metrics import PrefillMetrics
 from epd.prefill.peers import RESOLVE_S, PeerSet
 from epd.prefill.request import Stream
 from epd.wire.curve import process_keys
-from epd.wire.messages import Abort, Failure, ImageEmbeddings, Message, TokenDelta
+from epd.wire.messages import Abort, Failure, ImageEmbeddings, KVMissing, Message, TokenDelta
 from epd.wire.outbox import Outbox
 from epd.wire.transport import Inbox, PerSecond, async_context
 
@@ -142,6 +142,9 @@ class Router:
                 self.decoder_reported(stream.decoder, message.kv_cache_usage)
             else:
                 self.disown(message.request_id)
+        elif isinstance(message, KVMissing):  # its decoder wants the hand-off again
+            if (stream := self.streams.get(message.request_id)) is not None:
+                stream.queue.put_nowait(message)
         elif isinstance(message, Failure):
             self.load.failed(message.request_id)  # on every encoder: see `EncodeLoad.failed`
             self.fail(message.request_id, from_failure(message))
@@ -244,10 +247,17 @@ class Router:
     async def pick(self, peers: PeerSet, role: str) -> list[str]:
         """Live peers of a role, rotated; a short grace lets a (re)connecting peer finish."""
         deadline = asyncio.get_running_loop().time() + PEER_GRACE_S
-        while not (live := [a for a in peers.current if self.outbox.is_up(a)]):
+        while not (live := self.live(peers)):
             if asyncio.get_running_loop().time() > deadline:
                 tried = ", ".join(peers.current or peers.configured)
                 raise Unavailable(f"no {role} server is reachable (tried {tried})")
             await asyncio.sleep(PEER_POLL_S)
+        return live
+
+    def live(self, peers: PeerSet) -> list[str]:
+        """Live peers of a role now, rotated; none if none is up."""
+        live = [a for a in peers.current if self.outbox.is_up(a)]
+        if not live:
+            return []
         start = next(peers.turns) % len(live)
         return live[start:] + live[:start]

@@ -27,7 +27,7 @@ from epd.wire.messages import MESSAGE_TYPES, EncodeRequest, Message
 
 Frame = bytes | memoryview
 MAX_RANK = 8
-MAX_TENSORS = 3  # the most tensor fields any message has (a hand-off)
+MAX_TENSORS = 4  # the most tensor fields any message has (a hand-off)
 HEADER_BYTES = 1 << 16  # every header but an EncodeRequest's (which holds image files) fits
 
 

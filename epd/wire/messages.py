@@ -12,6 +12,7 @@ from __future__ import annotations
 import typing
 from typing import TYPE_CHECKING, Annotated
 
+import msgspec
 import torch
 from msgspec import Meta
 
@@ -26,6 +27,7 @@ from epd.generation.params import (
     TokenLogprob,
     require,
 )
+from epd.kv.hashing import BLOCK_TOKENS, HASH_BYTES
 from epd.multimodal.grids import Grid
 from epd.wire.limits import (
     MAX_ITEMS,
@@ -99,8 +101,31 @@ class Failure(WireMessage, frozen=True):
         check_id(self.code, "code")
 
 
+class ImageRows(Record, frozen=True):
+    """An image's rows in a prompt: positions [start, start + length), and its file's digest
+    (what a block's hash names it by)."""
+
+    start: int
+    length: int
+    digest: Annotated[bytes, Meta(min_length=HASH_BYTES, max_length=HASH_BYTES)]
+
+    def __post_init__(self) -> None:
+        require(self.start >= 0 and self.length >= 0, "an image's rows start and count ≥ 0")
+
+
+def unnamed_blocks() -> torch.Tensor:
+    """No block hashes: (0, 32) uint8."""
+    return torch.empty(0, HASH_BYTES, dtype=torch.uint8)
+
+
 class KVHandoff(WireMessage, frozen=True):
-    """prefill → decode: everything needed to go on generating where prefill stopped."""
+    """prefill → decode: everything needed to go on generating where prefill stopped.
+
+    The prompt's KV comes by block: `block_hashes` names each full block of the prompt
+    (`kv/hashing.py`, chained from the model, the request's salt digest and its images, which
+    decode hashes again to check them), and `cache` carries the rows after the first
+    `cached_blocks` of them, which prefill believes the decoder holds already; a decoder that
+    lacks one answers `KVMissing` and gets the hand-off again from the blocks it has."""
 
     reply_to: Address
     prompt_tokens: int
@@ -108,8 +133,15 @@ class KVHandoff(WireMessage, frozen=True):
     first_logprobs: Annotated[tuple[TokenLogprob | None, ...], Meta(max_length=MAX_CHOICES)]
     sampling: SamplingParams
     rng_states: torch.Tensor  # (n, state) uint8: each choice's generator after its first token
-    cache: torch.Tensor  # latent KV (layers, prompt_tokens, kv_lora_rank + qk_rope_head_dim)
+    # latent KV of tokens [cached_blocks · 16, prompt_tokens): (layers, rows, kv_lora_rank + rope)
+    cache: torch.Tensor
     prompt_ids: torch.Tensor  # (prompt_tokens,) int64, for penalties on the prompt's tokens
+    # (prompt_tokens // 16, 32) uint8: the hash of each full block; (0, 32) where the prompt's
+    # blocks cannot be named (images not known by digest, scored prompts): nothing is shared.
+    block_hashes: torch.Tensor = msgspec.field(default_factory=unnamed_blocks)
+    cached_blocks: int = 0
+    salt: Annotated[bytes, Meta(max_length=HASH_BYTES)] = b""  # the cache salt's digest, or none
+    images: Annotated[tuple[ImageRows, ...], Meta(max_length=MAX_ITEMS)] = ()
     # Prefill had no other request in flight as it sent this: until something else comes, the
     # decoder may take the cores the other roles leave idle (`alone_threads`).
     alone: bool = False
@@ -129,16 +161,52 @@ class KVHandoff(WireMessage, frozen=True):
             and self.rng_states.shape[0] == n,
             f"rng_states must be a ({n}, state) uint8 tensor",
         )
-        check_tensor(self.cache, "cache", rank=3)
-        require(
-            self.prompt_tokens >= 1 and self.cache.shape[1] == self.prompt_tokens,
-            f"a cache of {self.cache.shape[1]} tokens for a prompt of {self.prompt_tokens}",
-        )
         require(
             self.prompt_ids.dtype == torch.int64
             and tuple(self.prompt_ids.shape) == (self.prompt_tokens,),
             f"prompt_ids must be {self.prompt_tokens} int64 token ids",
         )
+        self.check_blocks()
+
+    def check_blocks(self) -> None:
+        """The hashes, the blocks not sent and the rows sent must add up to the prompt."""
+        hashes, full = self.block_hashes, self.prompt_tokens // BLOCK_TOKENS
+        require(
+            hashes.dtype == torch.uint8
+            and hashes.dim() == 2
+            and hashes.shape[1] == HASH_BYTES
+            and hashes.shape[0] in (0, full),
+            f"block_hashes must be ({full} or 0, {HASH_BYTES}) uint8",
+        )
+        require(
+            0 <= self.cached_blocks <= hashes.shape[0],
+            f"{self.cached_blocks} blocks said to be cached, of {hashes.shape[0]} named",
+        )
+        check_tensor(self.cache, "cache", rank=3)
+        rows = self.prompt_tokens - self.cached_blocks * BLOCK_TOKENS
+        require(
+            self.prompt_tokens >= 1 and self.cache.shape[1] == rows,
+            f"a cache of {self.cache.shape[1]} tokens for {rows} of a prompt of "
+            f"{self.prompt_tokens} not cached",
+        )
+        require(len(self.salt) in (0, HASH_BYTES), f"a salt digest has 0 or {HASH_BYTES} bytes")
+        require(
+            all(i.start + i.length <= self.prompt_tokens for i in self.images),
+            "an image's rows lie past the prompt",
+        )
+
+
+class KVMissing(WireMessage, frozen=True):
+    """decode → prefill: the hand-off named blocks as cached that this decoder no longer holds
+    (it evicted them); it holds the first `held_blocks`, and takes the hand-off again from
+    there. `keeps` false: it keeps no blocks at all (its prefix cache is off)."""
+
+    held_blocks: int
+    keeps: bool = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require(self.held_blocks >= 0, "held_blocks must be ≥ 0")
 
 
 class TokenDelta(WireMessage, frozen=True):
@@ -192,5 +260,5 @@ class Abort(WireMessage, frozen=True):
     """prefill → decode: the client went away; free the request."""
 
 
-Message = EncodeRequest | ImageEmbeddings | Failure | KVHandoff | TokenDelta | Abort
+Message = EncodeRequest | ImageEmbeddings | Failure | KVHandoff | KVMissing | TokenDelta | Abort
 MESSAGE_TYPES: tuple[type[WireMessage], ...] = typing.get_args(Message)

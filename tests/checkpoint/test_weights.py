@@ -16,6 +16,7 @@ from epd.checkpoint.config import CheckpointError
 from epd.checkpoint.progress import size
 from epd.checkpoint.synthetic import make_checkpoint
 from epd.checkpoint.weights import load_model, tensor_files
+from tests.kv.pooled import loaded, pool_for, step
 
 
 def all_names(checkpoint: Path) -> set[str]:
@@ -169,9 +170,11 @@ def test_dtype_is_an_option_and_routing_stays_float32(tiny_checkpoint):
     )
     with torch.inference_mode():
         lm = model.language_model
-        _, cache = lm.prefill(lm.embed(torch.tensor([1, 2, 3])))
-        lm.decode(torch.tensor([4]), [cache])
-    assert cache.tensor().dtype == torch.bfloat16 and cache.length == 4
+        _, rows = lm.prefill(lm.embed(torch.tensor([1, 2, 3])))
+        pool = pool_for(lm)
+        table = loaded(pool, rows)
+        step(lm, pool, [table], torch.tensor([4]))
+    assert pool.storage.dtype == torch.bfloat16 and table.length == 4
 
 
 @pytest.mark.parametrize(

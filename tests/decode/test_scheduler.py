@@ -300,8 +300,9 @@ def test_n_choices_decode_apart_and_abort_together(parts):
     sampling = SamplingParams(6, temperature=1.5, top_k=50, seed=4, n=3)
     added = scheduler.add(engine.run("many", PROMPTS[1], None, sampling).handoff)
     assert [s.index for s, _ in added] == [0, 1, 2]
-    assert len({id(s.cache) for s, _ in added}) == 3  # each grows its own copy
+    assert len({id(s.table) for s, _ in added}) == 3  # each grows its own blocks
     scheduler.step()
+    assert len({s.table.blocks[-1] for s in scheduler.running.values()}) == 3
     assert sorted(scheduler.running) == [("many", 0), ("many", 1), ("many", 2)]
     assert scheduler.abort("many") and len(scheduler) == 0
 
@@ -420,10 +421,10 @@ def test_the_first_in_line_waits_for_blocks_and_nobody_passes_it(parts):
 def test_a_kv_budget_that_does_not_fit_says_which_setting_to_lower(parts, monkeypatch):
     lm, tokenizer, _, eos = parts
 
-    def out_of_memory(*_):
+    def out_of_memory(*_, **__):
         raise torch.OutOfMemoryError("CUDA out of memory")
 
-    monkeypatch.setattr("epd.decode.scheduler.LatentPool", out_of_memory)
+    monkeypatch.setattr("epd.decode.scheduler.BlockPool", out_of_memory)
     with pytest.raises(RuntimeError, match="KV cache of 4096 tokens .* smaller --max-kv-tokens"):
         Scheduler(lm, tokenizer, eos, max_kv_tokens=4096, preallocate=True)
 

@@ -7,8 +7,8 @@ from transformers import DeepseekV3ForCausalLM
 from epd.checkpoint.export import export_language_model
 from epd.checkpoint.weights import load_model
 from epd.model.config import TextConfig
-from epd.model.latent_cache import LatentCache
 from epd.model.mla import MLAttention
+from tests.kv.pooled import loaded, pool_for, step
 
 
 @pytest.fixture(scope="module", params=["tiny_checkpoint", "tiny_q_lora_checkpoint"])
@@ -31,44 +31,47 @@ PROMPT = torch.tensor([5, 17, 42, 99, 7, 300, 12, 64, 128, 3, 250, 77, 31])
 @torch.inference_mode()
 def test_prefill_logits_match_transformers(pair):
     ours, oracle = pair
-    hidden, cache = ours.prefill(ours.embed(PROMPT))
+    hidden, rows = ours.prefill(ours.embed(PROMPT))
     expected = oracle(PROMPT[None]).logits[0]
     assert rel_err(ours.logits(hidden), expected) <= 1e-4
-    layers, tokens, width = cache.tensor().shape
+    layers, tokens, width = rows.shape
     config = ours.config
     assert (layers, tokens, width) == (config.num_hidden_layers, len(PROMPT), config.latent_dim)
 
 
 @torch.inference_mode()
-def test_decode_from_latent_cache_matches_transformers(pair):
+def test_decode_from_pooled_blocks_matches_transformers(pair):
     ours, oracle = pair
-    _, cache = ours.prefill(ours.embed(PROMPT[:6]))
+    pool = pool_for(ours)
+    _, rows = ours.prefill(ours.embed(PROMPT[:6]))
+    table = loaded(pool, rows)
     ids = PROMPT[:6].tolist()
-    for step, token in enumerate(PROMPT[6:].tolist()):
-        if step == 3:  # ship the cache through bytes, as prefill → decode will
-            raw = cache.tensor().contiguous().numpy().tobytes()
-            shape = cache.tensor().shape
-            restored = torch.frombuffer(bytearray(raw), dtype=torch.float32).view(shape)
-            cache = LatentCache.from_tensor(restored)
+    for index, token in enumerate(PROMPT[6:].tolist()):
+        if index == 3:  # ship the rows through bytes, as prefill → decode does
+            sent = table.rows().contiguous()
+            restored = torch.frombuffer(bytearray(sent.numpy().tobytes()), dtype=torch.float32)
+            pool.release(table)
+            table = loaded(pool, restored.view(sent.shape))
         ids.append(token)
-        ours_logits = ours.logits(ours.decode(torch.tensor([token]), [cache]))[0]
+        ours_logits = step(ours, pool, [table], torch.tensor([token]))[0]
         expected = oracle(torch.tensor([ids])).logits[0, -1]
-        assert rel_err(ours_logits, expected) <= 1e-4, f"step {step}"
-    assert cache.length == len(PROMPT)
+        assert rel_err(ours_logits, expected) <= 1e-4, f"step {index}"
+    assert table.length == len(PROMPT)
 
 
 @torch.inference_mode()
 def test_batched_decode_equals_each_request_alone(pair):
     ours, _ = pair
     prompts = [PROMPT[:4], PROMPT[:9], PROMPT[2:11]]
-    caches = [ours.prefill(ours.embed(p))[1] for p in prompts]
-    alone = [ours.prefill(ours.embed(p))[1] for p in prompts]
+    pool = pool_for(ours)
+    tables = [loaded(pool, ours.prefill(ours.embed(p))[1]) for p in prompts]
+    alone = [loaded(pool, ours.prefill(ours.embed(p))[1]) for p in prompts]
     tokens = torch.tensor([8, 9, 10])
-    together = ours.logits(ours.decode(tokens, caches))
-    for i, cache in enumerate(alone):
-        single = ours.logits(ours.decode(tokens[i : i + 1], [cache]))[0]
+    together = step(ours, pool, tables, tokens)
+    for i, table in enumerate(alone):
+        single = step(ours, pool, [table], tokens[i : i + 1])[0]
         torch.testing.assert_close(together[i], single, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(caches[i].tensor(), cache.tensor())
+        torch.testing.assert_close(tables[i].rows(), table.rows())
 
 
 @torch.inference_mode()
@@ -76,13 +79,13 @@ def test_packed_prompts_equal_each_prompt_alone(pair):
     ours, _ = pair
     prompts = [PROMPT[:5], PROMPT[3:12], PROMPT[:2]]
     lengths = [len(p) for p in prompts]
-    hidden, cache = ours.prefill(ours.embed(torch.cat(prompts)), lengths)
+    hidden, rows = ours.prefill(ours.embed(torch.cat(prompts)), lengths)
     for piece, part, prompt in zip(
-        hidden.split(lengths), cache.split(lengths), prompts, strict=True
+        hidden.split(lengths), rows.split(lengths, dim=1), prompts, strict=True
     ):
-        alone_hidden, alone_cache = ours.prefill(ours.embed(prompt))
+        alone_hidden, alone_rows = ours.prefill(ours.embed(prompt))
         torch.testing.assert_close(piece, alone_hidden, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(part.tensor(), alone_cache.tensor(), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(part, alone_rows, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("absorbed", [True, False], ids=["through-latent", "expanded"])
@@ -96,25 +99,24 @@ def test_prompts_prefilled_in_chunks_equal_them_prefilled_whole(pair, absorbed, 
     prompts = [PROMPT, PROMPT[2:9]]
     # Each step's chunk per prompt; the second starts fresh beside the first's continuation.
     chunks = [[(0, 4), (4, 5), (5, 11), (11, 13)], [None, (0, 3), (3, 4), (4, 7)]]
-    caches: list[LatentCache | None] = [None, None]
+    pool = pool_for(ours)
+    tables = [pool.table(), pool.table()]
     hidden: list[list[torch.Tensor]] = [[], []]
-    for step in range(4):
-        taking = [i for i in range(2) if chunks[i][step] is not None]
-        pieces = [prompts[i][slice(*chunks[i][step])] for i in taking]
+    for turn in range(4):
+        taking = [i for i in range(2) if chunks[i][turn] is not None]
+        pieces = [prompts[i][slice(*chunks[i][turn])] for i in taking]
         lengths = [len(piece) for piece in pieces]
         out, rows = ours.prefill(
-            ours.embed(torch.cat(pieces)), lengths, [caches[i] for i in taking]
+            ours.embed(torch.cat(pieces)), lengths, [tables[i] for i in taking]
         )
-        for i, h, part in zip(taking, out.split(lengths), rows.split(lengths), strict=True):
+        split = zip(taking, out.split(lengths), rows.split(lengths, dim=1), strict=True)
+        for i, h, part in split:
             hidden[i].append(h)
-            if caches[i] is None:
-                caches[i] = LatentCache.from_tensor(part.tensor().clone())
-            else:
-                caches[i].extend(part.tensor())
-    for prompt, h, cache in zip(prompts, hidden, caches, strict=True):
-        whole_hidden, whole_cache = ours.prefill(ours.embed(prompt))
+            pool.write(tables[i], part)  # the next chunk reads its past from the blocks
+    for prompt, h, table in zip(prompts, hidden, tables, strict=True):
+        whole_hidden, whole_rows = ours.prefill(ours.embed(prompt))
         torch.testing.assert_close(torch.cat(h), whole_hidden, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(cache.tensor(), whole_cache.tensor(), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(table.rows(), whole_rows, rtol=1e-5, atol=1e-5)
     expected = oracle(PROMPT[None]).logits[0, -1]
     assert rel_err(ours.logits(hidden[0][-1][-1]), expected) <= 1e-4
 

@@ -10,7 +10,7 @@ from epd.generation.params import SamplingParams
 from epd.prefill.batcher import Job, PrefillBatcher
 from epd.prefill.engine import Prompt
 from epd.prefill.errors import Unavailable
-from epd.prefill.prefix_cache import PrefixCache
+from tests.prefill.test_prefix_cache import caching_pool, named
 
 PROMPTS = [[5, 17, 42, 99], [7, 300, 12, 64, 128, 3, 250], [31, 77], [9] * 40]
 
@@ -317,22 +317,26 @@ def test_prompts_waiting_behind_a_forward_make_it_run_on_fewer_threads(engine, b
 def test_each_prompt_says_how_many_of_its_tokens_the_prefix_cache_gave(engine):
     """What the reply's usage reports as cached_tokens: an earlier prompt's whole blocks that
     begin it, never its last token (it must be computed), 0 on a miss; chunked or not."""
-    config, dtype = engine.lm.config, engine.lm.lm_head.weight.dtype
-    cache = PrefixCache(config.num_hidden_layers, config.latent_dim, dtype, engine.device, 1 << 24)
     head = list(range(5, 45))  # 40 tokens: two whole blocks of 16 and 8 more
     asked = [head, [*head, 7, 8], head[:32], [9] * 40]
+    kept, engine.kv = engine.kv, caching_pool(engine, 1 << 24)
 
     async def main():
-        batcher = PrefillBatcher(engine, 16, reply_to="", prefix_cache=cache)  # 16: in chunks
+        batcher = PrefillBatcher(engine, 16, reply_to="")  # 16: in chunks
         runner = asyncio.create_task(batcher.run())
-        found = [
-            (await batcher.prefill(prompt(i, ids))).cached_tokens for i, ids in enumerate(asked)
-        ]
+        found = []
+        for i, ids in enumerate(asked):
+            result = await batcher.prefill(named(engine, prompt(i, ids)))
+            batcher.on_engine(engine.kv.release, result.table)
+            found.append(result.cached_tokens)
         runner.cancel()
         batcher.close()
         return found
 
-    assert asyncio.run(main()) == [0, 32, 16, 0]
+    try:
+        assert asyncio.run(main()) == [0, 32, 16, 0]
+    finally:
+        engine.kv = kept
 
 
 def test_ending_fails_the_prompts_in_the_forward_and_waiting_at_once_and_those_to_come(engine):

@@ -5,7 +5,7 @@ import asyncio
 import base64
 import io
 import re
-from types import SimpleNamespace
+from dataclasses import replace
 
 import pytest
 import torch
@@ -18,11 +18,9 @@ from epd.api.server import build_service
 from epd.config.roles import PrefillConfig
 from epd.generation.params import SamplingParams
 from epd.generation.status import Status
-from epd.generation.transcript import Output
 from epd.prefill import router as router_module
 from epd.prefill.coordinator import Coordinator, within
 from epd.prefill.encoding import check_payloads, split
-from epd.prefill.engine import Prefilled
 from epd.prefill.errors import BadRequest, PrefillError, Unavailable
 from epd.prefill.metrics import PrefillMetrics
 from epd.prefill.request import PreparedRequest, Stream
@@ -237,6 +235,16 @@ def test_a_stream_is_released_once_however_its_reply_ends(tiny_checkpoint, tmp_p
     assert [type(m) for m in sent] == ([] if read else [Abort])
 
 
+DECODER = "tcp://127.0.0.1:9"
+
+
+def prefilled(service):
+    """A real prefilled request that has a choice left for decode, its blocks held."""
+    done = service.engine.run("r1", [5, 6, 7], None, SamplingParams(4, temperature=0))
+    assert done.handoff is not None
+    return replace(done, table=service.engine.kv.table())
+
+
 def test_a_hand_off_the_wire_cannot_carry_leaves_no_stream_behind(tiny_checkpoint, tmp_path):
     """A send that raises (a value msgpack cannot hold, say) fails its request; a stream left
     behind would be waited on by nobody and keep prefill counting it as running for ever."""
@@ -250,10 +258,8 @@ def test_a_hand_off_the_wire_cannot_carry_leaves_no_stream_behind(tiny_checkpoin
         coordinator = Coordinator(config, service.engine, 64, service.watchdog)
         coordinator.router.outbox.send = refuse
         coordinator.router.outbox.is_up = lambda address: True
-        first = (Output(token_ids=(7,), text="", completion_tokens=1),)
         with pytest.raises(OverflowError):
-            handoff = SimpleNamespace(sampling=SamplingParams(4))
-            await coordinator.hand_off("r1", Prefilled(first, handoff))  # type: ignore[arg-type]
+            await coordinator.hand_off("r1", prefilled(service), DECODER, ())
         running = coordinator.batcher.others_running()
         await coordinator.stop()
         return running, dict(coordinator.router.streams)
@@ -274,10 +280,8 @@ def test_a_hand_off_too_large_for_decode_is_the_requests_bad_request(tiny_checkp
         coordinator = Coordinator(config, service.engine, 64, service.watchdog)
         coordinator.router.outbox.send = refuse
         coordinator.router.outbox.is_up = lambda address: True
-        first = (Output(token_ids=(7,), text="", completion_tokens=1),)
         with pytest.raises(BadRequest, match="too large to hand to decode: its 70000-byte"):
-            handoff = SimpleNamespace(sampling=SamplingParams(4))
-            await coordinator.hand_off("r1", Prefilled(first, handoff))  # type: ignore[arg-type]
+            await coordinator.hand_off("r1", prefilled(service), DECODER, ())
         await coordinator.stop()
         return dict(coordinator.router.streams)
 
@@ -503,10 +507,8 @@ def test_ending_fails_a_request_between_its_forward_and_its_hand_off(tiny_checkp
         ended = Unavailable("the server stopped before this request finished")
         coordinator.end_all(ended)
         fetched = await asyncio.wait_for(asyncio.gather(fetching, return_exceptions=True), 1)
-        first = (Output(token_ids=(7,), text="", completion_tokens=1),)
-        handoff = SimpleNamespace(sampling=SamplingParams(4))
         with pytest.raises(Unavailable) as failed:
-            await coordinator.hand_off("r1", Prefilled(first, handoff))  # type: ignore[arg-type]
+            await coordinator.hand_off("r1", prefilled(service), DECODER, ())
         await coordinator.stop()
         return fetched[0], failed.value, ended
 

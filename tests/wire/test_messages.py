@@ -113,7 +113,7 @@ def test_embeddings_holding_nan_are_refused():
 @pytest.mark.parametrize(
     "changes,fragment",
     [
-        ({"cache": torch.zeros(2, 4, 8)}, "a cache of 4 tokens for a prompt of 3"),
+        ({"cache": torch.zeros(2, 4, 8)}, "a cache of 4 tokens for 3 of a prompt of 3"),
         ({"cache": torch.zeros(3, 8)}, "cache must have 3 dimensions"),
         ({"cache": torch.zeros(2, 3, 8, dtype=torch.int64)}, "cache must hold floats"),
         ({"rng_states": torch.zeros(4)}, "rng_states"),

@@ -1,0 +1,1 @@
+"""KV memory, the one home of it in every role: blocks, their content hashes, the pool."""

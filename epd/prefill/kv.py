@@ -1,0 +1,88 @@
+"""Prefill's side of KV memory: its pool, and what it believes each decoder holds.
+
+Prefill's prompts live in a `BlockPool` (`epd/kv/`) from their first chunk to their hand-off,
+and their full blocks stay cached there after it (the prefix cache), within
+`prefix_cache_bytes`. A hand-off carries only the rows of the blocks its decoder lacks:
+`DecoderBlocks` remembers which blocks prefill handed to each decoder (decode keeps them
+cached), and forgets those a decoder says it no longer holds (`KVMissing`). A wrong belief
+costs one round trip, never a wrong token: decode checks every block it is told it has.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from epd.config.roles import PrefillConfig
+from epd.kv.pool import BlockPool
+from epd.model.deepseek import DeepseekV3ForCausalLM
+
+# Block hashes remembered per decoder (least recently used out first): 1M tokens' worth, ~80 MB
+# of Python objects at most per decoder.
+REMEMBERED_BLOCKS = 1 << 16
+
+
+def prefill_pool(config: PrefillConfig, lm: DeepseekV3ForCausalLM) -> BlockPool:
+    """Prefill's pool: prompts' blocks as they are prefilled, and, with prefix caching on,
+    full blocks kept after their requests in up to `prefix_cache_bytes`. It grows as prompts
+    need (what prefill admits bounds them, `max_waiting_tokens`), and gives the memory back when
+    nothing is held or cached."""
+    layers, width = lm.config.num_hidden_layers, lm.config.latent_dim
+    dtype = lm.lm_head.weight.dtype
+    per_token = layers * width * dtype.itemsize
+    caching = config.enable_prefix_caching and config.prefix_cache_bytes > 0
+    cached = config.prefix_cache_bytes // per_token if caching else 0
+    device = lm.lm_head.weight.device
+    return BlockPool(
+        layers, width, device, dtype, max_tokens=cached + (1 << 24), max_cached_tokens=cached
+    )
+
+
+class DecoderBlocks:
+    """The blocks prefill believes each decoder holds, by hash: those it handed to it, less
+    those the decoder said it lacked."""
+
+    def __init__(self, per_decoder: int = REMEMBERED_BLOCKS) -> None:
+        self.per_decoder = per_decoder
+        self.held: dict[str, OrderedDict[bytes, None]] = {}
+        self.keep_nothing: set[str] = set()  # decoders whose prefix cache is off
+
+    def blocks(self, decoder: str, hashes: Sequence[bytes]) -> int:
+        """How many of the leading blocks the decoder holds, by what prefill knows."""
+        held = self.held.get(decoder)
+        if held is None:
+            return 0
+        count = 0
+        for content in hashes:
+            if content not in held:
+                break
+            held.move_to_end(content)
+            count += 1
+        return count
+
+    def sent(self, decoder: str, hashes: Sequence[bytes]) -> None:
+        """The decoder was handed these blocks (it keeps them, unless it keeps nothing)."""
+        if decoder in self.keep_nothing or not hashes:
+            return
+        held = self.held.setdefault(decoder, OrderedDict())
+        for content in hashes:
+            held[content] = None
+            held.move_to_end(content)
+        while len(held) > self.per_decoder:
+            held.popitem(last=False)
+
+    def missing(self, decoder: str, hashes: Sequence[bytes], held: int, keeps: bool) -> None:
+        """The decoder holds only the first `held` of these blocks (`keeps` false: no block
+        at all, ever: its prefix cache is off)."""
+        if not keeps:
+            self.keep_nothing.add(decoder)
+            self.held.pop(decoder, None)
+            return
+        known = self.held.get(decoder, OrderedDict())
+        for content in hashes[held:]:
+            known.pop(content, None)
+
+    def forget(self, decoder: str) -> None:
+        """A decoder gone (it starts again empty, if it comes back)."""
+        self.held.pop(decoder, None)
+        self.keep_nothing.discard(decoder)
