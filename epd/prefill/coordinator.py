@@ -20,7 +20,7 @@ from typing import TypeVar
 
 from epd.config.roles import PrefillConfig
 from epd.generation.status import Status
-from epd.kv.hashing import image_spans, salt_digest
+from epd.kv.hashing import BLOCK_TOKENS, image_spans, salt_digest
 from epd.prefill.batcher import PrefillBatcher, token_budget
 from epd.prefill.encoding import Encoding, Images
 from epd.prefill.engine import Handed, Prefilled, PrefillEngine, Prompt
@@ -274,6 +274,8 @@ class Coordinator:
         assert stream.handed is not None
         self.decoder_blocks.sent(stream.decoder, stream.handed.hashes)
         self.metrics.handoff_bytes.inc(handoff.cache.nbytes)
+        self.metrics.handoff_tokens.inc(handoff.cache.shape[1])
+        stream.handed.reused = handoff.cached_blocks  # counted once decode has taken it
 
     async def resend(self, stream: Stream, missing: KVMissing) -> None:
         """The decoder lacks blocks it was said to hold (it evicted them): the hand-off again,
@@ -338,6 +340,9 @@ class Coordinator:
                 if isinstance(item, KVMissing):
                     await self.resend(stream, item)
                     continue
+                if isinstance(item, TokenDelta) and stream.handed is not None:
+                    reused = stream.handed.reused * BLOCK_TOKENS
+                    self.metrics.handoff_reused_tokens.inc(reused)
                 self.decoded(stream)
                 if isinstance(item, PrefillError):
                     raise item

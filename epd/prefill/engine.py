@@ -369,6 +369,7 @@ class Handed:
     table: BlockTable  # the prompt's blocks, held
     hashes: tuple[bytes, ...]
     resends: int = 0
+    reused: int = 0  # leading blocks the latest send left out: its decoder holds them
 
     @classmethod
     def of(cls, handoff: KVHandoff, table: BlockTable, hashes: tuple[bytes, ...]) -> Handed:

@@ -119,6 +119,13 @@ class PrefillMetrics(RoleMetrics):
             "embedding_bytes_received", "Bytes of image embeddings from encoders."
         )
         self.handoff_bytes = counter("kv_handoff_bytes", "Bytes of KV caches handed to decoders.")
+        self.handoff_tokens = counter(
+            "kv_handoff_tokens", "Prompt tokens whose KV rows went to decoders (resent ones too)."
+        )
+        self.handoff_reused_tokens = counter(
+            "kv_handoff_reused_tokens",
+            "Prompt tokens whose KV the chosen decoder held already, so no hand-off carried it.",
+        )
         self.handoff_seconds = seconds(
             "kv_handoff_seconds",
             "From handing a KV cache to a decoder until its first delta came back: transfer, "

@@ -4,25 +4,12 @@ import msgspec
 import pytest
 import torch
 
-from epd.checkpoint.config import load_generation_config, load_model_config
-from epd.checkpoint.tokenizer import load_tokenizer
 from epd.checkpoint.weights import load_model
 from epd.decode.scheduler import Busy, Scheduler, TooLarge, default_kv_tokens, kv_memory
 from epd.generation.grammar import choice_grammar
 from epd.generation.params import SamplingParams
-from epd.prefill.engine import PrefillEngine
 
 PROMPTS = [[5, 17, 42, 99], [7, 300, 12, 64, 128, 3, 250], [31, 77]]
-
-
-@pytest.fixture(scope="module")
-def parts(tiny_checkpoint):
-    lm = load_model(tiny_checkpoint, role="language").language_model
-    tokenizer = load_tokenizer(tiny_checkpoint)
-    eos = load_generation_config(tiny_checkpoint).eos_token_ids
-    placeholder = load_model_config(tiny_checkpoint).media_placeholder_token_id
-    engine = PrefillEngine(lm, tokenizer, placeholder, eos)
-    return lm, tokenizer, engine, eos
 
 
 def handoff(engine, i, max_tokens=12, seeded=False):

@@ -186,11 +186,11 @@ def poisoned_handoffs(checkpoint) -> list[list[bytes]]:
         ("stop_token_ids", [10**9]),  # outside the vocabulary
     ]
     frames = [edited(good, (6, fields.index(name)), value) for name, value in bad]
-    header, rng, _, ids = [bytes(f) for f in encode(good)]
-    frames.append([header, rng, nan_cache.numpy().tobytes(), ids])
-    frames.append([header, rng, (nan_cache / 0).numpy().tobytes(), ids])
+    header, rng, _, ids, hashes = [bytes(f) for f in encode(good)]
+    frames.append([header, rng, nan_cache.numpy().tobytes(), ids, hashes])
+    frames.append([header, rng, (nan_cache / 0).numpy().tobytes(), ids, hashes])
     outside = torch.tensor([5, 6, 7, 10**9]).numpy().tobytes()  # a prompt id past the vocabulary
-    frames.append([header, rng, good.cache.numpy().tobytes(), outside])
+    frames.append([header, rng, good.cache.numpy().tobytes(), outside, hashes])
     return frames
 
 

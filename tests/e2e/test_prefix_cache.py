@@ -13,11 +13,17 @@ PICTURE = data_url(Image.new("RGB", (840, 560), (200, 30, 90)))  # 600 image tok
 LONG_SYSTEM = " ".join(["the quick brown fox jumps over the lazy dog"] * 40)  # ~400 tokens
 
 
-def hits(base: int) -> float:
+def metric(base: int, name: str, role: str = "prefill") -> float:
+    """A counter of one role, from the API port's one scrape target."""
     text = requests.get(f"http://127.0.0.1:{base + 20}/metrics", timeout=5).text
-    found = re.search(r"^epd:prefix_cache_hits_total\{[^}]*\} (\S+)$", text, re.M)
-    assert found, "no prefix cache hits series"
+    pattern = rf'^epd:{name}_total\{{[^}}]*role="{role}"[^}}]*\}} (\S+)$'
+    found = re.search(pattern, text, re.M)
+    assert found, f"no {name} series of {role}"
     return float(found.group(1))
+
+
+def hits(base: int) -> float:
+    return metric(base, "prefix_cache_hits")
 
 
 def same_as_local(client, local, model, messages, **params):
@@ -57,8 +63,15 @@ def test_turns_that_share_a_prefix_hit_the_cache_and_answer_as_without(
         {"role": "assistant", "content": "Crimson."},
         {"role": "user", "content": " ".join(["and what else is there to see"] * 80)},
     ]
+    sent, reused = metric(base, "kv_handoff_tokens"), metric(base, "kv_handoff_reused_tokens")
+    held = metric(base, "prefix_cache_hits", "decode")
     ask(next_turn)  # past the hit, 560 new tokens: prefilled in chunks of 512
     assert hits(base) - after_image >= 3 * (400 + 600)
+    # Decode held the first turn's blocks: the hand-off carried the rest only.
+    assert metric(base, "kv_handoff_reused_tokens") - reused >= 400 + 600
+    assert metric(base, "prefix_cache_hits", "decode") - held >= 400 + 600
+    prompt_tokens = local.chat({"model": model_name, "messages": next_turn}).prompt_tokens
+    assert metric(base, "kv_handoff_tokens") - sent <= prompt_tokens - (400 + 600)
 
 
 def image_hits(base: int) -> float:

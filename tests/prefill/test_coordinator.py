@@ -32,6 +32,7 @@ from epd.wire.messages import (
     Failure,
     ImageEmbeddings,
     KVHandoff,
+    KVMissing,
     TokenDelta,
 )
 
@@ -514,3 +515,50 @@ def test_ending_fails_a_request_between_its_forward_and_its_hand_off(tiny_checkp
 
     fetched, failed, ended = asyncio.run(main())
     assert fetched is ended and failed is ended and not sent
+
+
+def test_a_decoder_that_lacks_blocks_gets_the_hand_off_again_from_those_it_holds(
+    tiny_checkpoint, tmp_path
+):
+    """Prefill leaves out of a hand-off the blocks it handed that decoder before; a decoder
+    that evicted some says how many it holds, and gets the rows after them, from prefill's
+    blocks, held until decode's first word. One that keeps asking fails its request."""
+    config = ipc_config(tiny_checkpoint, tmp_path)
+    service = build_service(config)
+    ids = list(range(5, 45))  # two whole blocks and 8 tokens
+
+    async def main():
+        coordinator = Coordinator(config, service.engine, 64, service.watchdog)
+        sent = []
+        coordinator.router.outbox.send = lambda peer, message: sent.append(message) or True
+        coordinator.router.outbox.is_up = lambda address: True
+        coordinator.start()
+        request = PreparedRequest("r1", ids, [], (), (), SamplingParams(4, temperature=0))
+        first = await coordinator.submit(request)
+        coordinator.release(first)
+        stream = await coordinator.submit(replace(request, request_id="r2"))
+        handoffs = [m for m in sent if isinstance(m, KVHandoff)]
+        deltas = coordinator.deltas(stream)
+        await anext(deltas)  # prefill's own first token
+        reading = asyncio.ensure_future(anext(deltas))
+        coordinator.router.route(KVMissing("r2", held_blocks=1))
+        await asyncio.sleep(0.2)  # the rows are copied on the engine's thread
+        handoffs += [m for m in sent[len(handoffs) + 1 :] if isinstance(m, KVHandoff)]
+        held = coordinator.engine.kv.blocks.held
+        coordinator.router.route(KVMissing("r2", held_blocks=0))
+        await asyncio.sleep(0.2)
+        coordinator.router.route(KVMissing("r2", held_blocks=0))
+        with pytest.raises(PrefillError, match="asked 3 times"):
+            await reading
+        await coordinator.stop()
+        return handoffs, [m for m in sent if isinstance(m, KVHandoff)], held
+
+    (whole, partial, *_), every, held = asyncio.run(main())
+    assert (whole.cached_blocks, whole.cache.shape[1]) == (0, 40)
+    assert (partial.cached_blocks, partial.cache.shape[1]) == (2, 8)
+    again = every[2]
+    assert (again.cached_blocks, again.cache.shape[1]) == (1, 24)
+    torch.testing.assert_close(again.cache[:, 16:], partial.cache)
+    assert again.first_tokens == partial.first_tokens
+    assert held == 2 + 1  # the prompt's blocks, held while decode may ask again
+    assert service.engine.kv.blocks.held == 0  # and let go when the request ended

@@ -114,6 +114,11 @@ def test_embeddings_holding_nan_are_refused():
     "changes,fragment",
     [
         ({"cache": torch.zeros(2, 4, 8)}, "a cache of 4 tokens for 3 of a prompt of 3"),
+        ({"cached_blocks": 1}, "1 blocks said to be cached, of 0 named"),
+        ({"cached_blocks": -1}, "blocks said to be cached"),
+        ({"block_hashes": torch.zeros(1, 32, dtype=torch.uint8)}, "block_hashes must be"),
+        ({"block_hashes": torch.zeros(0, 16, dtype=torch.uint8)}, "block_hashes must be"),
+        ({"salt": b"x" * 7}, "a salt digest has 0 or 32 bytes"),
         ({"cache": torch.zeros(3, 8)}, "cache must have 3 dimensions"),
         ({"cache": torch.zeros(2, 3, 8, dtype=torch.int64)}, "cache must hold floats"),
         ({"rng_states": torch.zeros(4)}, "rng_states"),
