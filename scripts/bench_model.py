@@ -23,10 +23,10 @@ import yaml
 from epd.checkpoint.synthetic import make_checkpoint
 from epd.checkpoint.weights import load_model
 from epd.dtypes import MODEL_DTYPES, TENSOR_DTYPES
-from epd.model.config import KimiVLConfig, TextConfig
-from epd.model.deepseek import DeepseekV3ForCausalLM
 from epd.kv.hashing import BLOCK_TOKENS
 from epd.kv.pool import BlockPool
+from epd.model.config import KimiVLConfig, TextConfig
+from epd.model.deepseek import DeepseekV3ForCausalLM
 from epd.model.moe import Experts, Router
 from epd.model.paged import GatherEachStep
 from epd.runtime.process import reuse_freed_memory
