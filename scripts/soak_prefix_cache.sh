@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
-# A mixed soak for the prefix cache: does it stay within its budget, and prefill's memory flat?
+# A mixed soak for the prefix caches: do they stay within their budgets, and prefill's and
+# decode's memory flat?
 #
 #   scripts/soak_prefix_cache.sh [MINUTES] [BUDGET_BYTES] [MODEL]
 #
 # Starts `epd serve` with --prefix-cache-bytes BUDGET (default 64 MiB: small, so that it fills
 # and evicts), then for MINUTES (default 30) runs `epd bench` workloads in turn: conversations
 # with an image, 8 streams sharing a system prompt, and prompts that share nothing. Every 15 s
-# it prints the cache's bytes and cached tokens (from /health) and prefill's resident memory.
+# it prints prefill's cache (bytes, cached tokens, hit rate, from /health), decode's pool (bytes,
+# cached tokens, blocks held, from its /health) and both processes' resident memory.
 set -euo pipefail
 minutes=${1:-30}
 budget=${2:-67108864}
@@ -20,13 +22,18 @@ server=$!
 trap 'kill -INT $server 2>/dev/null; wait $server 2>/dev/null || true' EXIT
 until curl -sf http://127.0.0.1:$port/health > /dev/null; do sleep 1; done
 prefill=$(pgrep -f "epd.cli prefill.*--port $port" | head -1)
+decode=$(pgrep -f "epd.cli decode.*--health-port 7762" | head -1)
 
 sample() {
   while true; do
     cache=$(curl -sf http://127.0.0.1:$port/health | $python -c \
       'import json,sys; c=json.load(sys.stdin)["prefix_cache"]; print(c["bytes"], c["cached_tokens"], c["hit_rate"])')
+    pool=$(curl -sf http://127.0.0.1:7762/health | $python -c \
+      'import json,sys; c=json.load(sys.stdin)["kv_cache"]; print(c["bytes"], c["cached_tokens"], c["used_blocks"])')
     rss=$(awk '/VmRSS/ {print int($2 / 1024)}' /proc/"$prefill"/status)
-    echo "$(date +%T) cache_bytes cached_tokens hit_rate: $cache  prefill_rss_mb: $rss"
+    decode_rss=$(awk '/VmRSS/ {print int($2 / 1024)}' /proc/"$decode"/status)
+    echo "$(date +%T) prefill cache bytes/tokens/hit_rate: $cache  rss_mb: $rss" \
+      " decode pool bytes/cached_tokens/used_blocks: $pool  rss_mb: $decode_rss"
     sleep 15
   done
 }

@@ -205,6 +205,16 @@ class DecodeServer:
             "waiting": len(self.scheduler.waiting),
             "by_status": self.scheduler.counts(),
             "refused_messages": self.inbox.refusals.total,
+            "kv_cache": self.kv_status(),
+        }
+
+    def kv_status(self) -> dict[str, object]:
+        """The pool's blocks: held by requests, cached for later ones, and its memory."""
+        pool = self.scheduler.pool
+        return {
+            "used_blocks": pool.used_blocks,
+            "cached_tokens": pool.blocks.cached * BLOCK_TOKENS,
+            "bytes": pool.storage.nbytes,
         }
 
     def stop_taking(self) -> None:
