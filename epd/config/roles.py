@@ -111,6 +111,17 @@ def max_model_len_option() -> Any:
     )
 
 
+def kv_events_option() -> Any:
+    return option(
+        "",
+        "publish the KV cache's stored and removed blocks as vLLM does, for a KV-aware router, "
+        'in vLLM\'s JSON: \'{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", '
+        '"topic": "kv-events"}\' (replay_endpoint, buffer_steps, hwm, max_queue_size and '
+        "publisher as vLLM's; default: off)",
+        vllm="--kv-events-config",
+    )
+
+
 IMAGE_LIMIT = VllmFlag("--limit-mm-per-prompt", image_limit, "image=N, or '{\"image\": N}'")
 
 
@@ -166,6 +177,7 @@ class DecodeConfig(ModelOptions):
         "cache and its gathered copy take together (0: half the free memory, on a CPU a quarter)",
         vllm="--gpu-memory-utilization",
     )
+    kv_events_config: str = kv_events_option()
     drain_timeout_s: float = option(
         30.0,
         "on SIGTERM, how long the sequences under way may take to finish (new hand-offs "
@@ -272,6 +284,7 @@ class PrefillConfig(ModelOptions):
         "memory for the prefix cache's KV blocks, least recently used out first (taken as "
         "prompts are kept, not at start)",
     )
+    kv_events_config: str = kv_events_option()
     max_request_bytes: int = option(
         100 * 1024 * 1024, "request bodies over this size get 413 before they are read"
     )

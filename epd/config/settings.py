@@ -22,6 +22,17 @@ REASONING_PARSERS = ("auto", "none", "kimi_vl")
 # The sampling defaults a generation_config.json may give, and --override-generation-config.
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 GENERATION_FIELDS = (*SAMPLING_FIELDS, "max_new_tokens")
+# vLLM's --kv-events-config keys; epd.kv.events.KVEventsConfig reads them fully.
+KV_EVENTS_FIELDS = (
+    "enable_kv_cache_events",
+    "publisher",
+    "endpoint",
+    "replay_endpoint",
+    "buffer_steps",
+    "hwm",
+    "max_queue_size",
+    "topic",
+)
 AUTOMATIC = (  # 0: by device, or by the checkpoint
     "threads",
     "batch_patches",
@@ -70,6 +81,8 @@ def _check_value(name: str, value: Any) -> str | None:
         return "must be auto, vllm or a directory holding a generation_config.json"
     if name == "override_generation_config" and value:
         return generation_overrides_problem(value)
+    if name == "kv_events_config" and value:
+        return json_object_problem(value, KV_EVENTS_FIELDS)
     if name == "seed" and not -1 <= value < 2**63:
         return "must be -1 (fresh draws) or from 0 to 2**63 - 1"
     if name == "min_chunk_tokens" and value < 0:
@@ -95,6 +108,19 @@ def _check_value(name: str, value: Any) -> str | None:
     if is_address and not (addresses and all(a.startswith(ADDRESS_SCHEMES) for a in addresses)):
         return "must be ZeroMQ addresses such as tcp://127.0.0.1:7101"
     return None
+
+
+def json_object_problem(text: str, known: tuple[str, ...]) -> str | None:
+    """Why `text` is not a JSON object of keys among `known`, or None (its values are for the
+    setting's reader to check)."""
+    try:
+        given = json.loads(text)
+    except json.JSONDecodeError:
+        given = None
+    if not isinstance(given, dict):
+        return f"must be a JSON object of {', '.join(known)}"
+    unknown = sorted(set(given) - set(known))
+    return f"has unknown keys {', '.join(unknown)}; known: {', '.join(known)}" if unknown else None
 
 
 def generation_overrides_problem(text: str) -> str | None:

@@ -1,6 +1,7 @@
 """vLLM's command lines: each vLLM flag sets the epd setting it stands for, in every role."""
 
 import argparse
+import re
 
 import pytest
 
@@ -262,6 +263,26 @@ def test_override_generation_config_is_checked_before_any_role_starts(given, say
     )
     with pytest.raises(ValueError, match=f"override_generation_config=.*: {says}"):
         children("/m", "--override-generation-config", given)
+
+
+def test_kv_events_config_reaches_prefill_and_decode_as_given():
+    given = '{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", "topic": "kv-events"}'
+    configs = children("/m", "--kv-events-config", given)
+    assert configs["prefill"].kv_events_config == configs["decode"].kv_events_config == given
+    assert children("/m")["decode"].kv_events_config == ""  # off
+
+
+@pytest.mark.parametrize(
+    "given,says",
+    [
+        ('{"enable_kv_cache_events": true, "topc": "x"}', "has unknown keys topc; known: enable"),
+        ("[]", "must be a JSON object of enable_kv_cache_events, publisher"),
+        ("{", "must be a JSON object"),
+    ],
+)
+def test_kv_events_config_is_checked_before_any_role_starts(given, says):
+    with pytest.raises(ValueError, match=f"kv_events_config=.*: {re.escape(says)}"):
+        children("/m", "--kv-events-config", given)
 
 
 def test_generation_config_is_auto_vllm_or_a_folder_with_one(tmp_path):
