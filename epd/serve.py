@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
+import json
 import os
 import signal
 import socket
@@ -34,6 +35,7 @@ from epd.config.sources import (
     secret_env,
     to_flags,
 )
+from epd.kv.events import KVEventsConfig, with_port_offset
 from epd.runtime.process import (
     SUPERVISOR_ENV,
     available_cores,
@@ -44,6 +46,7 @@ from epd.runtime.process import (
 
 CHILDREN = ("encode", "decode", "prefill")
 HEALTHY_AFTER_S = 60.0  # a child that lived this long restarts without accumulated backoff
+KV_EVENT_PORTS = {"prefill": 0, "decode": 1}  # added to --kv-events-config's ports, per role
 CORES = available_cores()
 # Turns libgomp's threads spin after an op before they sleep, on a CPU (`openmp_env`).
 BRIEF_SPIN = 10_000
@@ -229,12 +232,32 @@ def plan(args: argparse.Namespace) -> tuple[ServeConfig, dict[str, Any]]:
     if prefill.device == "cpu" and not prefill.busy_threads:
         busy = busy_threads(prefill.threads, children["decode"].threads, CORES)
         children["prefill"] = dataclasses.replace(prefill, busy_threads=busy)
+    for role, offset in KV_EVENT_PORTS.items():  # each role its own ports, as vLLM's DP ranks
+        child = children[role]
+        assert isinstance(child, PrefillConfig | DecodeConfig)
+        events = offset_kv_events(child.kv_events_config, offset)
+        children[role] = dataclasses.replace(child, kv_events_config=events)
     for role in ("encode", "decode"):  # a lone request's encode; decode while nothing else runs
         child = children[role]
         assert isinstance(child, EncodeConfig | DecodeConfig)
         if child.device == "cpu" and not child.alone_threads:
             children[role] = dataclasses.replace(child, alone_threads=CORES)
     return config, children
+
+
+def offset_kv_events(text: str, offset: int) -> str:
+    """A `--kv-events-config` whose endpoints' ports are `offset` higher: each role publishes on
+    its own (prefill on the ports given, decode on the next), as vLLM offsets its data-parallel
+    ranks'."""
+    if not text or not offset:
+        return text
+    config = KVEventsConfig.from_json(text)
+    if not config.publishes:
+        return text
+    fields = json.loads(text) | {"endpoint": with_port_offset(config.endpoint, offset)}
+    if config.replay_endpoint:
+        fields["replay_endpoint"] = with_port_offset(config.replay_endpoint, offset)
+    return json.dumps(fields)
 
 
 def busy_threads(prefill: int, decode: int, cores: int) -> int:

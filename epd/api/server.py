@@ -23,6 +23,7 @@ from epd.checkpoint.weights import load_model
 from epd.config.roles import PrefillConfig
 from epd.dtypes import model_dtype
 from epd.generation.reasoning import prepare
+from epd.kv.events import kv_events_endpoints
 from epd.prefill.engine import PrefillEngine
 from epd.prefill.errors import Unavailable
 from epd.prefill.kv import prefill_pool
@@ -172,9 +173,9 @@ def run(config: PrefillConfig) -> None:
         if service.gate.draining:  # stopping already (`DrainingServer.startup`): not ready
             return
         api = f"http://{config.host}:{config.port}/v1"
-        announce_ready(
-            "prefill", api=api, zmq=config.bind, health=f"http://{config.host}:{config.port}/health"
-        )
+        health = f"http://{config.host}:{config.port}/health"
+        events = kv_events_endpoints(service.engine.kv.blocks.events)
+        announce_ready("prefill", api=api, zmq=config.bind, health=health, **events)
 
     # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal to the handler
     # found before it started (ours, from start_process), so a requested stop exits with 0.

@@ -43,6 +43,7 @@ from epd.generation.sampling import restore_generator, sample_batch
 from epd.generation.sequence import Sequence
 from epd.generation.status import Status
 from epd.generation.transcript import Output
+from epd.kv.events import KVEvents
 from epd.kv.hashing import BLOCK_TOKENS, ImageSpan, block_hashes, chain_seed, model_key
 from epd.kv.pool import BlockPool, PoolFull
 from epd.memory import available_memory
@@ -98,11 +99,13 @@ class Scheduler:
         memory_share: float = 0.0,
         checkpoint: bytes = b"",
         prefix_caching: bool = True,
+        events: KVEvents | None = None,
     ) -> None:
         """`context_length`: the most tokens of a sequence (0: the model's); `memory_share`:
         of the device's memory, for an automatic KV budget (`kv_memory`); `checkpoint`: its
         digest, which names the blocks it is handed (`hashing.model_key`); `prefix_caching`:
-        keep prompts' blocks after their requests."""
+        keep prompts' blocks after their requests; `events`: told what it caches and evicts
+        (vLLM's KV events)."""
         self.lm, self.tokenizer, self.eos_ids = lm, tokenizer, eos_ids
         self.max_batch_size = max_batch_size
         self.context_length = context_length or lm.config.max_position_embeddings
@@ -126,7 +129,7 @@ class Scheduler:
         cached = None if prefix_caching else 0  # cached blocks: any number, in free space
         try:
             self.pool = BlockPool(
-                layers, width, self.device, dtype, budget, preallocate, max_cached_tokens=cached
+                layers, width, self.device, dtype, budget, preallocate, events, cached
             )
         except torch.OutOfMemoryError as e:
             raise RuntimeError(

@@ -28,6 +28,7 @@ from epd.dtypes import model_dtype
 from epd.generation.reasoning import prepare
 from epd.generation.sequence import Sequence
 from epd.generation.transcript import Output
+from epd.kv.events import kv_events_endpoints, open_kv_events
 from epd.kv.hashing import BLOCK_TOKENS
 from epd.runtime.idle import OthersIdle
 from epd.runtime.process import torch_threads, use_torch_threads
@@ -228,6 +229,11 @@ class DecodeServer:
         self.fail_all("unavailable", "decode stopped before this request finished")
         self.inbox.close()
         self.outbox.close(linger_ms=500)
+        self.scheduler.pool.blocks.events.close()
+
+    def endpoints(self) -> dict[str, str]:
+        """What its ready line names besides its sockets: where its KV events go."""
+        return kv_events_endpoints(self.scheduler.pool.blocks.events)
 
     def use_threads(self) -> None:
         """The machine's idle cores for the step too, while the other processes leave them
@@ -261,6 +267,7 @@ class DecodeServer:
             self.fail_request(sequence.request_id, "bad_request", problem)
         for sequence, problem in step.failed:
             self.fail_request(sequence.request_id, "internal", problem)
+        self.scheduler.pool.flush_events()  # what the step cached and evicted, as one batch
 
 
 def largest_frame(checkpoint: str) -> int:
@@ -292,6 +299,7 @@ def load_scheduler(config: DecodeConfig) -> Scheduler:
         memory_share=config.gpu_memory_utilization,
         checkpoint=checkpoint_digest(config.model),
         prefix_caching=config.enable_prefix_caching,
+        events=open_kv_events(config.kv_events_config),
     )
     with phase("warming up: the grammar tables", "warmed up"):
         prepare(scheduler.grammars)  # built now (or found unavailable), not at the first grammar

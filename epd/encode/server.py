@@ -144,6 +144,9 @@ class EncodeServer:
         self.inbox.close()
         self.outbox.close(linger_ms=500)  # replies already handed over get out
 
+    def endpoints(self) -> dict[str, str]:
+        return {}  # encode holds no KV
+
     def step(self) -> None:
         """Answer the requests that wait, if one comes within a moment: as many as are queued,
         up to `batch_patches` image patches, in one forward of the vision tower."""

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Protocol
 
+from epd.kv.events import KVEvents, NoEvents
 from epd.kv.hashing import BLOCK_TOKENS
 
 
@@ -27,42 +27,15 @@ class PoolFull(RuntimeError):
     """Not enough free blocks under the pool's budget."""
 
 
-class BlockEvents(Protocol):
-    """What a block manager tells of its cached blocks (`kv/events.py` publishes it)."""
-
-    def stored(
-        self, block_hashes: list[bytes], parent: bytes | None, token_ids: list[int], block_size: int
-    ) -> None: ...
-
-    def removed(self, block_hashes: list[bytes]) -> None: ...
-
-    def cleared(self) -> None: ...
-
-
-class Unheard:
-    """Events nobody listens to."""
-
-    def stored(
-        self, block_hashes: list[bytes], parent: bytes | None, token_ids: list[int], block_size: int
-    ) -> None:
-        pass
-
-    def removed(self, block_hashes: list[bytes]) -> None:
-        pass
-
-    def cleared(self) -> None:
-        pass
-
-
 class BlockManager:
     """Blocks 1 … `blocks` - 1 of a storage: free, held (counted), or cached (hashed, held by
     nobody, evicted least recently used first when the free ones run out)."""
 
     def __init__(
-        self, blocks: int, events: BlockEvents | None = None, max_cached: int | None = None
+        self, blocks: int, events: KVEvents | None = None, max_cached: int | None = None
     ) -> None:
         self.blocks = blocks
-        self.events = events or Unheard()
+        self.events: KVEvents = events if events is not None else NoEvents()
         self.max_cached = max_cached  # cached blocks nobody holds, at most (None: any)
         self.free = list(range(blocks - 1, 0, -1))  # lowest last: handed out first
         self.refs: dict[int, int] = {}  # held blocks: how many hold each

@@ -180,9 +180,22 @@ class KVEvents(Protocol):
     def flush(self) -> None:
         """Send what was recorded since the last flush as one KVEventBatch (nothing if empty)."""
 
+    def close(self) -> None: ...
+
+    @property
+    def endpoint(self) -> str | None:
+        """Where subscribers find the events (None: nowhere, they are off)."""
+
+
+def kv_events_endpoints(events: KVEvents) -> dict[str, str]:
+    """For a role's ready line: where its KV events go, if anywhere."""
+    return {} if events.endpoint is None else {"kv_events": events.endpoint}
+
 
 class NoEvents:
     """Events off: nothing recorded, nothing sent."""
+
+    endpoint = None
 
     def stored(
         self, block_hashes: list[bytes], parent: bytes | None, token_ids: list[int], block_size: int
@@ -218,10 +231,11 @@ class ZmqKVEvents:
     def __init__(self, config: KVEventsConfig, data_parallel_rank: int = 0) -> None:
         assert config.publishes, "open_kv_events gives NoEvents for a config that publishes none"
         self.data_parallel_rank = data_parallel_rank
+        self.endpoint: str | None = with_port_offset(config.endpoint, data_parallel_rank)
         self._hashes_as_int = _hashes_as_int()
         self._recorded: list[BlockStored | BlockRemoved | AllBlocksCleared] = []
         self._publisher = ZmqPublisher(
-            with_port_offset(config.endpoint, data_parallel_rank),
+            self.endpoint,
             _replay_endpoint(config, data_parallel_rank),
             buffer_steps=config.buffer_steps,
             hwm=config.hwm,

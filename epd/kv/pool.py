@@ -23,7 +23,8 @@ from collections.abc import Sequence
 
 import torch
 
-from epd.kv.blocks import BlockEvents, BlockManager, PoolFull
+from epd.kv.blocks import BlockManager, PoolFull
+from epd.kv.events import KVEvents
 from epd.kv.hashing import BLOCK_TOKENS, blocks_for
 
 __all__ = ["BlockPool", "BlockTable", "PoolFull"]
@@ -69,7 +70,7 @@ class BlockPool:
         dtype: torch.dtype,
         max_tokens: int,
         preallocate: bool = False,
-        events: BlockEvents | None = None,
+        events: KVEvents | None = None,
         max_cached_tokens: int | None = None,
     ) -> None:
         """`preallocate`: take the whole budget now and keep it (on a GPU: growing by doubling
@@ -120,6 +121,11 @@ class BlockPool:
         requests' next step (so a join does not at once send another back to wait)."""
         needed = blocks_for(length + 1) - shared // BLOCK_TOKENS
         return needed + running <= self.free_blocks
+
+    def flush_events(self) -> None:
+        """Publish what was cached and evicted since the last flush, as one batch of KV events
+        (a role calls it once a step)."""
+        self.blocks.events.flush()
 
     @torch.inference_mode()
     def match(self, hashes: Sequence[bytes]) -> BlockTable:

@@ -46,7 +46,7 @@ WAITING_TOKENS = 32768  # prompt tokens that may wait, at least: 8 forwards at t
 CPU_BUDGET, GPU_BUDGET = 512, 4096
 
 
-def released(done: Future[object]) -> None:
+def released(done: Future[None]) -> None:
     """Letting go of blocks that failed is logged: it should not."""
     if (error := done.exception()) is not None:
         log.error("letting go of a prompt's KV blocks failed: %s: %s", type(error).__name__, error)
@@ -157,9 +157,17 @@ class PrefillBatcher:
             self.on_engine(self.kv.release, table)
 
     def on_engine(self, fn: Callable[..., object], *args: object) -> None:
-        """fn(*args) on the engine's thread, between forwards; nothing once it has stopped."""
+        """fn(*args) on the engine's thread, between forwards, and the KV events it makes
+        published; nothing once it has stopped."""
+
+        def then_flush() -> None:
+            try:
+                fn(*args)
+            finally:
+                self.kv.flush_events()
+
         with contextlib.suppress(RuntimeError):  # shut down: the pool goes with the process
-            self.executor.submit(fn, *args).add_done_callback(released)
+            self.executor.submit(then_flush).add_done_callback(released)
 
     async def run(self) -> None:
         """Prefill whatever waits, batch after batch, until cancelled."""
@@ -206,6 +214,12 @@ class PrefillBatcher:
         """On the engine's thread: the forward, on `threads` torch threads (OpenMP counts them
         per thread, so they are set here)."""
         use_torch_threads(threads)
+        try:
+            return self.forward_chunks(chunks)
+        finally:
+            self.kv.flush_events()  # what the forward cached and evicted, as one batch
+
+    def forward_chunks(self, chunks: list[Chunk]) -> list[Prefilled | Partial | Exception]:
         results = self.engine.run_chunks(chunks, self.reply_to)
         short = [i for i, r in enumerate(results) if isinstance(r, torch.OutOfMemoryError)]
         if short and self.kv.blocks.cached:
@@ -308,3 +322,4 @@ class PrefillBatcher:
 
     def close(self) -> None:
         self.executor.shutdown(wait=True)
+        self.kv.blocks.events.close()

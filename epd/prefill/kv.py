@@ -14,6 +14,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 from epd.config.roles import PrefillConfig
+from epd.kv.events import open_kv_events
 from epd.kv.pool import BlockPool
 from epd.model.deepseek import DeepseekV3ForCausalLM
 
@@ -26,16 +27,17 @@ def prefill_pool(config: PrefillConfig, lm: DeepseekV3ForCausalLM) -> BlockPool:
     """Prefill's pool: prompts' blocks as they are prefilled, and, with prefix caching on,
     full blocks kept after their requests in up to `prefix_cache_bytes`. It grows as prompts
     need (what prefill admits bounds them, `max_waiting_tokens`), and gives the memory back when
-    nothing is held or cached."""
+    nothing is held or cached; what it caches and evicts is published as KV events where
+    `kv_events_config` asks."""
     layers, width = lm.config.num_hidden_layers, lm.config.latent_dim
     dtype = lm.lm_head.weight.dtype
     per_token = layers * width * dtype.itemsize
     caching = config.enable_prefix_caching and config.prefix_cache_bytes > 0
     cached = config.prefix_cache_bytes // per_token if caching else 0
     device = lm.lm_head.weight.device
-    return BlockPool(
-        layers, width, device, dtype, max_tokens=cached + (1 << 24), max_cached_tokens=cached
-    )
+    most = cached + (1 << 24)  # a cap only: it grows as prompts need
+    events = open_kv_events(config.kv_events_config)
+    return BlockPool(layers, width, device, dtype, most, events=events, max_cached_tokens=cached)
 
 
 class DecoderBlocks:

@@ -57,6 +57,9 @@ class RoleServer(Protocol):
     def registry(self) -> CollectorRegistry:
         """Its metrics, served at GET /metrics beside /health."""
 
+    def endpoints(self) -> dict[str, str]:
+        """What its ready line names besides its socket and /health (e.g. its KV events)."""
+
 
 def run_step(name: str, server: RoleServer, watchdog: Watchdog) -> None:
     watchdog.beat("loop")
@@ -92,7 +95,7 @@ def run_role(
     router = health_router(name, watchdog, server.status, draining)
     router.include_router(metrics_router(server.registry))
     health = HealthServer(router, config.health_host, config.health_port)
-    announce_ready(name, zmq=config.bind, health=health.url)
+    announce_ready(name, zmq=config.bind, health=health.url, **server.endpoints())
     try:
         while not stop.is_set():
             run_step(name, server, watchdog)
