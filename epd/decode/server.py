@@ -109,7 +109,6 @@ class DecodeServer:
             why = "decode is shutting down: it finishes what it holds and takes nothing new"
             self.outbox.send(reply_to, Failure(request_id, "unavailable", why))
             return
-        self.metrics.prefix_cache_queries.inc(handoff.prompt_tokens)
         try:
             added = self.scheduler.add(handoff)
         except Lacking as e:  # blocks it evicted since: prefill sends the rows again
@@ -122,6 +121,7 @@ class DecodeServer:
             self.outbox.send(reply_to, Failure(request_id, code, why))
             return
         self.metrics.handoff_bytes.inc(handoff.cache.nbytes)
+        self.metrics.prefix_cache_queries.inc(handoff.prompt_tokens)  # once, as it is taken
         self.metrics.prefix_cache_hits.inc(handoff.cached_blocks * BLOCK_TOKENS)
         if handoff.alone:  # its prefill has nothing else to do: no need to wait a window to see
             self.others_idle.assume_idle()

@@ -235,12 +235,15 @@ class Coordinator:
         assert prefilled.table is not None, "a hand-off's blocks are held until decode has it"
         handed = Handed.of(handoff, prefilled.table, hashes)
         router = self.router
-        if not decoder:
-            try:
+        try:
+            if not decoder or not router.outbox.is_up(decoder):  # none was up, or it went
                 decoder = (await router.pick(router.decoders, "decode"))[0]
-            except BaseException:
-                self.batcher.on_engine(self.engine.kv.release, handed.table)
-                raise
+                held = self.decoder_blocks.blocks(decoder, hashes)
+                if held != handoff.cached_blocks:  # the rows after what this one holds
+                    handoff = await self.on_engine(self.engine.resend, handed, held)
+        except BaseException:
+            self.batcher.on_engine(self.engine.kv.release, handed.table)
+            raise
         stream = Stream(
             request_id,
             decoder,
@@ -287,11 +290,13 @@ class Coordinator:
         self.decoder_blocks.missing(
             stream.decoder, handed.hashes, missing.held_blocks, missing.keeps
         )
-        loop = asyncio.get_running_loop()
-        handoff = await loop.run_in_executor(
-            self.batcher.executor, self.engine.resend, handed, missing.held_blocks
-        )
+        handoff = await self.on_engine(self.engine.resend, handed, missing.held_blocks)
         self.send(stream, handoff)
+
+    async def on_engine(self, fn: Callable[..., T], *args: object) -> T:
+        """fn(*args) on the engine's thread, as every use of its pool, between forwards."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.batcher.executor, fn, *args)
 
     def decoded(self, stream: Stream) -> None:
         """Decode took the hand-off (or gave up on it): prefill lets go of its blocks, which

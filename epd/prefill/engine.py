@@ -354,9 +354,10 @@ class PrefillEngine:
             return e
 
     def resend(self, handed: Handed, held: int) -> KVHandoff:
-        """A hand-off again, for a decoder that holds only its first `held` blocks: the rows
-        after them, copied into host memory of their own (on the engine's thread)."""
-        held = min(held, handed.fields["cached_blocks"])  # type: ignore[call-overload]
+        """A hand-off again, for a decoder that holds its first `held` blocks (fewer than it
+        was said to, or another decoder): the rows after them, copied into host memory of
+        their own (on the engine's thread)."""
+        held = min(held, len(handed.hashes))
         rows = handed.table.rows(held * BLOCK_TOKENS).contiguous().cpu()
         return KVHandoff(**(handed.fields | {"cache": rows, "cached_blocks": held}))  # type: ignore[arg-type]
 

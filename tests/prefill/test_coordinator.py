@@ -39,12 +39,9 @@ from epd.wire.messages import (
 
 def ipc_config(checkpoint, tmp_path, **settings) -> PrefillConfig:
     """A prefill's settings with its own, its encoder's and its decoder's sockets in tmp_path."""
+    peers = {"encoders": (f"ipc://{tmp_path}/encode",), "decoders": (f"ipc://{tmp_path}/decode",)}
     return PrefillConfig(
-        model=str(checkpoint),
-        bind=f"ipc://{tmp_path}/prefill",
-        encoders=(f"ipc://{tmp_path}/encode",),
-        decoders=(f"ipc://{tmp_path}/decode",),
-        **settings,
+        model=str(checkpoint), bind=f"ipc://{tmp_path}/prefill", **(peers | settings)
     )
 
 
@@ -562,3 +559,40 @@ def test_a_decoder_that_lacks_blocks_gets_the_hand_off_again_from_those_it_holds
     assert again.first_tokens == partial.first_tokens
     assert held == 2 + 1  # the prompt's blocks, held while decode may ask again
     assert service.engine.kv.blocks.held == 0  # and let go when the request ended
+
+
+def test_a_decoder_lost_during_the_prefill_is_replaced_and_the_hand_off_made_whole(
+    tiny_checkpoint, tmp_path
+):
+    """The decoder is chosen before the prefill, so that the hand-off leaves out its blocks;
+    one that goes meanwhile gives way to another, which gets the rows it lacks: all of them."""
+    first, second = f"ipc://{tmp_path}/decode-a", f"ipc://{tmp_path}/decode-b"
+    config = ipc_config(tiny_checkpoint, tmp_path, decoders=(first, second))
+    service = build_service(config)
+    ids = list(range(5, 45))  # two whole blocks and 8 tokens
+
+    async def main():
+        coordinator = Coordinator(config, service.engine, 64, service.watchdog)
+        sent, up = [], {first}
+        coordinator.router.outbox.send = lambda peer, message: sent.append((peer, message)) or True
+        coordinator.router.outbox.is_up = lambda address: address in up
+        coordinator.start()
+        request = PreparedRequest("r1", ids, [], (), (), SamplingParams(4, temperature=0))
+        coordinator.release(await coordinator.submit(request))  # the first decoder holds it
+        prefill = coordinator.batcher.prefill
+
+        async def prefill_then_lose_the_decoder(prompt):
+            result = await prefill(prompt)
+            up.clear()
+            up.add(second)
+            return result
+
+        coordinator.batcher.prefill = prefill_then_lose_the_decoder
+        stream = await coordinator.submit(replace(request, request_id="r2"))
+        coordinator.release(stream)
+        await coordinator.stop()
+        return [(peer, m) for peer, m in sent if isinstance(m, KVHandoff)], stream.decoder
+
+    handoffs, decoder = asyncio.run(main())
+    assert [peer for peer, _ in handoffs] == [first, second] and decoder == second
+    assert all((h.cached_blocks, h.cache.shape[1]) == (0, 40) for _, h in handoffs)
