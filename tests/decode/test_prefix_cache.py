@@ -177,3 +177,42 @@ def test_cached_blocks_never_make_a_request_wait(parts):
     scheduler.add(handed(engine, prompt(engine, "b", long, SamplingParams(12, temperature=0)))[0])
     preempted = sum(scheduler.step().preempted for _ in range(12))
     assert preempted == 0 and scheduler.pool.blocks.cached <= 4
+
+
+def test_a_preempted_sequence_rejoins_from_the_cached_blocks_and_decodes_the_same(parts):
+    """Sent back to wait, a sequence's rows go to host memory and its prompt's blocks stay
+    cached; joining again it takes them back and writes only the rest."""
+    _, _, engine, _ = parts
+    other = [rng.randrange(5, 400) for _ in range(40)]
+    long = SamplingParams(24, temperature=0, logprobs=True)
+    asked = [prompt(engine, "a", SYSTEM, long), prompt(engine, "b", other, long)]
+    scheduler = fresh(parts, max_kv_tokens=8 * BLOCK_TOKENS)  # both join, not both to the end
+    produced: dict[str, list] = {}
+    for handoff in handed(engine, *asked):
+        for sequence, delta in scheduler.add(handoff):
+            produced.setdefault(sequence.request_id, []).extend(pairs(delta))
+    preempted = 0
+    while len(scheduler):
+        step = scheduler.step()
+        preempted += step.preempted
+        for sequence, delta in step.produced:
+            produced.setdefault(sequence.request_id, []).extend(pairs(delta))
+    assert preempted
+    for one in asked:
+        alone = generated(fresh(parts), handed(engine, one)[0])
+        assert_same({0: produced[one.request_id]}, alone)
+
+
+def test_a_request_aborted_while_it_waits_lets_go_of_the_blocks_it_held(parts):
+    _, _, engine, _ = parts
+    scheduler = fresh(parts, max_batch_size=1)
+    generated(scheduler, handed(engine, prompt(engine, "a", SYSTEM))[0])
+    busy = [rng.randrange(5, 400) for _ in range(20)]
+    scheduler.add(handed(engine, prompt(engine, "x", busy, SamplingParams(30, temperature=0)))[0])
+    scheduler.step()  # x takes the one batch slot
+    scheduler.add(handed(engine, prompt(engine, "b", [*SYSTEM, 3], held=3))[0])
+    named = [scheduler.pool.blocks.by_hash[h] for h in engine.hashes(SYSTEM, (), b"")]
+    assert all(scheduler.pool.blocks.refs.get(b) == 1 for b in named)  # b holds them, waiting
+    assert scheduler.abort("b")
+    assert not any(b in scheduler.pool.blocks.refs for b in named)  # cached again, held by none
+    assert scheduler.pool.blocks.cached >= 3
