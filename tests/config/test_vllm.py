@@ -1,6 +1,7 @@
 """vLLM's command lines: each vLLM flag sets the epd setting it stands for, in every role."""
 
 import argparse
+import json
 import re
 
 import pytest
@@ -268,7 +269,9 @@ def test_override_generation_config_is_checked_before_any_role_starts(given, say
 def test_kv_events_config_reaches_prefill_and_decode_as_given():
     given = '{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", "topic": "kv-events"}'
     configs = children("/m", "--kv-events-config", given)
-    assert configs["prefill"].kv_events_config == configs["decode"].kv_events_config == given
+    assert configs["prefill"].kv_events_config == given
+    decode = json.loads(configs["decode"].kv_events_config)  # its own port: the next one
+    assert decode == json.loads(given) | {"endpoint": "tcp://*:5558"}
     assert children("/m")["decode"].kv_events_config == ""  # off
 
 

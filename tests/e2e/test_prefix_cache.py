@@ -14,8 +14,9 @@ LONG_SYSTEM = " ".join(["the quick brown fox jumps over the lazy dog"] * 40)  # 
 
 
 def metric(base: int, name: str, role: str = "prefill") -> float:
-    """A counter of one role, from the API port's one scrape target."""
-    text = requests.get(f"http://127.0.0.1:{base + 20}/metrics", timeout=5).text
+    """A counter of one role, from its own port (the API's scrape holds peers' texts for 1 s)."""
+    port = {"prefill": base + 20, "decode": base + 12}[role]
+    text = requests.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
     pattern = rf'^epd:{name}_total\{{[^}}]*role="{role}"[^}}]*\}} (\S+)$'
     found = re.search(pattern, text, re.M)
     assert found, f"no {name} series of {role}"
