@@ -172,7 +172,9 @@ def test_a_layout_serves_as_the_one_process_path(case, tmp_path):
     jsonschema.validate(structured, SCHEMA)
 
 
-@pytest.mark.parametrize("name", PUBLISHED)
+# -Thinking differs from -Thinking-2506 only in its image processor's token limit (a unit of
+# multimodal/image_processor's): two of the three serve here, each ~2 minutes of the suite.
+@pytest.mark.parametrize("name", [PUBLISHED[0], PUBLISHED[2]])
 def test_a_published_likeness_serves_at_real_widths(name, published):
     """Kimi's own layout at the real vocabulary (special tokens from 163584), no remote code;
     the Thinking models' replies come through the reasoning parser, on by default for them."""
