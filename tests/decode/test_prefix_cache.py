@@ -183,8 +183,9 @@ def test_a_preempted_sequence_rejoins_from_the_cached_blocks_and_decodes_the_sam
     """Sent back to wait, a sequence's rows go to host memory and its prompt's blocks stay
     cached; joining again it takes them back and writes only the rest."""
     _, _, engine, _ = parts
-    other = [rng.randrange(5, 400) for _ in range(40)]
-    long = SamplingParams(24, temperature=0, logprobs=True)
+    picker = random.Random(1)  # its own: the module's rng is where earlier tests left it
+    other = [picker.randrange(5, 400) for _ in range(40)]
+    long = SamplingParams(24, temperature=0, logprobs=True, ignore_eos=True)  # both grow on
     asked = [prompt(engine, "a", SYSTEM, long), prompt(engine, "b", other, long)]
     scheduler = fresh(parts, max_kv_tokens=8 * BLOCK_TOKENS)  # both join, not both to the end
     produced: dict[str, list] = {}
