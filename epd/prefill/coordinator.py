@@ -209,6 +209,7 @@ class Coordinator:
         # none is up, after the prefill (whose first token may end the request: none needed).
         live = self.router.live(self.router.decoders) if request.sampling.max_tokens > 1 else []
         decoder = live[0] if live else ""
+        self.decoder_blocks.keep_only(self.router.decoders.current)
         if decoder:
             held = self.decoder_blocks.blocks(decoder, prompt.block_hashes)
             prompt = replace(prompt, decoder_blocks=held)

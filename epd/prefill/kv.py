@@ -11,7 +11,7 @@ costs one round trip, never a wrong token: decode checks every block it is told 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from epd.config.roles import PrefillConfig
 from epd.kv.events import open_kv_events
@@ -84,7 +84,9 @@ class DecoderBlocks:
         for content in hashes[held:]:
             known.pop(content, None)
 
-    def forget(self, decoder: str) -> None:
-        """A decoder gone (it starts again empty, if it comes back)."""
-        self.held.pop(decoder, None)
-        self.keep_nothing.discard(decoder)
+    def keep_only(self, decoders: Collection[str]) -> None:
+        """Forget the decoders not among these: gone (a pod replaced under a headless Service
+        comes back at another address, and empty)."""
+        for gone in [d for d in self.held if d not in decoders]:
+            del self.held[gone]
+        self.keep_nothing &= set(decoders)
