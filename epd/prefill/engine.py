@@ -325,9 +325,9 @@ class PrefillEngine:
             outputs = tuple(
                 reply.accept(t, lp) for reply, t, lp in zip(replies, tokens, logprobs, strict=True)
             )
-            self.kv.publish(past.cache, prompt.block_hashes, prompt.prompt_ids)
             held = min(prompt.decoder_blocks, len(prompt.block_hashes))  # its decoder's already
             if all(output.finish_reason for output in outputs):
+                self.kv.publish(past.cache, prompt.block_hashes, prompt.prompt_ids)
                 return Prefilled(outputs, None, past.scored, table=past.cache)
             handoff = KVHandoff(
                 request_id=prompt.request_id,
@@ -344,7 +344,8 @@ class PrefillEngine:
                 salt=prompt.salt,
                 images=image_rows(prompt.image_spans) if prompt.block_hashes else (),
                 alone=prompt.alone,
-            )
+            )  # its rows checked finite as it is built: only then may later prompts share them
+            self.kv.publish(past.cache, prompt.block_hashes, prompt.prompt_ids)
             return Prefilled(outputs, handoff, past.scored, table=past.cache)
         except (NoTokenAllowed, GrammarError) as e:  # what the request asked for: a 400
             if isinstance(e, GrammarError) and prompt.sampling.grammar:
