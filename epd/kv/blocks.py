@@ -153,6 +153,13 @@ class BlockManager:
         self.free = sorted([*self.free, *dropped], reverse=True)
         return dropped
 
+    def shrink(self, blocks: int) -> None:
+        """The storage now has only its first `blocks` blocks: none past them may be held or
+        cached (`drop_cached` first)."""
+        assert all(b < blocks for b in [*self.refs, *self.hash_of]), "a block past the end is used"
+        self.free = [b for b in self.free if b < blocks]
+        self.blocks = blocks
+
     def reset(self, blocks: int | None = None) -> None:
         """Forget everything: every block free (of a storage of `blocks` now, if given)."""
         if self.hash_of:

@@ -211,8 +211,7 @@ class BlockPool:
         keep = 1 + max(self.blocks.refs, default=0)
         freed = (self.storage.shape[1] - keep) * self.bytes_per_block
         self.storage = self.storage[:, :keep].clone()
-        self.blocks.free = [b for b in self.blocks.free if b < keep]
-        self.blocks.blocks = keep
+        self.blocks.shrink(keep)
         return freed
 
     @torch.inference_mode()

@@ -50,7 +50,7 @@ from epd.kv.pool import BlockPool, BlockTable
 from epd.model.deepseek import DeepseekV3ForCausalLM
 from epd.multimodal.prompt import image_slots, scatter_image_embeddings
 from epd.prefill.errors import BadRequest
-from epd.wire.messages import ImageRows, KVHandoff
+from epd.wire.messages import ImageRows, KVHandoff, unnamed_blocks
 
 log = logging.getLogger(__name__)
 
@@ -382,7 +382,7 @@ class Handed:
 def hash_rows(hashes: tuple[bytes, ...]) -> torch.Tensor:
     """Block hashes as the wire carries them: (blocks, 32) uint8."""
     if not hashes:
-        return torch.empty(0, HASH_BYTES, dtype=torch.uint8)
+        return unnamed_blocks()
     return torch.frombuffer(bytearray(b"".join(hashes)), dtype=torch.uint8).view(-1, HASH_BYTES)
 
 

@@ -9,14 +9,10 @@ import pytest
 import torch
 import zmq
 
-from epd.checkpoint.config import load_generation_config, load_model_config
-from epd.checkpoint.tokenizer import load_tokenizer
-from epd.checkpoint.weights import load_model
 from epd.config.roles import DecodeConfig
 from epd.decode.scheduler import Scheduler
 from epd.decode.server import DecodeServer, load_scheduler
 from epd.generation.params import SamplingParams
-from epd.prefill.engine import PrefillEngine
 from epd.wire.addresses import Prefills
 from epd.wire.codec import decode
 from epd.wire.messages import Failure, TokenDelta
@@ -25,13 +21,9 @@ from epd.wire.transport import Inbox
 
 
 @pytest.fixture(scope="module")
-def model(tiny_checkpoint):
-    lm = load_model(tiny_checkpoint, role="language").language_model
-    tokenizer = load_tokenizer(tiny_checkpoint)
-    eos = load_generation_config(tiny_checkpoint).eos_token_ids
-    placeholder = load_model_config(tiny_checkpoint).media_placeholder_token_id
-    engine = PrefillEngine(lm, tokenizer, placeholder, eos)
-    return lm, tokenizer, engine, eos
+def model(parts):
+    """The tiny checkpoint's parts (conftest's `parts`), under this module's older name."""
+    return parts
 
 
 @pytest.fixture
