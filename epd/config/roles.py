@@ -141,7 +141,7 @@ class EncodeConfig(ModelOptions):
     )
     alone_threads: int = option(
         0,
-        "torch threads for a forward of requests whose prefill had no other request in flight "
+        "torch threads for a forward while the machine's other processes leave its cores idle "
         "(0: threads); on a CPU epd serve sets the machine's cores: the other roles then wait",
     )
     watchdog_s: float = watchdog_option()

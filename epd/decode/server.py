@@ -109,6 +109,7 @@ class DecodeServer:
             why = "decode is shutting down: it finishes what it holds and takes nothing new"
             self.outbox.send(reply_to, Failure(request_id, "unavailable", why))
             return
+        idle = not len(self.scheduler)
         try:
             added = self.scheduler.add(handoff)
         except Lacking as e:  # blocks it evicted since: prefill sends the rows again
@@ -123,7 +124,7 @@ class DecodeServer:
         self.metrics.handoff_bytes.inc(handoff.cache.nbytes)
         self.metrics.prefix_cache_queries.inc(handoff.prompt_tokens)  # once, as it is taken
         self.metrics.prefix_cache_hits.inc(handoff.cached_blocks * BLOCK_TOKENS)
-        if handoff.alone:  # its prefill has nothing else to do: no need to wait a window to see
+        if idle:  # the prefill before it was this request's own: judge the others from now
             self.others_idle.assume_idle()
         # Prefill has sent each choice's first output: the deltas from here are the rest.
         open_choices = sum(output.finish_reason is None for _, output in added)

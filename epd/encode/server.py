@@ -18,6 +18,7 @@ from epd.encode.encoder import Encoder, Prepared
 from epd.encode.metrics import EncodeMetrics
 from epd.multimodal.image_processor import ImageProcessor
 from epd.multimodal.images import ImageError
+from epd.runtime.idle import OthersIdle
 from epd.runtime.process import use_torch_threads
 from epd.runtime.role import run_role
 from epd.runtime.watchdog import Watchdog
@@ -110,6 +111,7 @@ class EncodeServer:
         # "Batching images on a CPU"). A GPU gains from larger launches.
         gpu = encoder.device.type == "cuda"
         self.batch_patches = config.batch_patches or (GPU_BATCH_PATCHES if gpu else 1)
+        self.others_idle = OthersIdle()  # sampled every step, idle ones included
 
     def over_limits(self, request: EncodeRequest) -> Failure | None:
         """A Failure for a request with more or larger images than this encoder takes."""
@@ -152,6 +154,7 @@ class EncodeServer:
         up to `batch_patches` image patches, in one forward of the vision tower."""
         self.outbox.poll()
         message = self.inbox.recv(timeout_ms=10 if self.outbox.queued else 100)
+        alone = self.others_idle()  # the last window before these requests came
         start = time.perf_counter()
         ready: list[tuple[EncodeRequest, Prepared]] = []
         patches = 0
@@ -168,15 +171,16 @@ class EncodeServer:
             message = self.inbox.recv(timeout_ms=0)
         if not ready:
             return
-        self.use_threads(all(request.alone for request, _ in ready))
+        self.use_threads(alone)
         replies = encode_prepared(self.encoder, ready)
         self.metrics.batch_size.observe(len(ready))
         for (request, _), reply in zip(ready, replies, strict=True):
             self.answer(request, reply, time.perf_counter() - start)
 
     def use_threads(self, alone: bool) -> None:
-        """Every core for a forward while nothing else works (its prefill said it had no other
-        request in flight: `alone_threads`), this encoder's share otherwise."""
+        """Every core for a forward while the machine's other processes leave theirs idle
+        (`alone_threads`: a lone request's prefill waits for these images), this encoder's
+        share otherwise."""
         config = self.config
         threads = config.alone_threads if alone and config.alone_threads else config.threads
         use_torch_threads(threads)

@@ -115,7 +115,7 @@ class Coordinator:
             others_running=lambda: self.requests() > len(self.batcher.forward),
             moved=self.moved,
         )
-        self.encoding = Encoding(config, engine, self.router, self.metrics, self.alone)
+        self.encoding = Encoding(config, engine, self.router, self.metrics)
         self.decoder_blocks = DecoderBlocks()  # what each decoder holds, as prefill believes
         self.tasks: list[asyncio.Task[None]] = []
         self.ending = asyncio.Event()  # set by `end_all`
@@ -159,11 +159,6 @@ class Coordinator:
         between `submit` and their last delta."""
         return max(self.in_flight(), len(self.status))
 
-    def alone(self) -> bool:
-        """Whether the one request in flight is the one asking (its encode may then take the
-        cores that the other roles leave idle)."""
-        return self.requests() <= 1 and not self.batcher.busy
-
     def moved(self, request_id: str, status: Status) -> None:
         if request_id in self.status:
             self.status[request_id] = status
@@ -200,7 +195,6 @@ class Coordinator:
             request.sampling,
             request.prompt_logprobs,
             image_spans=spans,
-            alone=self.alone(),  # its decoder may then take the idle cores from its first step
             salt=salt_digest(request.cache_salt),
         )
         if prompt.cacheable:

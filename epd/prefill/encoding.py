@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -59,10 +59,8 @@ class Encoding:
         engine: PrefillEngine,
         router: Router,
         metrics: PrefillMetrics,
-        alone: Callable[[], bool],
     ) -> None:
         self.config, self.engine, self.router, self.metrics = config, engine, router, metrics
-        self.alone = alone  # whether the asking request is the only one in flight
         self.images = ImageCache(config.image_cache_bytes)
 
     async def embed(self, request: PreparedRequest) -> Images | None:
@@ -98,7 +96,7 @@ class Encoding:
         encoders = router.load.quickest(live, patches(request.grids, indices))
         parts = self.parts(request.grids, indices, encoders)
         self.admit(parts)
-        waits, alone = [], self.alone()
+        waits = []
         for number, part in enumerate(parts):
             future = router.expect(request.request_id, number, part.encoder)
             waits.append(future)
@@ -109,7 +107,6 @@ class Encoding:
                 files,
                 tuple(part.indices),
                 self.config.reply_address,
-                alone,
             )
             if router.outbox.send(part.encoder, message):  # counted once it is on its way
                 router.load.sending((request.request_id, number), part.encoder, part.patches)

@@ -69,7 +69,6 @@ class Prompt:
     # Where each image's rows go and what the image was (by digest), for the prefix cache;
     # None: unknown, and a prompt with images is then never cached.
     image_spans: tuple[ImageSpan, ...] | None = None
-    alone: bool = False  # no other request was in flight: said to decode (`KVHandoff.alone`)
     salt: bytes = b""  # the digest of the request's cache_salt (`hashing.salt_digest`)
     # Each full block's hash (`PrefillEngine.hashes`), where the prompt is `cacheable`; and
     # how many of them its decoder holds already: the hand-off carries the rows after them.
@@ -343,7 +342,6 @@ class PrefillEngine:
                 cached_blocks=held,
                 salt=prompt.salt,
                 images=image_rows(prompt.image_spans) if prompt.block_hashes else (),
-                alone=prompt.alone,
             )  # its rows checked finite as it is built: only then may later prompts share them
             self.kv.publish(past.cache, prompt.block_hashes, prompt.prompt_ids)
             return Prefilled(outputs, handoff, past.scored, table=past.cache)

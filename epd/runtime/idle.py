@@ -53,8 +53,8 @@ class OthersIdle:
             return None
 
     def assume_idle(self) -> None:
-        """The others said they have nothing to do (prefill, with a lone request's hand-off):
-        idle from now, until the next full window says otherwise."""
+        """Idle from now, until the next full window says otherwise: for a decoder given its
+        one request, whose prefill (the others' work in the window so far) is done."""
         self.idle, self.since = True, self.sample()
 
     def __call__(self) -> bool:

@@ -58,9 +58,6 @@ class EncodeRequest(WireMessage, frozen=True):
     images: Annotated[tuple[bytes, ...], Meta(max_length=MAX_ITEMS)]  # PNG, JPEG, WebP, GIF files
     image_indices: Annotated[tuple[int, ...], Meta(max_length=MAX_ITEMS)]  # each in the request
     reply_to: Address
-    # Prefill had no other request in flight as it sent this: nothing else works meanwhile, and
-    # the encoder may use the cores the other roles leave idle (`alone_threads`).
-    alone: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -142,9 +139,6 @@ class KVHandoff(WireMessage, frozen=True):
     cached_blocks: int = 0
     salt: Annotated[bytes, Meta(max_length=HASH_BYTES)] = b""  # the cache salt's digest, or none
     images: Annotated[tuple[ImageRows, ...], Meta(max_length=MAX_ITEMS)] = ()
-    # Prefill had no other request in flight as it sent this: until something else comes, the
-    # decoder may take the cores the other roles leave idle (`alone_threads`).
-    alone: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()

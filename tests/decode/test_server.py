@@ -231,6 +231,8 @@ def test_a_step_takes_the_idle_cores_only_while_the_others_leave_them(wired):
     server.threads, server.alone_threads = 1, 2
     idle = [True]
     server.others_idle = lambda: idle[0]
+    told: list[bool] = []
+    server.others_idle.assume_idle = lambda: told.append(True)  # type: ignore[attr-defined]
     before = torch.get_num_threads()
     try:
         server.use_threads()
@@ -239,20 +241,23 @@ def test_a_step_takes_the_idle_cores_only_while_the_others_leave_them(wired):
         server.take_messages()
         server.use_threads()  # r1 joins in this step, its first: the cores from the start
         assert torch.get_num_threads() == 2
+        assert told == [True]  # a decoder with nothing: its prefill's work was for r1
         server.scheduler.step()
         server.use_threads()
         assert torch.get_num_threads() == 2
         idle[0] = False  # prefill took a new request
         server.use_threads()
         assert torch.get_num_threads() == 1
-        told = []
-        server.others_idle.assume_idle = lambda: told.append(True)  # type: ignore[attr-defined]
-        send(handoff("r2", alone=True))  # a prefill with nothing else in flight
-        send(handoff("r3"))
+        send(handoff("r2"))
         deadline = time.monotonic() + 5  # with r1 running, a take does not wait for arrivals
+        while "r2" not in server.scheduler and time.monotonic() < deadline:
+            server.take_messages()
+        assert "r2" in server.scheduler
+        assert told == [True]  # r1 ran: the others' busy window is not r2's prefill alone
+        server.drop("r1"), server.drop("r2")
+        send(handoff("r3"))  # to a decoder with nothing again
         while "r3" not in server.scheduler and time.monotonic() < deadline:
             server.take_messages()
-        assert "r2" in server.scheduler and "r3" in server.scheduler
-        assert told == [True]
+        assert told == [True, True]
     finally:
         torch.set_num_threads(before)

@@ -130,8 +130,8 @@ def test_rows_that_overflowed_fail_their_request_alone(encoder, monkeypatch):
 
 
 def test_a_lone_requests_forward_takes_the_idle_cores(encoder, tiny_checkpoint):
-    """A batch of requests whose prefill had nothing else in flight runs on `alone_threads`;
-    any other on the encoder's own share."""
+    """A batch encoded while the machine's other processes leave its cores runs on
+    `alone_threads`; any other on the encoder's own share."""
     from epd.config.roles import EncodeConfig
     from epd.encode.server import EncodeServer
     from epd.wire.addresses import Prefills
@@ -155,3 +155,49 @@ def test_a_lone_requests_forward_takes_the_idle_cores(encoder, tiny_checkpoint):
         assert torch.get_num_threads() == 1  # 0: as threads
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_step_encodes_on_the_idle_cores_by_the_window_before_its_requests(
+    encoder, tiny_checkpoint
+):
+    """No hint comes with a request: encode judges the cores by its own window (`OthersIdle`),
+    sampled in every step, the idle ones too."""
+    from epd.config.roles import EncodeConfig
+    from epd.encode.server import EncodeServer
+    from epd.wire.addresses import Prefills
+
+    reply_to = "tcp://127.0.0.1:7102"
+    request = EncodeRequest("r1", 0, (encoded(Image.new("RGB", (28, 28)), "PNG"),), (0,), reply_to)
+
+    class Inbox:
+        def __init__(self, messages):
+            self.messages = list(messages)
+
+        def recv(self, timeout_ms):
+            return self.messages.pop(0) if self.messages else None
+
+    class Outbox:
+        queued = 0
+
+        def __init__(self):
+            self.sent = []
+
+        def poll(self):
+            return []
+
+        def send(self, to, message):
+            self.sent.append((to, message))
+            return True
+
+    config = EncodeConfig(model=str(tiny_checkpoint), threads=1, alone_threads=2)
+    outbox = Outbox()
+    server = EncodeServer(encoder, Inbox([]), outbox, config, Prefills.parse((reply_to,)))  # type: ignore[arg-type]
+    verdicts, used = [True, False], []
+    server.others_idle = lambda: verdicts.pop(0)  # type: ignore[method-assign]
+    server.use_threads = used.append  # type: ignore[method-assign]
+    server.step()  # nothing came: sampled all the same
+    assert verdicts == [False] and used == []
+    server.inbox = Inbox([request])  # type: ignore[assignment]
+    server.step()
+    assert used == [False]  # the others were busy in the window before it
+    assert isinstance(outbox.sent[0][1], ImageEmbeddings)

@@ -44,7 +44,7 @@ def test_this_machines_counts_are_read():
 def test_a_lone_hand_off_counts_as_idle_at_once_until_a_window_says_otherwise(machine):
     others_idle = OthersIdle(window_s=0.1, idle_cores=0.3, clock=lambda: machine["now"])
     machine.update(now=0.05, all=15)  # prefill's forward, on both cores, in this window
-    others_idle.assume_idle()  # its prefill said it has nothing else
+    others_idle.assume_idle()  # a decoder given its one request
     assert others_idle()
     machine.update(now=0.2, all=55, own=20)  # then the others took 20 ticks in 0.15 s
     assert not others_idle()
