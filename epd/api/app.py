@@ -498,8 +498,8 @@ async def generate(service: Service, prepared: PreparedRequest) -> Started:
     assert coordinator is not None
     if prepared.sampling.grammar:  # off the loop: the first one builds llguidance's tokenizer
         await service.off_loop(check_grammar, service.engine, prepared.sampling)
-    stream = await coordinator.submit(prepared)
-    return Started(coordinator.deltas(stream), stream.prompt_logprobs, stream.cached_tokens)
+    request = await coordinator.submit(prepared)
+    return Started(coordinator.deltas(request), request.prompt_logprobs, request.cached_tokens)
 
 
 async def generate_all(service: Service, prepared: list[PreparedRequest]) -> list[Started]:

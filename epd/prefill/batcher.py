@@ -36,6 +36,7 @@ from epd.kv.pool import BlockTable
 from epd.prefill.engine import Chunk, Partial, Prefilled, PrefillEngine, Prompt
 from epd.prefill.errors import Unavailable
 from epd.prefill.metrics import PrefillMetrics
+from epd.prefill.request import Request
 from epd.runtime.process import use_torch_threads
 
 log = logging.getLogger(__name__)
@@ -58,17 +59,19 @@ def token_budget(configured: int, device: torch.device) -> int:
 
 @dataclass(eq=False)
 class Job:
+    """A prompt's place in the batcher: what its request's record (`status`,
+    `num_computed_tokens`) does not say."""
+
     prompt: Prompt
+    request: Request  # the request's record, kept up to date here
     future: asyncio.Future[Prefilled]
     queued_at: float = field(default_factory=time.perf_counter)
     started: float = 0.0  # when its first chunk's forward began
-    num_computed_tokens: int = 0  # prompt tokens prefilled so far, or found cached
-    cached: int = 0  # of those, found cached: what its reply's usage reports
-    past: Partial | None = None  # their blocks
+    past: Partial | None = None  # the blocks of its `num_computed_tokens`
 
     @property
     def left(self) -> int:
-        return len(self.prompt.prompt_ids) - self.num_computed_tokens
+        return len(self.prompt.prompt_ids) - self.request.num_computed_tokens
 
 
 class PrefillBatcher:
@@ -84,12 +87,10 @@ class PrefillBatcher:
         threads: int = 0,
         busy_threads: int = 0,
         others_running: Callable[[], bool] = lambda: False,
-        moved: Callable[[str, Status], None] = lambda request_id, status: None,
     ) -> None:
         self.engine, self.max_tokens, self.reply_to = engine, max_tokens, reply_to
         self.kv = engine.kv  # prompts' blocks, and those cached (used on the engine's thread)
         self.queries = self.hits = 0  # prompt tokens looked up in the prefix cache, and found
-        self.moved = moved  # told as a request's forward starts, and as its chunk ends
         # torch threads for a forward (0: leave them as they are), and while other requests
         # run (0: the same), at most as many
         self.threads = threads
@@ -110,14 +111,17 @@ class PrefillBatcher:
         self.sizes: deque[int] = deque(maxlen=1000)  # prompts per forward, for /health
         self.ended: Exception | None = None  # set by `end_all`: the error of every prompt
 
-    async def prefill(self, prompt: Prompt) -> Prefilled:
+    async def prefill(self, prompt: Prompt, request: Request | None = None) -> Prefilled:
         """The prompt's first tokens and hand-off, once a forward has taken it; Unavailable if
-        too many wait."""
+        too many wait. Its request's record (a new one unless given) follows it: waiting or
+        running, and its tokens computed or found cached."""
         waiting = sum(job.left for job in self.waiting)
         if waiting >= self.max_waiting_tokens:
             raise Unavailable(f"prefill is full: {waiting} prompt tokens are waiting")
         loop = asyncio.get_running_loop()
-        job = Job(prompt, loop.create_future())
+        request = request if request is not None else Request(prompt.request_id)
+        request.status = Status.WAITING
+        job = Job(prompt, request, loop.create_future())
         if self.kv.caching and prompt.block_hashes and self.ended is None:
             # On the engine's thread, as every use of the pool.
             await loop.run_in_executor(self.executor, self.begin_cached, job)
@@ -126,7 +130,7 @@ class PrefillBatcher:
             raise self.ended
         self.waiting.append(job)
         self.arrived.set()
-        return replace(await job.future, cached_tokens=job.cached)
+        return await job.future
 
     def begin_cached(self, job: Job) -> None:
         """Start a job from its prompt's longest cached prefix of whole blocks, short of its
@@ -139,7 +143,7 @@ class PrefillBatcher:
         if not table.length:
             self.kv.release(table)
             return
-        job.num_computed_tokens = job.cached = table.length
+        job.request.num_computed_tokens = job.request.cached_tokens = table.length
         job.past = Partial(table)
         self.hits += table.length
         self.metrics.prefix_cache_hits.inc(table.length)
@@ -240,7 +244,7 @@ class PrefillBatcher:
                 self.metrics.queue_time.observe(started - job.queued_at)
         self.busy, self.forward = True, [job for job, _ in batch]
         for job in self.forward:
-            self.moved(job.prompt.request_id, Status.RUNNING)
+            job.request.status = Status.RUNNING
         try:
             results = await asyncio.get_running_loop().run_in_executor(
                 self.executor, self.run_chunks, self.forward_threads(), [c for _, c in batch]
@@ -253,8 +257,8 @@ class PrefillBatcher:
         self.forward = []  # kept when cancelled, so that run() fails them
         for (job, chunk), result in zip(batch, results, strict=True):
             if isinstance(result, Partial) and not job.future.done():  # more chunks to come
-                job.num_computed_tokens, job.past = chunk.stop, result  # it stays first in line
-                self.moved(job.prompt.request_id, Status.WAITING)
+                job.request.num_computed_tokens, job.past = chunk.stop, result  # first in line
+                job.request.status = Status.WAITING
                 continue
             if self.waiting and self.waiting[0] is job:  # a chunked prompt that ended early
                 self.waiting.popleft()
@@ -264,6 +268,7 @@ class PrefillBatcher:
                 self.let_go(job, result)
                 continue
             assert isinstance(result, Prefilled)
+            job.request.num_computed_tokens = len(job.prompt.prompt_ids)
             self.metrics.prompt_tokens.inc(len(job.prompt.prompt_ids))
             self.metrics.prefill_time.observe(time.perf_counter() - job.started)
             job.past = None  # its blocks are the result's now: the caller lets go of them
@@ -288,7 +293,7 @@ class PrefillBatcher:
             if job.future.done():
                 continue
             if job.left <= room - owed:
-                start = job.num_computed_tokens
+                start = job.request.num_computed_tokens
                 batch.append((job, Chunk(job.prompt, start, start + job.left, job.past)))
                 room -= job.left
             elif chunked is None:
@@ -301,7 +306,7 @@ class PrefillBatcher:
                 self.let_go(job)
         self.waiting = deque(j for j in self.waiting if j not in taken and not j.future.done())
         if chunked is not None:
-            start = chunked.num_computed_tokens
+            start = chunked.request.num_computed_tokens
             batch.append((chunked, Chunk(chunked.prompt, start, start + room, chunked.past)))
         return batch
 

@@ -4,7 +4,8 @@
 the encoders), its prefill (packed with whatever else waits, `PrefillBatcher`) and its
 hand-off to a decoder; `deltas` then streams its tokens: each choice's first, which prefill
 sampled, at once, and decode's after it. `Router` carries the messages to and from the peers;
-each request's `Status` says where it stands (on `/health`, by count).
+each request has one record (`Request`): its status (on `/health`, by count), its prompt's
+computed tokens and, once handed off, its stream.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from epd.prefill.errors import (
 )
 from epd.prefill.kv import DecoderBlocks
 from epd.prefill.metrics import PrefillMetrics
-from epd.prefill.request import PreparedRequest, Stream
+from epd.prefill.request import PreparedRequest, Request
 from epd.prefill.router import Router
 from epd.runtime.process import torch_threads
 from epd.runtime.watchdog import Watchdog
@@ -99,7 +100,7 @@ class Coordinator:
         # An encoder not measured yet may hold one request at this server's limits (its
         # images' patches: 2×2 of them make a token), which encode_timeout_s allows for.
         self.router.load.first_patches = config.max_images * max_image_tokens * 4
-        self.status: dict[str, Status] = {}  # requests between `submit` and their last delta
+        self.requests: dict[str, Request] = {}  # between `submit` and their last delta
         budget = token_budget(config.max_prefill_tokens, engine.device)
         self.batcher = PrefillBatcher(
             engine,
@@ -112,8 +113,7 @@ class Coordinator:
             busy_threads=config.busy_threads,
             # API requests other than the forward's (in flight from arrival to their last
             # byte): read and tokenised, encoding, waiting, decoding.
-            others_running=lambda: self.requests() > len(self.batcher.forward),
-            moved=self.moved,
+            others_running=lambda: self.in_flight_count() > len(self.batcher.forward),
         )
         self.encoding = Encoding(config, engine, self.router, self.metrics)
         self.decoder_blocks = DecoderBlocks()  # what each decoder holds, as prefill believes
@@ -154,61 +154,59 @@ class Coordinator:
         if not self.batcher.busy and not self.batching.done():
             self.watchdog.beat("prefill")
 
-    def requests(self) -> int:
+    def in_flight_count(self) -> int:
         """Requests in flight: the API's count, or where nothing counts them (tests), those
         between `submit` and their last delta."""
-        return max(self.in_flight(), len(self.status))
-
-    def moved(self, request_id: str, status: Status) -> None:
-        if request_id in self.status:
-            self.status[request_id] = status
+        return max(self.in_flight(), len(self.requests))
 
     def counts(self) -> dict[str, int]:
         """Requests by status, for /health."""
-        counted = Counter(self.status.values())
+        counted = Counter(request.status for request in self.requests.values())
         return {status.value: counted[status] for status in IN_PREFILL}
 
     # A request's path.
-    async def submit(self, request: PreparedRequest) -> Stream:
+    async def submit(self, prepared: PreparedRequest) -> Request:
         """Encode a request's images, prefill it and hand it to a decoder (unless its first
         tokens end it); raises, before any reply is sent, what kept it from decode. Its
         deltas then come from `deltas`, which ends its life."""
-        self.status[request.request_id] = Status.ENCODING
+        request = self.requests[prepared.request_id] = Request(prepared.request_id)
         try:
-            images = await self.encoding.embed(request)
-            self.status[request.request_id] = Status.WAITING
-            return await self.prefill(request, images)
+            images = await self.encoding.embed(prepared)
+            await self.prefill(prepared, images, request)
+            return request
         except BaseException:
-            del self.status[request.request_id]
+            del self.requests[prepared.request_id]
             raise
 
-    async def prefill(self, request: PreparedRequest, images: Images | None) -> Stream:
+    async def prefill(
+        self, prepared: PreparedRequest, images: Images | None, request: Request
+    ) -> None:
         """Prefill the request, packed with whatever else waits for prefill, and hand it to a
         decoder unless its first tokens ended it; raises (before any reply is sent) if no
         decoder can take it."""
-        ids, slot = request.prompt_ids, self.engine.placeholder_id
-        spans = image_spans(ids, slot, request.image_tokens, images.digests) if images else ()
+        ids, slot = prepared.prompt_ids, self.engine.placeholder_id
+        spans = image_spans(ids, slot, prepared.image_tokens, images.digests) if images else ()
         prompt = Prompt(
-            request.request_id,
+            prepared.request_id,
             ids,
             None if images is None else images.rows,
-            request.sampling,
-            request.prompt_logprobs,
+            prepared.sampling,
+            prepared.prompt_logprobs,
             image_spans=spans,
-            salt=salt_digest(request.cache_salt),
+            salt=salt_digest(prepared.cache_salt),
         )
         if prompt.cacheable:
             prompt = replace(prompt, block_hashes=await self.hashes(prompt))
         # Its decoder, chosen now, so that the hand-off leaves out the blocks it holds; where
         # none is up, after the prefill (whose first token may end the request: none needed).
-        live = self.router.live(self.router.decoders) if request.sampling.max_tokens > 1 else []
+        live = self.router.live(self.router.decoders) if prepared.sampling.max_tokens > 1 else []
         decoder = live[0] if live else ""
         self.decoder_blocks.keep_only(self.router.decoders.current)
         if decoder:
             held = self.decoder_blocks.blocks(decoder, prompt.block_hashes)
             prompt = replace(prompt, decoder_blocks=held)
-        prefilled = await self.batcher.prefill(prompt)
-        return await self.hand_off(request.request_id, prefilled, decoder, prompt.block_hashes)
+        prefilled = await self.batcher.prefill(prompt, request)
+        await self.hand_off(request, prefilled, decoder, prompt.block_hashes)
 
     async def hashes(self, prompt: Prompt) -> tuple[bytes, ...]:
         """The prompt's block hashes (a long prompt's off the event loop)."""
@@ -218,15 +216,16 @@ class Coordinator:
         return await asyncio.to_thread(self.engine.hashes, ids, spans, prompt.salt)
 
     async def hand_off(
-        self, request_id: str, prefilled: Prefilled, decoder: str, hashes: tuple[bytes, ...]
-    ) -> Stream:
-        first = tuple(TokenDelta.of(request_id, i, out) for i, out in enumerate(prefilled.first))
-        handoff, scored = prefilled.handoff, prefilled.prompt_logprobs
-        cached = prefilled.cached_tokens  # for the reply's usage
+        self, request: Request, prefilled: Prefilled, decoder: str, hashes: tuple[bytes, ...]
+    ) -> None:
+        """The request's first tokens, and unless they ended it, its hand-off to `decoder` (or
+        another, where that one went): its record then streams decode's tokens."""
+        first = (TokenDelta.of(request.request_id, i, out) for i, out in enumerate(prefilled.first))
+        request.first = tuple(first)
+        request.choices, request.prompt_logprobs = len(request.first), prefilled.prompt_logprobs
+        handoff = prefilled.handoff
         if handoff is None:
-            return Stream(
-                request_id, "", len(first), first, prompt_logprobs=scored, cached_tokens=cached
-            )
+            return
         assert prefilled.table is not None, "a hand-off's blocks are held until decode has it"
         handed = Handed.of(handoff, prefilled.table, hashes)
         router = self.router
@@ -239,68 +238,58 @@ class Coordinator:
         except BaseException:
             self.batcher.on_engine(self.engine.kv.release, handed.table)
             raise
-        stream = Stream(
-            request_id,
-            decoder,
-            len(first),
-            first,
-            sent_at=now(),
-            max_tokens=handoff.sampling.max_tokens,
-            prompt_logprobs=scored,
-            cached_tokens=cached,
-            handed=handed,
-        )
-        router.open(stream)
+        request.decoder, request.handed = decoder, handed
+        request.sent_at, request.max_tokens = now(), handoff.sampling.max_tokens
+        router.open(request)
         try:
             if router.ended is not None:  # its forward ran on through `end_all`
                 raise router.ended
-            self.send(stream, handoff)
+            self.send(request, handoff)
         except BaseException:
-            self.release(stream, finished=True)
+            self.release(request, finished=True)
             raise
-        self.moved(request_id, Status.DECODING)
-        return stream
+        request.status = Status.DECODING
 
-    def send(self, stream: Stream, handoff: KVHandoff) -> None:
+    def send(self, request: Request, handoff: KVHandoff) -> None:
         """Hand a request to its decoder; raises what kept it from going."""
         try:
-            sent = self.router.outbox.send(stream.decoder, handoff)
+            sent = self.router.outbox.send(request.decoder, handoff)
         except WireError as e:  # its settings (grammar, stop strings, logprobs...) add up past it
             raise BadRequest(f"the request is too large to hand to decode: {e}") from None
         if not sent:
-            raise Unavailable(f"decode server {stream.decoder} is not reachable")
-        assert stream.handed is not None
-        self.decoder_blocks.sent(stream.decoder, stream.handed.hashes)
+            raise Unavailable(f"decode server {request.decoder} is not reachable")
+        assert request.handed is not None
+        self.decoder_blocks.sent(request.decoder, request.handed.hashes)
         self.metrics.handoff_bytes.inc(handoff.cache.nbytes)
         self.metrics.handoff_tokens.inc(handoff.cache.shape[1])
-        stream.handed.reused = handoff.cached_blocks  # counted once decode has taken it
+        request.handed.reused = handoff.cached_blocks  # counted once decode has taken it
 
-    async def resend(self, stream: Stream, missing: KVMissing) -> None:
+    async def resend(self, request: Request, missing: KVMissing) -> None:
         """The decoder lacks blocks it was said to hold (it evicted them): the hand-off again,
         with the rows after those it has."""
-        handed = stream.handed
+        handed = request.handed
         if handed is None or handed.resends >= MAX_RESENDS:
             raise Internal(f"decode asked {MAX_RESENDS + 1} times for the request's KV blocks")
         handed.resends += 1
         self.decoder_blocks.missing(
-            stream.decoder, handed.hashes, missing.held_blocks, missing.keeps
+            request.decoder, handed.hashes, missing.held_blocks, missing.keeps
         )
         handoff = await self.on_engine(self.engine.resend, handed, missing.held_blocks)
-        self.send(stream, handoff)
+        self.send(request, handoff)
 
     async def on_engine(self, fn: Callable[..., T], *args: object) -> T:
         """fn(*args) on the engine's thread, as every use of its pool, between forwards."""
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self.batcher.executor, fn, *args)
 
-    def decoded(self, stream: Stream) -> None:
+    def decoded(self, request: Request) -> None:
         """Decode took the hand-off (or gave up on it): prefill lets go of its blocks, which
         stay cached where they were published."""
-        if stream.handed is not None:
-            self.batcher.on_engine(self.engine.kv.release, stream.handed.table)
-            stream.handed = None
+        if request.handed is not None:
+            self.batcher.on_engine(self.engine.kv.release, request.handed.table)
+            request.handed = None
 
-    def deltas(self, stream: Stream) -> AsyncIterator[TokenDelta]:
+    def deltas(self, request: Request) -> AsyncIterator[TokenDelta]:
         """The request's deltas until each choice's last one; leaving early aborts it in decode.
 
         A reply that never starts reading them (its client left as the response began) never
@@ -309,25 +298,25 @@ class Coordinator:
         it as running for ever (`PrefillBatcher.forward_threads`). (On the loop: the garbage
         collector may drop it on any thread.)
         """
-        deltas, loop = self.read_deltas(stream), asyncio.get_running_loop()
-        weakref.finalize(deltas, on_loop, loop, self.release, stream).atexit = False
+        deltas, loop = self.read_deltas(request), asyncio.get_running_loop()
+        weakref.finalize(deltas, on_loop, loop, self.release, request).atexit = False
         return deltas
 
-    def release(self, stream: Stream, finished: bool = False) -> None:
+    def release(self, request: Request, finished: bool = False) -> None:
         """The request's life is over: its stream forgotten (and aborted in decode unless it
         finished there), once, whichever of its ends comes first."""
-        self.status.pop(stream.request_id, None)
-        self.decoded(stream)
-        self.router.release(stream, finished)
+        self.requests.pop(request.request_id, None)
+        self.decoded(request)
+        self.router.release(request, finished)
 
-    async def read_deltas(self, stream: Stream) -> AsyncIterator[TokenDelta]:
+    async def read_deltas(self, request: Request) -> AsyncIterator[TokenDelta]:
         """Prefill's first deltas, then decode's, each of which must carry on its choice: a
         decoder that repeats a token (one of another version, which sends the first token
         again) or revives an ended choice fails the request rather than garble it."""
-        open_choices = set(range(stream.choices))
-        tokens = [0] * stream.choices  # each choice's tokens so far
+        open_choices = set(range(request.choices))
+        tokens = [0] * request.choices  # each choice's tokens so far
         try:
-            for delta in stream.first:
+            for delta in request.first:
                 tokens[delta.index] = delta.completion_tokens
                 if delta.finish_reason is not None:
                     open_choices.discard(delta.index)
@@ -335,34 +324,34 @@ class Coordinator:
             while open_choices:
                 limit = self.config.token_timeout_s
                 item = await within(
-                    stream.queue.get(), limit, TimedOut(f"decode sent nothing for {limit}s")
+                    request.queue.get(), limit, TimedOut(f"decode sent nothing for {limit}s")
                 )
                 if isinstance(item, KVMissing):
-                    await self.resend(stream, item)
+                    await self.resend(request, item)
                     continue
-                if isinstance(item, TokenDelta) and stream.handed is not None:
-                    reused = stream.handed.reused * BLOCK_TOKENS
+                if isinstance(item, TokenDelta) and request.handed is not None:
+                    reused = request.handed.reused * BLOCK_TOKENS
                     self.metrics.handoff_reused_tokens.inc(reused)
-                self.decoded(stream)
+                self.decoded(request)
                 if isinstance(item, PrefillError):
                     raise item
-                if stream.sent_at:  # decode's first delta: the hand-off's round trip is done
-                    self.metrics.handoff_seconds.observe(now() - stream.sent_at)
-                    stream.sent_at = 0.0
-                check_follows(item, stream, tokens, open_choices)
+                if request.sent_at:  # decode's first delta: the hand-off's round trip is done
+                    self.metrics.handoff_seconds.observe(now() - request.sent_at)
+                    request.sent_at = 0.0
+                check_follows(item, request, tokens, open_choices)
                 tokens[item.index] = item.completion_tokens
                 if item.finish_reason is not None:
                     open_choices.discard(item.index)
                 yield item
         finally:  # client gone or failure: free the request's KV in decode
-            self.release(stream, finished=not open_choices)
+            self.release(request, finished=not open_choices)
 
 
 def check_follows(
-    item: TokenDelta, stream: Stream, tokens: list[int], open_choices: set[int]
+    item: TokenDelta, request: Request, tokens: list[int], open_choices: set[int]
 ) -> None:
     """Raise Internal unless decode's delta carries on an open choice, within max_tokens."""
-    choice = f"choice {item.index} of {stream.choices}"
+    choice = f"choice {item.index} of {request.choices}"
     if item.index not in open_choices:
         raise Internal(f"decode sent a delta for {choice}, which is not open")
     if item.completion_tokens != tokens[item.index] + len(item.token_ids):
@@ -370,10 +359,10 @@ def check_follows(
             f"decode's delta for {choice} does not follow on: {item.completion_tokens}"
             f" tokens in all, after {tokens[item.index]} and {len(item.token_ids)} new"
         )
-    if item.completion_tokens > stream.max_tokens:
+    if item.completion_tokens > request.max_tokens:
         raise Internal(
             f"decode sent {item.completion_tokens} tokens for {choice}, past the "
-            f"request's max_tokens of {stream.max_tokens}"
+            f"request's max_tokens of {request.max_tokens}"
         )
 
 

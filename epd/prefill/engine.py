@@ -123,9 +123,6 @@ class Prefilled:
     first: tuple[Output, ...]  # by choice
     handoff: KVHandoff | None  # None: every choice ended at its first token
     prompt_logprobs: tuple[Scored, ...] = ()  # from the prompt's second token, if asked
-    # Prompt tokens whose KV came from the prefix cache, not from this prefill (`usage`'s
-    # cached_tokens); the batcher knows them, the engine does not.
-    cached_tokens: int = 0
     # The prompt's blocks, held until the caller lets go (`PrefillEngine.release`): decode may
     # ask for rows again (`KVMissing`). None once let go.
     table: BlockTable | None = None

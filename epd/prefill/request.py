@@ -1,5 +1,6 @@
-"""A request in prefill: as the API hands it over (`PreparedRequest`) and, once prefilled, the
-stream its tokens come back on (`Stream`)."""
+"""A request in prefill: as the API hands it over (`PreparedRequest`), and its one record from
+then to its last token (`Request`): where it stands, how much of its prompt is computed, and once
+handed off, the stream its tokens come back on."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from dataclasses import dataclass, field
 
 from epd.generation.params import SamplingParams
 from epd.generation.sampling import Scored
+from epd.generation.status import Status
 from epd.multimodal.grids import Grid
 from epd.prefill.engine import Handed
 from epd.prefill.errors import PrefillError
@@ -29,13 +31,15 @@ class PreparedRequest:
     cache_salt: str | None = None
 
 
-@dataclass
-class Stream:
-    """A prefilled request's tokens: each choice's first from prefill, the rest from `decoder`."""
+@dataclass(eq=False)
+class Request:
+    """A request's one record in prefill, from `Coordinator.submit` to its last delta: its
+    status, its prompt's `num_computed_tokens` (the batcher's), and from its hand-off the
+    tokens: each choice's first from prefill, the rest from `decoder`."""
 
     request_id: str
-    decoder: str  # "" when the first tokens ended every choice: nothing was handed off
-    choices: int  # the request's n: it ends once each choice has had its last delta
+    decoder: str = ""  # "" until handed off, and where the first tokens ended every choice
+    choices: int = 1  # the request's n: it ends once each choice has had its last delta
     first: tuple[TokenDelta, ...] = ()  # each choice's first token, from prefill
     queue: asyncio.Queue[TokenDelta | KVMissing | PrefillError] = field(
         default_factory=asyncio.Queue
@@ -43,5 +47,7 @@ class Stream:
     sent_at: float = 0.0  # when the hand-off went to the decoder (perf_counter)
     max_tokens: int = sys.maxsize  # the request's: no choice may have more
     prompt_logprobs: tuple[Scored, ...] = ()  # scored prompt tokens, if asked (`Prompt`)
-    cached_tokens: int = 0  # prompt tokens whose KV the prefix cache gave (`Prefilled`)
     handed: Handed | None = None  # the hand-off, until decode's first word: to send it again
+    status: Status = Status.ENCODING
+    num_computed_tokens: int = 0  # prompt tokens prefilled so far, or found cached
+    cached_tokens: int = 0  # of those, found cached: what its reply's usage reports

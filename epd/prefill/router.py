@@ -20,7 +20,7 @@ from epd.prefill.encode_load import EncodeLoad
 from epd.prefill.errors import PrefillError, Unavailable, from_failure
 from epd.prefill.metrics import PrefillMetrics
 from epd.prefill.peers import RESOLVE_S, PeerSet
-from epd.prefill.request import Stream
+from epd.prefill.request import Request
 from epd.wire.curve import process_keys
 from epd.wire.messages import Abort, Failure, ImageEmbeddings, KVMissing, Message, TokenDelta
 from epd.wire.outbox import Outbox
@@ -69,7 +69,7 @@ class Router:
         self.inbox = Inbox(async_context(), config.bind, largest_message, curve=keys)
         self.load = EncodeLoad(config.encode_timeout_s)  # what each encoder has to do
         self.waits: dict[tuple[str, int], EncodeWait] = {}  # images being encoded
-        self.streams: dict[str, Stream] = {}  # requests handed to decode, not finished
+        self.streams: dict[str, Request] = {}  # requests handed to decode, not finished
         self.disowned: OrderedDict[str, None] = OrderedDict()  # unknown requests aborted (LRU)
         self.disowning = PerSecond(DISOWNED_PER_S)
         self.ended: PrefillError | None = None  # set by `end_all`: the error of every request
@@ -101,13 +101,13 @@ class Router:
         for part in range(parts):
             self.waits.pop((request_id, part), None)
 
-    def open(self, stream: Stream) -> None:
+    def open(self, stream: Request) -> None:
         """Deltas for the stream's request go to its queue from now on (`release` after)."""
         self.streams[stream.request_id] = stream
         if self.ended is not None:
             stream.queue.put_nowait(self.ended)
 
-    def release(self, stream: Stream, finished: bool = False) -> None:
+    def release(self, stream: Request, finished: bool = False) -> None:
         """The stream is over: forgotten, and aborted in decode unless it finished there (once,
         whichever of its ends comes first)."""
         if self.streams.get(stream.request_id) is stream:

@@ -7,9 +7,11 @@ import pytest
 import torch
 
 from epd.generation.params import SamplingParams
+from epd.generation.status import Status
 from epd.prefill.batcher import Job, PrefillBatcher
 from epd.prefill.engine import Prompt
 from epd.prefill.errors import Unavailable
+from epd.prefill.request import Request
 from tests.prefill.test_prefix_cache import caching_pool, named
 
 PROMPTS = [[5, 17, 42, 99], [7, 300, 12, 64, 128, 3, 250], [31, 77], [9] * 40]
@@ -221,7 +223,8 @@ def test_a_forward_that_raises_fails_its_whole_batch_and_a_full_queue_refuses(en
         runner.cancel()
         await asyncio.gather(runner, return_exceptions=True)
         full = PrefillBatcher(engine, max_tokens=4, reply_to="", max_waiting_tokens=40)
-        full.waiting.append(Job(prompt(3), asyncio.get_running_loop().create_future()))  # 40
+        future = asyncio.get_running_loop().create_future()
+        full.waiting.append(Job(prompt(3), Request("r3"), future))  # 40 tokens
         refused = await asyncio.gather(full.prefill(prompt(0)), return_exceptions=True)
         batcher.close(), full.close()
         return results, refused
@@ -326,9 +329,10 @@ def test_each_prompt_says_how_many_of_its_tokens_the_prefix_cache_gave(engine):
         runner = asyncio.create_task(batcher.run())
         found = []
         for i, ids in enumerate(asked):
-            result = await batcher.prefill(named(engine, prompt(i, ids)))
+            request = Request(f"r{i}")
+            result = await batcher.prefill(named(engine, prompt(i, ids)), request)
             batcher.on_engine(engine.kv.release, result.table)
-            found.append(result.cached_tokens)
+            found.append(request.cached_tokens)
         runner.cancel()
         batcher.close()
         return found
@@ -366,3 +370,33 @@ def test_ending_fails_the_prompts_in_the_forward_and_waiting_at_once_and_those_t
     results, sizes = asyncio.run(main())
     assert all(result is ended for result in results)
     assert sizes == [1]  # the forward under way ran; no chunk after it
+
+
+def test_a_requests_record_follows_its_chunks(engine):
+    """The request's one record says where its prompt stands at every forward: running, with
+    the tokens of its chunks before; waiting between its chunks; all of them computed once
+    prefilled (16-token forwards over a 40-token prompt: three chunks)."""
+    request, seen = Request("r0"), []
+
+    async def main():
+        batcher = PrefillBatcher(engine, 16, reply_to="")
+
+        def recording(chunks, reply_to):
+            seen.append((request.status, request.num_computed_tokens))
+            return engine.run_chunks(chunks, reply_to)
+
+        batcher.engine = type("Recording", (), {"run_chunks": staticmethod(recording)})()
+        runner = asyncio.create_task(batcher.run())
+        waiting = asyncio.ensure_future(batcher.prefill(prompt(0, list(range(5, 45))), request))
+        await asyncio.sleep(0)
+        queued = request.status
+        result = await waiting
+        batcher.on_engine(engine.kv.release, result.table)
+        runner.cancel()
+        await asyncio.gather(runner, return_exceptions=True)
+        batcher.close()
+        return queued
+
+    assert asyncio.run(main()) is Status.WAITING
+    assert seen == [(Status.RUNNING, 0), (Status.RUNNING, 16), (Status.RUNNING, 32)]
+    assert request.num_computed_tokens == 40 and request.cached_tokens == 0

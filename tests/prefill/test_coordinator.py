@@ -23,7 +23,7 @@ from epd.prefill.coordinator import Coordinator, within
 from epd.prefill.encoding import check_payloads, split
 from epd.prefill.errors import BadRequest, PrefillError, Unavailable
 from epd.prefill.metrics import PrefillMetrics
-from epd.prefill.request import PreparedRequest, Stream
+from epd.prefill.request import PreparedRequest, Request
 from epd.prefill.router import DISOWNED_PER_S, EncodeWait
 from epd.wire.codec import WireError, decode
 from epd.wire.messages import (
@@ -178,13 +178,13 @@ def test_the_prefill_budget_and_min_chunk_reach_the_batcher(tiny_checkpoint, tmp
         service.gate.in_flight = 0
         assert batcher.forward_threads() == 2
         batcher.forward = []
-        coordinator.status["decoding"] = Status.DECODING
+        coordinator.requests["decoding"] = Request("decoding", status=Status.DECODING)
         assert batcher.forward_threads() == 1
         assert coordinator.counts() == {"encoding": 0, "waiting": 0, "running": 0, "decoding": 1}
-        del coordinator.status["decoding"]
-        coordinator.status["encoding"] = Status.ENCODING
+        del coordinator.requests["decoding"]
+        coordinator.requests["encoding"] = Request("encoding")
         assert batcher.forward_threads() == 1
-        del coordinator.status["encoding"]
+        del coordinator.requests["encoding"]
         assert batcher.forward_threads() == 2
 
 
@@ -199,7 +199,7 @@ def test_a_stream_is_released_once_however_its_reply_ends(tiny_checkpoint, tmp_p
         coordinator = Coordinator(config, service.engine, 64, service.watchdog)
         sent = []
         coordinator.router.outbox.send = lambda peer, message: sent.append(message) or True
-        stream = Stream("r1", "decoder", choices=1)
+        stream = Request("r1", "decoder", choices=1)
         coordinator.router.streams["r1"] = stream
         deltas = coordinator.deltas(stream)
         if read:
@@ -243,7 +243,7 @@ def test_a_hand_off_the_wire_cannot_carry_leaves_no_stream_behind(tiny_checkpoin
         coordinator.router.outbox.send = refuse
         coordinator.router.outbox.is_up = lambda address: True
         with pytest.raises(OverflowError):
-            await coordinator.hand_off("r1", prefilled(service), DECODER, ())
+            await coordinator.hand_off(Request("r1"), prefilled(service), DECODER, ())
         running = coordinator.batcher.others_running()
         await coordinator.stop()
         return running, dict(coordinator.router.streams)
@@ -265,7 +265,7 @@ def test_a_hand_off_too_large_for_decode_is_the_requests_bad_request(tiny_checkp
         coordinator.router.outbox.send = refuse
         coordinator.router.outbox.is_up = lambda address: True
         with pytest.raises(BadRequest, match="too large to hand to decode: its 70000-byte"):
-            await coordinator.hand_off("r1", prefilled(service), DECODER, ())
+            await coordinator.hand_off(Request("r1"), prefilled(service), DECODER, ())
         await coordinator.stop()
         return dict(coordinator.router.streams)
 
@@ -311,7 +311,7 @@ def reply_of(config, service, first, from_decode):
         coordinator = Coordinator(config, service.engine, 64, service.watchdog)
         sent = []
         coordinator.router.outbox.send = lambda peer, message: sent.append(message) or True
-        stream = Stream("r1", "decoder", choices=2, first=first, max_tokens=4)
+        stream = Request("r1", "decoder", choices=2, first=first, max_tokens=4)
         coordinator.router.streams["r1"] = stream
         for delta in from_decode:
             stream.queue.put_nowait(delta)
@@ -380,7 +380,7 @@ def test_a_lost_decoders_last_words_come_before_the_loss(tiny_checkpoint, tmp_pa
     async def main():
         coordinator = Coordinator(config, service.engine, 64, service.watchdog)
         coordinator.router.outbox.send = lambda peer, message: True
-        said, silent, later = (Stream(r, "decoder", choices=1) for r in ("r1", "r2", "r3"))
+        said, silent, later = (Request(r, "decoder", choices=1) for r in ("r1", "r2", "r3"))
         for stream in (said, silent):
             coordinator.router.streams[stream.request_id] = stream
         encoding = EncodeWait("decoder", asyncio.get_running_loop().create_future())
@@ -409,7 +409,7 @@ def route_deltas(
     checkpoint,
     tmp_path,
     deltas: list[TokenDelta],
-    streams: tuple[Stream, ...] = (),
+    streams: tuple[Request, ...] = (),
     metrics: PrefillMetrics | None = None,
 ) -> tuple[tuple[str, ...], list, int]:
     """A coordinator holding `streams` routes `deltas`: its decoders, what it sent them, and
@@ -436,7 +436,7 @@ def test_tokens_for_a_request_prefill_does_not_hold_make_decode_drop_it(tiny_che
     """A hand-off made in this prefill's name by someone else (or a request whose client
     left) holds decode's room until told: its first tokens here ask every decoder, once, to
     drop it; the tokens of a request prefill holds go to it."""
-    ours = Stream("ours", "decoder", choices=1)
+    ours = Request("ours", "decoder", choices=1)
     ghost = [TokenDelta("ghost", (7,), "", completion_tokens=1)] * 3
     deltas = [*ghost, TokenDelta("ours", (7,), "a", completion_tokens=1)]
     decoders, sent, _ = route_deltas(tiny_checkpoint, tmp_path, deltas, (ours,))
@@ -450,7 +450,7 @@ def test_decoders_report_their_kv_cache_with_the_deltas_of_requests_prefill_hold
     delta of a request that prefill handed it; a delta for a request prefill does not hold, or
     from a decoder it no longer uses (its series went with it), changes nothing."""
     decoder = f"ipc://{tmp_path}/decode"
-    streams = (Stream("ours", decoder, choices=1), Stream("moved", "ipc://gone", choices=1))
+    streams = (Request("ours", decoder, choices=1), Request("moved", "ipc://gone", choices=1))
     deltas = [
         TokenDelta("ours", (7,), "a", 1, kv_cache_usage=0.5),
         TokenDelta("ours", (8,), "b", 2),  # a decoder of the version before: no report
@@ -492,7 +492,7 @@ def test_ending_fails_a_request_between_its_forward_and_its_hand_off(tiny_checkp
         coordinator.end_all(ended)
         fetched = await asyncio.wait_for(asyncio.gather(fetching, return_exceptions=True), 1)
         with pytest.raises(Unavailable) as failed:
-            await coordinator.hand_off("r1", prefilled(service), DECODER, ())
+            await coordinator.hand_off(Request("r1"), prefilled(service), DECODER, ())
         await coordinator.stop()
         return fetched[0], failed.value, ended
 
@@ -567,8 +567,8 @@ def test_a_decoder_lost_during_the_prefill_is_replaced_and_the_hand_off_made_who
         coordinator.release(await coordinator.submit(request))  # the first decoder holds it
         prefill = coordinator.batcher.prefill
 
-        async def prefill_then_lose_the_decoder(prompt):
-            result = await prefill(prompt)
+        async def prefill_then_lose_the_decoder(prompt, record):
+            result = await prefill(prompt, record)
             up.clear()
             up.add(second)
             return result

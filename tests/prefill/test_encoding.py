@@ -42,7 +42,7 @@ def encoding_of(checkpoint, tmp_path, clock) -> Encoding:
     for number in range(2):
         router.load.replied(("warm", number))
     router.load.sending(("other", 0), BUSY, 40_000)
-    return Encoding(config, None, router, PrefillMetrics("tiny"), lambda: True)  # type: ignore[arg-type]
+    return Encoding(config, None, router, PrefillMetrics("tiny"))  # type: ignore[arg-type]
 
 
 def request(patches: int) -> PreparedRequest:
