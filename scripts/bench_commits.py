@@ -1,0 +1,82 @@
+"""Two epd trees side by side (say main and a change), on the same checkpoint, machine and client.
+
+    .venv/bin/python scripts/bench_commits.py BASE_TREE [--tree .] [--checkpoint DIR]
+        [--rows text-c1,image-c1] [--rounds 3] [--out bench-commits]
+
+BASE_TREE is another checkout of epd (`git worktree add ../base main`). Each tree's `epd serve`
+runs from its own sources (PYTHONPATH), both up at once, with the `bench_serving.py` workloads
+run interleaved as there (the first side alternating by round). Prints per row each side's
+median output tokens/s, TTFT p50, TPOT p50 and ITL p99 and the median of the rounds' ratios
+(tree ÷ base). Not a test, never in CI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from bench_serving import ROWS, SUMMARY, measure, run_rows, start, stop  # noqa: E402
+
+PORTS = {"base": (8310, 7500), "tree": (8311, 7600)}  # API port, internal base port
+
+
+def serve(name: str, tree: Path, checkpoint: Path, out: Path) -> tuple[str, Any]:
+    """`epd serve` from `tree`'s sources: its API's URL and its process."""
+    port, internal = PORTS[name]
+    command = [sys.executable, "-m", "epd.cli", "serve", str(checkpoint), "--dtype", "float32"]
+    command += ["--port", str(port), "--internal-base-port", str(internal)]
+    url = f"http://127.0.0.1:{port}/v1"
+    env = {"PYTHONPATH": str(tree.resolve())}  # before the editable install's finder
+    return url, start(command, url, out / f"{name}.log", env)
+
+
+def table(results: dict[str, dict[str, list[dict[str, Any]]]]) -> str:
+    heads = ["output tok/s", "TTFT p50 ms", "TPOT p50 ms", "ITL p99 ms"]
+    lines = [
+        "| workload | " + " | ".join(f"{h}: tree / base (ratio)" for h in heads) + " |",
+        "|---" * (len(heads) + 1) + "|",
+    ]
+    for row, sides in results.items():
+        cells = []
+        for key in SUMMARY:
+            ours = [measure(s, key) for s in sides["tree"]]
+            theirs = [measure(s, key) for s in sides["base"]]
+            ratio = statistics.median(a / b for a, b in zip(ours, theirs, strict=True) if b)
+            cells.append(
+                f"{statistics.median(ours):.1f} / {statistics.median(theirs):.1f} ({ratio:.2f}×)"
+            )
+        lines.append(f"| {row} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("base", type=Path, help="the other epd checkout")
+    parser.add_argument("--tree", type=Path, default=HERE.parent)
+    demo = HERE.parent / "checkpoints" / "kimi-vl-shapes"
+    parser.add_argument("--checkpoint", type=Path, default=demo)
+    parser.add_argument("--rows", default="text-c1,image-c1", help=f"of {', '.join(ROWS)}")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=Path("bench-commits"))
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    running: dict[str, tuple[str, Any]] = {}
+    try:
+        for name, tree in (("base", args.base), ("tree", args.tree)):
+            running[name] = serve(name, tree, args.checkpoint, args.out)
+        results = run_rows(running, args.rows.split(","), args.rounds, args.out)
+    finally:
+        for _, process in running.values():
+            stop(process)
+    print(table(results))
+    print(f"\n(base {args.base}, tree {args.tree}; {os.cpu_count()} cores)")
+
+
+if __name__ == "__main__":
+    main()
