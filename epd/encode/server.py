@@ -171,7 +171,7 @@ class EncodeServer:
             message = self.inbox.recv(timeout_ms=0)
         if not ready:
             return
-        self.use_threads(alone)
+        self.use_threads(alone and not self.inbox.pending())  # more waiting: not a lone one
         replies = encode_prepared(self.encoder, ready)
         self.metrics.batch_size.observe(len(ready))
         for (request, _), reply in zip(ready, replies, strict=True):

@@ -161,7 +161,8 @@ def test_a_step_encodes_on_the_idle_cores_by_the_window_before_its_requests(
     encoder, tiny_checkpoint
 ):
     """No hint comes with a request: encode judges the cores by its own window (`OthersIdle`),
-    sampled in every step, the idle ones too."""
+    sampled in every step, the idle ones too, and by its queue: a request with others behind
+    it is not a lone one."""
     from epd.config.roles import EncodeConfig
     from epd.encode.server import EncodeServer
     from epd.wire.addresses import Prefills
@@ -175,6 +176,9 @@ def test_a_step_encodes_on_the_idle_cores_by_the_window_before_its_requests(
 
         def recv(self, timeout_ms):
             return self.messages.pop(0) if self.messages else None
+
+        def pending(self):
+            return bool(self.messages)
 
     class Outbox:
         queued = 0
@@ -200,4 +204,8 @@ def test_a_step_encodes_on_the_idle_cores_by_the_window_before_its_requests(
     server.inbox = Inbox([request])  # type: ignore[assignment]
     server.step()
     assert used == [False]  # the others were busy in the window before it
-    assert isinstance(outbox.sent[0][1], ImageEmbeddings)
+    verdicts.extend([True, True])
+    server.inbox = Inbox([request, request])  # type: ignore[assignment]
+    server.step(), server.step()
+    assert used == [False, False, True]  # idle, but another waited behind the first
+    assert len(outbox.sent) == 3 and all(isinstance(m, ImageEmbeddings) for _, m in outbox.sent)
