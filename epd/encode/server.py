@@ -154,7 +154,7 @@ class EncodeServer:
         up to `batch_patches` image patches, in one forward of the vision tower."""
         self.outbox.poll()
         message = self.inbox.recv(timeout_ms=10 if self.outbox.queued else 100)
-        alone = self.others_idle()  # the last window before these requests came
+        idle = self.others_idle()  # the last window before these requests came
         start = time.perf_counter()
         ready: list[tuple[EncodeRequest, Prepared]] = []
         patches = 0
@@ -171,7 +171,10 @@ class EncodeServer:
             message = self.inbox.recv(timeout_ms=0)
         if not ready:
             return
-        self.use_threads(alone and not self.inbox.pending())  # more waiting: not a lone one
+        # A lone request: nothing waits behind it, and the others left their cores in the
+        # last window, or their work has just ended (its prefill waits for these images).
+        alone = not self.inbox.pending() and (idle or self.others_idle.now())
+        self.use_threads(alone)
         replies = encode_prepared(self.encoder, ready)
         self.metrics.batch_size.observe(len(ready))
         for (request, _), reply in zip(ready, replies, strict=True):

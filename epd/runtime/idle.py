@@ -4,7 +4,9 @@ Roles that share a machine (`epd serve` on a CPU) each get a share of its cores;
 peers have nothing to do may use theirs too (decode at one stream, say). `OthersIdle` tells it so:
 every WINDOW_S it reads the machine's busy time (/proc/stat) and this process's own
 (/proc/self/stat), and the others are idle while they kept less than IDLE_CORES of a core busy
-in the last window. Where /proc cannot be read, the others never count as idle.
+in the last window. A window is a tenth of a second behind; `OthersIdle.now` says whether any
+other thread is runnable at this moment (/proc/loadavg), which a window cannot tell just after
+the others' work ended. Where /proc cannot be read, the others never count as idle.
 """
 
 from __future__ import annotations
@@ -33,6 +35,22 @@ def own_busy_ticks() -> int:
         text = stat.read()
     fields = text[text.rfind(")") + 2 :].split()  # after the name, which may hold spaces
     return int(fields[11]) + int(fields[12])  # utime, stime
+
+
+def runnable_elsewhere() -> int:
+    """Threads of other processes runnable at this moment: /proc/loadavg's count of runnable
+    scheduling entities (this thread among them) less this process's own."""
+    with open("/proc/loadavg", encoding="ascii") as loadavg:
+        runnable = int(loadavg.read().split()[3].split("/")[0])
+    own = 0
+    for task in os.scandir("/proc/self/task"):
+        try:
+            with open(f"{task.path}/stat", encoding="ascii") as stat:
+                text = stat.read()
+        except OSError:  # the thread ended
+            continue
+        own += text[text.rfind(")") + 2] == "R"
+    return runnable - own
 
 
 class OthersIdle:
@@ -69,3 +87,10 @@ class OthersIdle:
         self.idle = others / TICKS / seconds < self.idle_cores
         self.since = now
         return self.idle
+
+    def now(self) -> bool:
+        """Whether no other process has a thread runnable at this moment."""
+        try:
+            return runnable_elsewhere() <= 0
+        except (OSError, ValueError, IndexError):  # no /proc here
+            return False

@@ -196,16 +196,33 @@ def test_a_step_encodes_on_the_idle_cores_by_the_window_before_its_requests(
     config = EncodeConfig(model=str(tiny_checkpoint), threads=1, alone_threads=2)
     outbox = Outbox()
     server = EncodeServer(encoder, Inbox([]), outbox, config, Prefills.parse((reply_to,)))  # type: ignore[arg-type]
-    verdicts, used = [True, False], []
-    server.others_idle = lambda: verdicts.pop(0)  # type: ignore[method-assign]
+
+    class Idle:  # the window's verdicts in turn, and whether the others run at this moment
+        def __init__(self, windows, running):
+            self.windows, self.running = windows, running
+
+        def __call__(self):
+            return self.windows.pop(0)
+
+        def now(self):
+            return not self.running
+
+    used: list[bool] = []
+    server.others_idle = Idle([True, False], running=True)  # type: ignore[assignment]
     server.use_threads = used.append  # type: ignore[method-assign]
     server.step()  # nothing came: sampled all the same
-    assert verdicts == [False] and used == []
+    assert server.others_idle.windows == [False] and used == []
     server.inbox = Inbox([request])  # type: ignore[assignment]
     server.step()
-    assert used == [False]  # the others were busy in the window before it
-    verdicts.extend([True, True])
+    assert used == [False]  # the others were busy in the window before it, and still are
+    server.others_idle = Idle([False], running=False)  # type: ignore[assignment]
+    server.step()  # nothing came
+    server.inbox = Inbox([request])  # type: ignore[assignment]
+    server.others_idle.windows.append(False)
+    server.step()
+    assert used == [False, True]  # busy in the window, but their work has just ended
+    server.others_idle = Idle([True, True], running=False)  # type: ignore[assignment]
     server.inbox = Inbox([request, request])  # type: ignore[assignment]
     server.step(), server.step()
-    assert used == [False, False, True]  # idle, but another waited behind the first
-    assert len(outbox.sent) == 3 and all(isinstance(m, ImageEmbeddings) for _, m in outbox.sent)
+    assert used == [False, True, False, True]  # idle, but another waited behind the first
+    assert len(outbox.sent) == 4 and all(isinstance(m, ImageEmbeddings) for _, m in outbox.sent)

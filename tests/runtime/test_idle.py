@@ -1,5 +1,9 @@
 """The others count as idle while they keep less than a share of a core busy."""
 
+import subprocess
+import sys
+import time
+
 import pytest
 
 from epd.runtime import idle
@@ -48,3 +52,26 @@ def test_a_lone_hand_off_counts_as_idle_at_once_until_a_window_says_otherwise(ma
     assert others_idle()
     machine.update(now=0.2, all=55, own=20)  # then the others took 20 ticks in 0.15 s
     assert not others_idle()
+
+
+def test_another_process_at_work_is_runnable_now():
+    """`now` reads this moment, not a window: a process spinning elsewhere is runnable."""
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        deadline = time.monotonic() + 5
+        seen = idle.runnable_elsewhere()
+        while seen < 1 and time.monotonic() < deadline:  # once it has started
+            time.sleep(0.01)
+            seen = idle.runnable_elsewhere()
+        assert seen >= 1 and not OthersIdle().now()
+    finally:
+        spinner.kill()
+        spinner.wait()
+
+
+def test_without_proc_nothing_is_idle_now(monkeypatch):
+    def unreadable():
+        raise OSError("no /proc")
+
+    monkeypatch.setattr(idle, "runnable_elsewhere", unreadable)
+    assert not OthersIdle().now()
