@@ -237,16 +237,21 @@ def health(port: int) -> tuple[int, dict]:
 
 
 LONG = 3000  # tokens: long enough that a stop request or a kill lands while the streams run
+# Tokens of streams a test waits to see finish: a stop still lands while they run (~11 s of
+# decode steps for 3 streams on 2 cores), in a third of LONG's time.
+DRAINED = 1000
 
 
-def long_stream(client: openai.OpenAI, started: threading.Semaphore) -> tuple[int, str | None]:
-    """A stream of LONG tokens: its token count and finish reason; `started` is released once
-    decode holds it: at its second piece of text (the first token's comes from prefill, before
-    decode has taken the request)."""
+def long_stream(
+    client: openai.OpenAI, started: threading.Semaphore, tokens: int = LONG
+) -> tuple[int, str | None]:
+    """A stream of `tokens` tokens: its token count and finish reason; `started` is released
+    once decode holds it: at its second piece of text (the first token's comes from prefill,
+    before decode has taken the request)."""
     chunks = client.chat.completions.create(
         model="tiny",
         messages=[{"role": "user", "content": "count"}],
-        max_tokens=LONG,
+        max_tokens=tokens,
         stream=True,
         stream_options={"include_usage": True},
         extra_body={"ignore_eos": True},
@@ -265,11 +270,11 @@ def long_stream(client: openai.OpenAI, started: threading.Semaphore) -> tuple[in
 
 
 def streams_under_way(
-    pool: ThreadPoolExecutor, client: openai.OpenAI, count: int
+    pool: ThreadPoolExecutor, client: openai.OpenAI, count: int, tokens: int = LONG
 ) -> list[Future[tuple[int, str | None]]]:
     """`count` long streams (`long_stream`) run in `pool`, returned once decode holds each."""
     started = threading.Semaphore(0)
-    streams = [pool.submit(long_stream, client, started) for _ in range(count)]
+    streams = [pool.submit(long_stream, client, started, tokens) for _ in range(count)]
     for _ in streams:
         assert started.acquire(timeout=30), "a stream did not get under way"
     return streams

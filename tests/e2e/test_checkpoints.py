@@ -4,10 +4,11 @@ processes, the openai client) and equal token for token to the one-process path,
 The matrix: a tokenizer.json with its special tokens inside the vocabulary (after it: the
 session's checkpoint, `test_stack.py`), Kimi's tiktoken files; one weights file and shards;
 float32 and bfloat16 weights; RoPE `inv_freq` buffers; q_lora_rank null and set; and
-Kimi-VL-A3B-Instruct, -Thinking and -Thinking-2506 in their likeness: their published
-config.json at its real widths (vocabulary 163,840, 64 experts top-6, 2 shared, a 512-wide
-latent, a 1152-wide vision tower), the depth cut to a dense and an MoE layer and one vision
-block (`epd.checkpoint.published`).
+Kimi-VL-A3B-Thinking-2506 in its likeness: its published config.json at its real widths
+(vocabulary 163,840, 64 experts top-6, 2 shared, a 512-wide latent, a 1152-wide vision tower),
+the depth cut to a dense and an MoE layer and one vision block (`epd.checkpoint.published`);
+-Instruct's and -Thinking's likenesses by what their chat templates get from the reasoning
+parser.
 """
 
 from __future__ import annotations
@@ -23,8 +24,10 @@ import pytest
 import torch
 from PIL import Image
 
+from epd.api.reasoning import markers_for
 from epd.checkpoint.published import make_published
 from epd.checkpoint.synthetic import make_checkpoint
+from epd.checkpoint.tokenizer import load_tokenizer
 from epd.generation.reasoning import PARSERS, Split
 from epd.local import LocalPipeline
 
@@ -172,9 +175,10 @@ def test_a_layout_serves_as_the_one_process_path(case, tmp_path):
     jsonschema.validate(structured, SCHEMA)
 
 
-# -Thinking differs from -Thinking-2506 only in its image processor's token limit (a unit of
-# multimodal/image_processor's): two of the three serve here, each ~2 minutes of the suite.
-@pytest.mark.parametrize("name", [PUBLISHED[0], PUBLISHED[2]])
+# One of the three serves here (~2 minutes of the suite each): -Thinking differs from
+# -Thinking-2506 only in its image processor's token limit (a unit of
+# multimodal/image_processor's), and -Instruct in its chat template, which the next test reads.
+@pytest.mark.parametrize("name", [PUBLISHED[2]])
 def test_a_published_likeness_serves_at_real_widths(name, published):
     """Kimi's own layout at the real vocabulary (special tokens from 163584), no remote code;
     the Thinking models' replies come through the reasoning parser, on by default for them."""
@@ -190,6 +194,16 @@ def test_a_published_likeness_serves_at_real_widths(name, published):
         assert continued.model_extra["reasoning"] and continued.content is None
     assert ("reasoning parser" in output["prefill"]) is thinking
     assert "tokenizer code" not in "".join(output.values())  # no remote code ran
+
+
+@pytest.mark.parametrize("name", PUBLISHED)
+def test_only_the_thinking_likenesses_get_the_reasoning_parser(name, published):
+    """What `auto` gives each published likeness: the serving path is the one above, at the
+    same widths, with the markers or without."""
+    checkpoint = published[name]
+    tokenizer = load_tokenizer(checkpoint)
+    markers = markers_for("auto", checkpoint, tokenizer.chat_template or "")
+    assert markers == (PARSERS["kimi_vl"] if "Thinking" in name else None)
 
 
 def test_every_role_starts_where_the_grammar_engine_cannot_be_built(checkpoint_in):

@@ -29,7 +29,7 @@ from epd.serve import BRIEF_SPIN, OPENMP_WAITING
 from epd.wire.curve import CurveKeys, make_keys
 
 from .stack import (
-    LONG,
+    DRAINED,
     cluster,
     data_url,
     free_base,
@@ -344,7 +344,7 @@ def test_sigterm_drains_requests_in_flight_and_refuses_new_ones(tiny_checkpoint)
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{base + 20}/v1", api_key="-", max_retries=0)
     try:
         with ThreadPoolExecutor(3) as pool:
-            streams = streams_under_way(pool, client, 3)
+            streams = streams_under_way(pool, client, 3, DRAINED)
             stack.popen.send_signal(signal.SIGTERM)
             wait_for(lambda: health(base + 20)[1].get("status") == "unavailable", timeout=5)
             with pytest.raises(openai.InternalServerError, match="shutting down") as refused:
@@ -353,7 +353,7 @@ def test_sigterm_drains_requests_in_flight_and_refuses_new_ones(tiny_checkpoint)
                 )
             assert refused.value.response.headers["retry-after"] == "1"
             assert all(not s.done() for s in streams)  # the drain began while they ran
-            assert [s.result() for s in streams] == [(LONG, "length")] * 3
+            assert [s.result() for s in streams] == [(DRAINED, "length")] * 3
         assert stack.popen.wait(30) == 0, stack.output
     finally:
         stack.stop()  # whatever failed: no stack is left running (it has exited if all went well)
@@ -415,7 +415,7 @@ def test_with_curve_keys_only_peers_holding_them_reach_a_decoder(tiny_checkpoint
 def test_a_stopping_decoder_finishes_its_sequences_and_refuses_new_ones(tiny_checkpoint):
     with cluster(tiny_checkpoint, role_flags={"decode": DRAIN}) as (processes, client, base):
         with ThreadPoolExecutor(2) as pool:
-            streams = streams_under_way(pool, client, 2)
+            streams = streams_under_way(pool, client, 2, DRAINED)
             processes["decode"].popen.send_signal(signal.SIGTERM)
             wait_for(lambda: health(base + 12)[0] == 503, timeout=5)
             assert health(base + 12)[1]["problems"] == ["draining: shutting down"]
@@ -427,7 +427,7 @@ def test_a_stopping_decoder_finishes_its_sequences_and_refuses_new_ones(tiny_che
                     extra_body={"ignore_eos": True},  # a first token that ends it skips decode
                 )
             assert all(not s.done() for s in streams)  # the drain began while they ran
-            assert [s.result() for s in streams] == [(LONG, "length")] * 2
+            assert [s.result() for s in streams] == [(DRAINED, "length")] * 2
         assert processes["decode"].popen.wait(30) == 0
         assert "draining: finishing the work under way" in processes["decode"].output
 
