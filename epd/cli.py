@@ -21,7 +21,7 @@ from epd.config.sources import (
     resolve,
 )
 from epd.config.vllm import add_compatible_flags
-from epd.dtypes import MODEL_DTYPES, TENSOR_DTYPES
+from epd.dtypes import MODEL_DTYPES, tensor_dtype
 
 # make-checkpoint's choices, spelt here so that `epd --help` imports no tokenizer library
 # (tests/test_cli.py checks them against synthetic_tokenizer.LAYOUTS and published.PUBLISHED).
@@ -91,7 +91,7 @@ def make_checkpoint_command(args: argparse.Namespace) -> None:
         seed=args.seed,
         q_lora_rank=args.q_lora_rank,
         shards=args.shards,
-        dtype=TENSOR_DTYPES[args.dtype],
+        dtype=tensor_dtype(args.dtype),
         device=args.device,
         tokenizer=args.tokenizer,
         inv_freq=args.rope_buffers,

@@ -27,7 +27,6 @@ import yaml
 
 from epd.checkpoint.config import ProcessorConfig, load_processor_config
 from epd.config.roles import Settings, option
-from epd.multimodal.image_processor import ImageProcessor
 
 ROLES = ("encode", "prefill", "decode")
 HEADROOM = 0.9  # queueing must have room: service time at most this share of the TTFT target
@@ -287,6 +286,9 @@ class PlanConfig(Settings):
             raise ValueError(f"images={self.images}: must not be negative")
 
     def workload(self) -> Workload:
+        # Here, not at the top: the CLI's parser imports this module, and this pulls in torch.
+        from epd.multimodal.image_processor import ImageProcessor
+
         if self.model:
             processor = ImageProcessor(load_processor_config(self.model))
         else:  # Kimi-VL's rules (mean and std do not change a count)

@@ -22,7 +22,7 @@ import yaml
 
 from epd.checkpoint.synthetic import make_checkpoint
 from epd.checkpoint.weights import load_model
-from epd.dtypes import MODEL_DTYPES, TENSOR_DTYPES
+from epd.dtypes import MODEL_DTYPES, tensor_dtype
 from epd.kv.hashing import BLOCK_TOKENS
 from epd.kv.pool import BlockPool
 from epd.model.config import KimiVLConfig, TextConfig
@@ -228,7 +228,7 @@ def main() -> None:
     reuse_freed_memory()  # as a served role keeps its memory
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = args.checkpoint or make_checkpoint(Path(tmp) / "small", "small")
-        dtype = TENSOR_DTYPES[args.dtype]
+        dtype = tensor_dtype(args.dtype)
         run(
             checkpoint,
             *(args.images, args.side, args.tokens, args.repeats, args.profile, dtype),

@@ -85,3 +85,16 @@ def test_serve_says_a_repository_name_is_no_checkpoint_directory():
     result = epd("serve", "moonshotai/Kimi-VL-A3B-Instruct")
     assert result.returncode == 1 and "Traceback" not in result.stderr
     assert "moonshotai/Kimi-VL-A3B-Instruct is not a directory" in result.stderr
+
+
+def test_serve_plans_its_roles_without_torch(tiny_checkpoint):
+    """`epd serve`'s own process parses, plans and supervises: importing torch there took two
+    of the ~14 seconds before a stack was ready, before its children began their own."""
+    code = (
+        "import sys\n"
+        "from epd import cli, serve\n"
+        f"serve.plan(cli.parser().parse_args(['serve', '--model', {str(tiny_checkpoint)!r}]))\n"
+        "assert 'torch' not in sys.modules, 'serve imported torch'\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr

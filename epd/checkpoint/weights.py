@@ -21,7 +21,7 @@ from torch import nn
 
 from epd.checkpoint.config import CheckpointError, load_model_config, read_json, stored_dtype
 from epd.checkpoint.progress import Reading, phase
-from epd.dtypes import TENSOR_DTYPES
+from epd.dtypes import tensor_dtype
 from epd.model import cpu
 from epd.model.kimi_vl import ROLE_PREFIXES, KimiVL, Role
 from epd.model.moe import FLOAT32_TENSOR_SUFFIXES
@@ -38,7 +38,7 @@ def default_dtype(device: torch.device, stored: str | None = None) -> torch.dtyp
     float32 as bfloat16; on a CPU bfloat16 where the CPU multiplies it natively (a decode step
     reads half the bytes, docs/benchmarks.md), anything else as float32 (float16 products are
     slow there)."""
-    saved = TENSOR_DTYPES[stored] if stored else torch.float32
+    saved = tensor_dtype(stored) if stored else torch.float32
     if device.type == "cuda":
         return saved if saved in (torch.bfloat16, torch.float16) else torch.bfloat16
     if device.type == "cpu" and saved == torch.bfloat16 and cpu.runs_bfloat16():

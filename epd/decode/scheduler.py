@@ -34,7 +34,7 @@ from functools import cached_property
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from epd.dtypes import NAMES
+from epd.dtypes import dtype_name
 from epd.generation.finite import finite_rows, overflows
 from epd.generation.grammar import GrammarError, Grammars
 from epd.generation.logits import NoTokenAllowed, adjust, require_a_token
@@ -212,7 +212,7 @@ class Scheduler:
         if not named.shape[0]:
             return ()
         images = [ImageSpan(i.start, i.length, i.digest) for i in handoff.images]
-        seed = chain_seed(model_key(self.checkpoint, NAMES[handoff.cache.dtype]), handoff.salt)
+        seed = chain_seed(model_key(self.checkpoint, dtype_name(handoff.cache.dtype)), handoff.salt)
         hashes = tuple(block_hashes(handoff.prompt_ids.tolist(), images, seed))
         if b"".join(hashes) != named.numpy().tobytes():
             raise ValueError("the hand-off's block hashes do not match its prompt")

@@ -24,7 +24,7 @@ from functools import cached_property
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from epd.dtypes import NAMES
+from epd.dtypes import dtype_name
 from epd.generation.finite import all_finite
 from epd.generation.grammar import GrammarError, Grammars
 from epd.generation.logits import NoTokenAllowed, adjust, require_a_token
@@ -145,7 +145,7 @@ class PrefillEngine:
         self.eos_ids = eos_ids  # banned from the first token while min_tokens asks for more
         self.device = lm.lm_head.weight.device
         config, dtype = lm.config, lm.lm_head.weight.dtype
-        self.model_key = model_key(checkpoint, NAMES[dtype])
+        self.model_key = model_key(checkpoint, dtype_name(dtype))
         self.kv = (
             kv
             if kv is not None

@@ -1,5 +1,6 @@
 """What every epd process does first and last: logging, stop signals, its supervisor, the ready
-line."""
+line. `epd serve`'s own process uses it too, and imports no torch (two seconds of every start):
+the functions that set torch's threads import it where they run, in the roles."""
 
 from __future__ import annotations
 
@@ -19,8 +20,6 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from typing import Any, Protocol, TypeVar
-
-import torch
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -179,6 +178,8 @@ def set_torch_threads(threads: int) -> None:
     """This thread's torch threads, kept: torch takes a thread's count from the last one set by
     any thread at the thread's first parallel op, unless it has read its own count before; a
     bare `torch.set_num_threads` on a thread that has not would be undone by that."""
+    import torch
+
     torch.set_num_threads(threads)
     torch.get_num_threads()
 
@@ -186,6 +187,8 @@ def set_torch_threads(threads: int) -> None:
 def use_torch_threads(threads: int) -> None:
     """`set_torch_threads`, where `threads` is set (0: as they are) and differs from the count
     now: a role that changes its count between forwards calls this before each."""
+    import torch
+
     if threads and torch.get_num_threads() != threads:
         set_torch_threads(threads)
 
@@ -219,7 +222,7 @@ def start_process(
     raise_file_limit()
     if not options.device.startswith("cuda"):
         reuse_freed_memory()
-    torch.set_num_threads(torch_threads(options.threads, options.device))
+    set_torch_threads(torch_threads(options.threads, options.device))
     return stop
 
 

@@ -21,7 +21,7 @@ import msgspec
 import torch
 from msgspec import Meta
 
-from epd.dtypes import NAMES, TENSOR_DTYPES
+from epd.dtypes import WIRE_DTYPES, dtype_name, tensor_dtype
 from epd.generation.params import Record
 from epd.wire.messages import MESSAGE_TYPES, EncodeRequest, Message
 
@@ -51,7 +51,7 @@ def encode(message: Message) -> list[Frame]:
             raise TypeError(f"a {type(value).__name__} cannot travel in a message")
         tensor = value.detach().contiguous().cpu()
         frames.append(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))  # type: ignore[arg-type]
-        return TensorRef(len(frames), NAMES[tensor.dtype], tuple(tensor.shape))
+        return TensorRef(len(frames), dtype_name(tensor.dtype), tuple(tensor.shape))
 
     if not isinstance(message, MESSAGE_TYPES):
         raise TypeError(f"{type(message).__name__} is not a message type")
@@ -99,10 +99,10 @@ def _looks_like(header: memoryview) -> str:
 
 
 def _tensor(ref: TensorRef, buffers: list[memoryview], used: set[int]) -> torch.Tensor:
-    if ref.dtype not in TENSOR_DTYPES or not 0 < ref.frame < len(buffers) or ref.frame in used:
+    if ref.dtype not in WIRE_DTYPES or not 0 < ref.frame < len(buffers) or ref.frame in used:
         raise ValueError(f"bad tensor reference {ref}")
     used.add(ref.frame)
-    dtype, raw = TENSOR_DTYPES[ref.dtype], buffers[ref.frame]
+    dtype, raw = tensor_dtype(ref.dtype), buffers[ref.frame]
     # Each dim, and the elements the non-zero ones span: an empty tensor of (2**47, 2**47, 0)
     # matches its empty frame, but torch cannot lay it out.
     if len(ref.shape) > MAX_RANK or not all(0 <= d < 2**48 for d in ref.shape):
