@@ -24,6 +24,7 @@ from epd.config.roles import PrefillConfig
 from epd.dtypes import model_dtype
 from epd.generation.reasoning import prepare
 from epd.kv.events import kv_events_endpoints
+from epd.model.mla import bottom_right_causal
 from epd.prefill.engine import PrefillEngine
 from epd.prefill.errors import Unavailable
 from epd.prefill.kv import prefill_pool
@@ -74,8 +75,9 @@ def build_service(config: PrefillConfig) -> Service:
     eos_ids = stop_token_ids(config.model, tokenizer)
     kv, checkpoint = prefill_pool(config, lm), checkpoint_digest(config.model)
     engine = PrefillEngine(lm, tokenizer, builder.placeholder_id, eos_ids, kv, checkpoint)
-    with phase("warming up: the grammar tables", "warmed up"):
+    with phase("warming up: the grammar tables and the attention over a past", "warmed up"):
         prepare(engine.grammars)  # built now (or found unavailable), not at the first grammar
+        bottom_right_causal()  # imported now, not at the first prompt after its cached blocks
     return Service(
         config, config.model_name, builder, engine, Watchdog(config.watchdog_s, PREFILL_ACTIVITIES)
     )

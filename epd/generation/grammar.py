@@ -23,7 +23,7 @@ from functools import cached_property
 from typing import Any
 
 import llguidance
-import llguidance.torch
+import llguidance.numpy
 import torch
 from transformers import PreTrainedTokenizerBase
 
@@ -243,17 +243,18 @@ def mask_forbidden(
 
     Raises GrammarError for a matcher that failed (a lexer limit, say): its mask would allow
     only a stop token, and the output would end there, short of what the grammar asks for."""
-    bitmask = llguidance.torch.allocate_token_bitmask(len(rows), logits.shape[-1])  # (n, words)
-    bitmask.zero_()
+    bitmask = llguidance.numpy.allocate_token_bitmask(len(rows), logits.shape[-1])  # (n, words)
+    bitmask.fill(0)
     for i, matcher in enumerate(matchers):
         if matcher is None:
             continue
-        llguidance.torch.fill_next_token_bitmask(matcher, bitmask, i)
+        llguidance.numpy.fill_next_token_bitmask(matcher, bitmask, i)
         if matcher.is_error():
             raise GrammarError(f"the grammar failed: {matcher.get_error()}")
     index = torch.tensor(rows, device=logits.device)
     bits = torch.arange(32, dtype=torch.int32, device=logits.device)
-    words = bitmask.to(logits.device)[:, :, None]  # (n, words, 1): bit j of word w is token 32w+j
+    words = torch.from_numpy(bitmask).to(logits.device)[:, :, None]  # (n, words, 1): bit j of
+    # word w is token 32w+j
     allowed = ((words >> bits) & 1).bool().flatten(1)[:, : logits.shape[-1]]  # (n, vocab)
     for i, extra in enumerate(also_allowed):
         if extra:

@@ -10,10 +10,12 @@ past (chunked prefill) does the same, rather than expand the whole past again (`
 
 from __future__ import annotations
 
+import functools
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention.bias import causal_lower_right
 
 from epd.model.attention import (
     fused_latent_attention,
@@ -25,6 +27,17 @@ from epd.model.config import TextConfig
 from epd.model.norm import RMSNorm
 from epd.model.paged import PagedBatch
 from epd.model.rope import rotate
+
+
+@functools.cache
+def bottom_right_causal() -> Any:
+    """torch's causal bias aligned to the bottom right, `causal_lower_right`. Imported at its
+    first use, not with this module: its module brings torch's compiler with it (1.5 s of a
+    process's start on 2 cores), which encode and decode never run; prefill calls this as it
+    starts, so that no request waits for the import."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    return causal_lower_right
 
 
 class MLAttention(nn.Module):
@@ -153,7 +166,7 @@ class MLAttention(nn.Module):
         if k.shape[2] > q.shape[2]:  # after a past: query i sees the past and new rows up to i
             # Causal from the bottom right, as a bias object rather than a boolean mask, so CUDA
             # keeps its fused kernels.
-            bias = causal_lower_right(q.shape[2], k.shape[2])
+            bias = bottom_right_causal()(q.shape[2], k.shape[2])
             out = F.scaled_dot_product_attention(q, k, v, bias, scale=self.scale)
         else:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
