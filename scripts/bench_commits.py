@@ -7,7 +7,8 @@ BASE_TREE is another checkout of epd (`git worktree add ../base main`). Each tre
 runs from its own sources (PYTHONPATH), both up at once, with the `bench_serving.py` workloads
 run interleaved as there (the first side alternating by round). Prints per row each side's
 median output tokens/s, TTFT p50, TPOT p50 and ITL p99 and the median of the rounds' ratios
-(tree ÷ base). Not a test, never in CI.
+(tree ÷ base). The stack not being measured idles beside the other (under 0.03 of a core),
+which the roles' judgement of idle cores sees. Not a test, never in CI.
 """
 
 from __future__ import annotations
@@ -32,8 +33,10 @@ def serve(name: str, tree: Path, checkpoint: Path, out: Path) -> tuple[str, Any]
     command = [sys.executable, "-m", "epd.cli", "serve", str(checkpoint), "--dtype", "float32"]
     command += ["--port", str(port), "--internal-base-port", str(internal)]
     url = f"http://127.0.0.1:{port}/v1"
-    env = {"PYTHONPATH": str(tree.resolve())}  # before the editable install's finder
-    return url, start(command, url, out / f"{name}.log", env)
+    # Run from the tree, with it on the path: `python -m` puts the working directory first, so
+    # from any other checkout both sides would run that checkout's code.
+    tree = tree.resolve()
+    return url, start(command, url, out / f"{name}.log", {"PYTHONPATH": str(tree)}, cwd=tree)
 
 
 def table(results: dict[str, dict[str, list[dict[str, Any]]]]) -> str:
@@ -65,6 +68,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", type=Path, default=Path("bench-commits"))
     args = parser.parse_args()
+    args.out, args.checkpoint = args.out.resolve(), args.checkpoint.resolve()
     args.out.mkdir(parents=True, exist_ok=True)
     running: dict[str, tuple[str, Any]] = {}
     try:

@@ -64,10 +64,20 @@ VLLM_ENV = {  # 2 cores; see scripts/vllm/setup.sh for why each is set
 SUMMARY = ("output_throughput", "ttft_ms", "tpot_ms", "itl_ms")
 
 
-def start(command: list[str], url: str, log: Path, env: dict[str, str] | None = None) -> Any:
+def start(
+    command: list[str],
+    url: str,
+    log: Path,
+    env: dict[str, str] | None = None,
+    cwd: Path | None = None,
+) -> Any:
     """A server process, once its /v1/models answers (or an error naming its log)."""
     process = subprocess.Popen(
-        command, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=os.environ | (env or {})
+        command,
+        stdout=log.open("wb"),
+        stderr=subprocess.STDOUT,
+        env=os.environ | (env or {}),
+        cwd=cwd,
     )
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline and process.poll() is None:
