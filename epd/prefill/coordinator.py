@@ -172,10 +172,11 @@ class Coordinator:
         request = self.requests[prepared.request_id] = Request(prepared.request_id)
         try:
             images = await self.encoding.embed(prepared)
+            request.status = Status.WAITING
             await self.prefill(prepared, images, request)
             return request
-        except BaseException:
-            del self.requests[prepared.request_id]
+        except BaseException:  # its hand-off may have released it already
+            self.requests.pop(prepared.request_id, None)
             raise
 
     async def prefill(

@@ -264,12 +264,15 @@ def test_a_hand_off_too_large_for_decode_is_the_requests_bad_request(tiny_checkp
         coordinator = Coordinator(config, service.engine, 64, service.watchdog)
         coordinator.router.outbox.send = refuse
         coordinator.router.outbox.is_up = lambda address: True
+        coordinator.start()
+        sampling = SamplingParams(4, temperature=0, ignore_eos=True)  # a hand-off, whatever
+        request = PreparedRequest("r1", list(range(5, 25)), [], (), (), sampling)
         with pytest.raises(BadRequest, match="too large to hand to decode: its 70000-byte"):
-            await coordinator.hand_off(Request("r1"), prefilled(service), DECODER, ())
+            await coordinator.submit(request)  # its hand-off let go of its record already
         await coordinator.stop()
-        return dict(coordinator.router.streams)
+        return dict(coordinator.router.streams), dict(coordinator.requests)
 
-    assert asyncio.run(main()) == {}
+    assert asyncio.run(main()) == ({}, {})
 
 
 def test_a_salted_request_gets_no_image_encoded_for_another_salt(tiny_checkpoint, tmp_path):
