@@ -154,7 +154,10 @@ class EncodeServer:
         up to `batch_patches` image patches, in one forward of the vision tower."""
         self.outbox.poll()
         message = self.inbox.recv(timeout_ms=10 if self.outbox.queued else 100)
-        idle = self.others_idle()  # the last window before these requests came
+        # Where the idle cores may be taken (a CPU under epd serve): were they idle in the last
+        # window before these requests came (sampled every step, the idle ones too)?
+        may_take = bool(self.config.alone_threads)
+        idle = may_take and self.others_idle()
         start = time.perf_counter()
         ready: list[tuple[EncodeRequest, Prepared]] = []
         patches = 0
@@ -173,7 +176,7 @@ class EncodeServer:
             return
         # A lone request: nothing waits behind it, and the others left their cores in the
         # last window, or their work has just ended (its prefill waits for these images).
-        alone = not self.inbox.pending() and (idle or self.others_idle.now())
+        alone = may_take and not self.inbox.pending() and (idle or self.others_idle.now())
         self.use_threads(alone)
         replies = encode_prepared(self.encoder, ready)
         self.metrics.batch_size.observe(len(ready))

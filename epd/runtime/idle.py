@@ -73,7 +73,8 @@ class OthersIdle:
     def assume_idle(self) -> None:
         """Idle from now, until the next full window says otherwise: for a decoder given its
         one request, whose prefill (the others' work in the window so far) is done."""
-        self.idle, self.since = True, self.sample()
+        self.since = self.sample()
+        self.idle = self.since is not None  # without /proc the others never count as idle
 
     def __call__(self) -> bool:
         """Whether the others used less than `idle_cores` in the last full window."""

@@ -69,6 +69,16 @@ def test_another_process_at_work_is_runnable_now():
         spinner.wait()
 
 
+def test_without_proc_a_decoder_given_its_one_request_assumes_nothing(monkeypatch):
+    def unreadable():
+        raise OSError("no /proc")
+
+    monkeypatch.setattr(idle, "machine_busy_ticks", unreadable)
+    others_idle = OthersIdle()
+    others_idle.assume_idle()
+    assert not others_idle() and not others_idle()
+
+
 def test_without_proc_nothing_is_idle_now(monkeypatch):
     def unreadable():
         raise OSError("no /proc")
