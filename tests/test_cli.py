@@ -4,6 +4,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from epd.checkpoint.weights import load_model
 
 
@@ -85,6 +87,14 @@ def test_serve_says_a_repository_name_is_no_checkpoint_directory():
     result = epd("serve", "moonshotai/Kimi-VL-A3B-Instruct")
     assert result.returncode == 1 and "Traceback" not in result.stderr
     assert "moonshotai/Kimi-VL-A3B-Instruct is not a directory" in result.stderr
+
+
+@pytest.mark.parametrize("role", ["epd.encode.server", "epd.decode.server", "epd.api.server"])
+def test_no_role_imports_torchs_compiler(role):
+    """llguidance.torch and torch.nn.attention.bias each pulled it in: ~2 s of every start."""
+    code = f"import sys, {role}\nassert 'torch._dynamo' not in sys.modules, 'the compiler came'\n"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
 
 
 def test_serve_plans_its_roles_without_torch(tiny_checkpoint):

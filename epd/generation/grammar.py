@@ -253,8 +253,8 @@ def mask_forbidden(
             raise GrammarError(f"the grammar failed: {matcher.get_error()}")
     index = torch.tensor(rows, device=logits.device)
     bits = torch.arange(32, dtype=torch.int32, device=logits.device)
-    words = torch.from_numpy(bitmask).to(logits.device)[:, :, None]  # (n, words, 1): bit j of
-    # word w is token 32w+j
+    # (n, words, 1): bit j of word w is token 32w+j
+    words = torch.from_numpy(bitmask).to(logits.device)[:, :, None]
     allowed = ((words >> bits) & 1).bool().flatten(1)[:, : logits.shape[-1]]  # (n, vocab)
     for i, extra in enumerate(also_allowed):
         if extra:

@@ -178,21 +178,19 @@ def test_a_layout_serves_as_the_one_process_path(case, tmp_path):
 # One of the three serves here (~2 minutes of the suite each): -Thinking differs from
 # -Thinking-2506 only in its image processor's token limit (a unit of
 # multimodal/image_processor's), and -Instruct in its chat template, which the next test reads.
-@pytest.mark.parametrize("name", [PUBLISHED[2]])
-def test_a_published_likeness_serves_at_real_widths(name, published):
+def test_the_thinking_2506_likeness_serves_at_real_widths(published):
     """Kimi's own layout at the real vocabulary (special tokens from 163584), no remote code;
-    the Thinking models' replies come through the reasoning parser, on by default for them."""
-    checkpoint = published[name]
+    the replies come through the reasoning parser, on by default for a thinking model."""
+    checkpoint = published[PUBLISHED[2]]
     assert (checkpoint / "tokenization_moonshot.py").is_file()
     assert not (checkpoint / "tokenizer.json").exists()
     found, tokens = expected(checkpoint, copies=False)
     replies, tokenized, output = served(checkpoint, copies=False)
-    thinking = "Thinking" in name
-    check_equal(replies, tokenized, found, tokens, thinking)
-    if thinking:  # a reply begun inside its reasoning, reasoning all the way (random weights)
-        continued = replies["continued"].choices[0].message
-        assert continued.model_extra["reasoning"] and continued.content is None
-    assert ("reasoning parser" in output["prefill"]) is thinking
+    check_equal(replies, tokenized, found, tokens, thinking=True)
+    # A reply begun inside its reasoning reasons all the way (random weights).
+    continued = replies["continued"].choices[0].message
+    assert continued.model_extra["reasoning"] and continued.content is None
+    assert "reasoning parser" in output["prefill"]
     assert "tokenizer code" not in "".join(output.values())  # no remote code ran
 
 

@@ -373,9 +373,9 @@ def test_ending_fails_the_prompts_in_the_forward_and_waiting_at_once_and_those_t
 
 
 def test_a_requests_record_follows_its_chunks(engine):
-    """The request's one record says where its prompt stands at every forward: running, with
-    the tokens of its chunks before; waiting between its chunks; all of them computed once
-    prefilled (16-token forwards over a 40-token prompt: three chunks)."""
+    """The request's one record says where its prompt stands: waiting in the queue; at every
+    forward running, with the tokens of its chunks before; all of them computed once prefilled
+    (16-token forwards over a 40-token prompt: three chunks)."""
     request, seen = Request("r0"), []
 
     async def main():
