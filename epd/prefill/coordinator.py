@@ -23,6 +23,7 @@ from epd.config.roles import PrefillConfig
 from epd.generation.status import Status
 from epd.kv.hashing import BLOCK_TOKENS, image_spans, salt_digest
 from epd.prefill.batcher import PrefillBatcher, token_budget
+from epd.prefill.decoders import Candidate, choose
 from epd.prefill.encoding import Encoding, Images
 from epd.prefill.engine import Handed, Prefilled, PrefillEngine, Prompt
 from epd.prefill.errors import (
@@ -201,13 +202,24 @@ class Coordinator:
         # Its decoder, chosen now, so that the hand-off leaves out the blocks it holds; where
         # none is up, after the prefill (whose first token may end the request: none needed).
         live = self.router.live(self.router.decoders) if prepared.sampling.max_tokens > 1 else []
-        decoder = live[0] if live else ""
         self.decoder_blocks.keep_only(self.router.decoders.current)
-        if decoder:
-            held = self.decoder_blocks.blocks(decoder, prompt.block_hashes)
+        decoder = ""
+        if live:
+            decoder, held = self.choose_decoder(live, prompt.block_hashes)
             prompt = replace(prompt, decoder_blocks=held)
         prefilled = await self.batcher.prefill(prompt, request)
         await self.hand_off(request, prefilled, decoder, prompt.block_hashes)
+
+    def choose_decoder(self, live: list[str], hashes: tuple[bytes, ...]) -> tuple[str, int]:
+        """The live decoder (rotated: equals take turns) that holds most of the prompt, weighed
+        against how full and busy each is (`decoders.choose`), and the blocks it holds."""
+        running, usage = self.router.running(), self.router.kv_usage
+        candidates = [
+            Candidate(d, self.decoder_blocks.blocks(d, hashes), usage.get(d, 0.0), running[d])
+            for d in live
+        ]
+        chosen = choose(candidates, len(hashes))
+        return chosen.address, chosen.held
 
     async def hashes(self, prompt: Prompt) -> tuple[bytes, ...]:
         """The prompt's block hashes (a long prompt's off the event loop)."""
@@ -232,8 +244,8 @@ class Coordinator:
         router = self.router
         try:
             if not decoder or not router.outbox.is_up(decoder):  # none was up, or it went
-                decoder = (await router.pick(router.decoders, "decode"))[0]
-                held = self.decoder_blocks.blocks(decoder, hashes)
+                live = await router.pick(router.decoders, "decode")
+                decoder, held = self.choose_decoder(live, hashes)
                 if held != handoff.cached_blocks:  # the rows after what this one holds
                     handoff = await self.on_engine(self.engine.resend, handed, held)
         except BaseException:

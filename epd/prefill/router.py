@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -70,6 +70,7 @@ class Router:
         self.load = EncodeLoad(config.encode_timeout_s)  # what each encoder has to do
         self.waits: dict[tuple[str, int], EncodeWait] = {}  # images being encoded
         self.streams: dict[str, Request] = {}  # requests handed to decode, not finished
+        self.kv_usage: dict[str, float] = {}  # each decoder's KV cache use, as it last said
         self.disowned: OrderedDict[str, None] = OrderedDict()  # unknown requests aborted (LRU)
         self.disowning = PerSecond(DISOWNED_PER_S)
         self.ended: PrefillError | None = None  # set by `end_all`: the error of every request
@@ -156,6 +157,7 @@ class Router:
         prefill (not one it has stopped using: that series went with it)."""
         if kv_cache_usage is not None and decoder in self.decoders.current:
             self.metrics.decoder_reported(decoder, kv_cache_usage)
+            self.kv_usage[decoder] = kv_cache_usage
 
     def disown(self, request_id: str) -> None:
         """Tokens came for a request this prefill does not hold (its client left, it timed out,
@@ -218,6 +220,7 @@ class Router:
                     self.metrics.watch_peer(peers.role, address, self.outbox.is_up)
                 for address in removed:
                     self.metrics.forget_peer(peers.role, address)
+                    self.kv_usage.pop(address, None)
             self.outbox.pin(self.peers())
 
     def fail_held_by(self, address: str) -> None:
@@ -253,6 +256,10 @@ class Router:
                 raise Unavailable(f"no {role} server is reachable (tried {tried})")
             await asyncio.sleep(PEER_POLL_S)
         return live
+
+    def running(self) -> Counter[str]:
+        """This prefill's requests streaming from each decoder."""
+        return Counter(stream.decoder for stream in self.streams.values())
 
     def live(self, peers: PeerSet) -> list[str]:
         """Live peers of a role now, rotated; none if none is up."""

@@ -585,3 +585,28 @@ def test_a_decoder_lost_during_the_prefill_is_replaced_and_the_hand_off_made_who
     handoffs, decoder = asyncio.run(main())
     assert [peer for peer, _ in handoffs] == [first, second] and decoder == second
     assert all((h.cached_blocks, h.cache.shape[1]) == (0, 40) for _, h in handoffs)
+
+
+def test_a_prompt_goes_to_the_decoder_that_holds_its_blocks(tiny_checkpoint, tmp_path):
+    """Not round-robin: the next turn of a prompt goes where its blocks are, and its hand-off
+    carries only the rows after them."""
+    decoders = (f"ipc://{tmp_path}/decode-a", f"ipc://{tmp_path}/decode-b")
+    config = ipc_config(tiny_checkpoint, tmp_path, decoders=decoders)
+    service = build_service(config)
+    ids = list(range(5, 45))  # two whole blocks and 8 tokens
+
+    async def main():
+        coordinator = Coordinator(config, service.engine, 64, service.watchdog)
+        sent = []
+        coordinator.router.outbox.send = lambda peer, message: sent.append((peer, message)) or True
+        coordinator.router.outbox.is_up = lambda address: True
+        coordinator.start()
+        request = PreparedRequest("r0", ids, [], (), (), SamplingParams(4, temperature=0))
+        for i in range(4):
+            coordinator.release(await coordinator.submit(replace(request, request_id=f"r{i}")))
+        await coordinator.stop()
+        return [(peer, m) for peer, m in sent if isinstance(m, KVHandoff)]
+
+    handoffs = asyncio.run(main())
+    assert len({peer for peer, _ in handoffs}) == 1  # rotation alone would alternate
+    assert [h.cached_blocks for _, h in handoffs] == [0, 2, 2, 2]

@@ -1,0 +1,30 @@
+"""A decoder is chosen by what it holds of the prompt, how full it is and how busy."""
+
+from epd.prefill.decoders import Candidate, choose
+
+
+def test_the_decoder_holding_the_prompt_is_chosen_though_it_is_busier():
+    holder = Candidate("a", held=8, kv_usage=0.5, running=3)
+    empty = Candidate("b", held=0, kv_usage=0.1, running=1)
+    assert choose([empty, holder], blocks=8) is holder
+
+
+def test_without_a_prefix_the_freer_and_less_busy_decoder_is_chosen():
+    full = Candidate("a", held=0, kv_usage=0.9, running=0)
+    free = Candidate("b", held=0, kv_usage=0.2, running=0)
+    assert choose([full, free], blocks=4) is free
+    busy = Candidate("c", held=0, kv_usage=0.2, running=5)
+    assert choose([busy, free], blocks=4) is free
+
+
+def test_a_little_of_the_prompt_does_not_outweigh_a_full_cache():
+    """A block of eight held, at 95% KV use, against an idle decoder with room."""
+    holder = Candidate("a", held=1, kv_usage=0.95, running=4)
+    idle = Candidate("b", held=0, kv_usage=0.0, running=0)
+    assert choose([holder, idle], blocks=8) is idle
+
+
+def test_equals_go_to_the_first_so_a_rotated_list_takes_turns():
+    first, second = Candidate("a", 0, 0.0, 0), Candidate("b", 0, 0.0, 0)
+    assert choose([first, second], blocks=0) is first
+    assert choose([second, first], blocks=0) is second
