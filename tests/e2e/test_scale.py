@@ -10,17 +10,15 @@ from PIL import Image
 from .stack import Process, data_url, free_base, image_part, text_part
 
 SIZES = [(840, 560), (560, 280), (300, 200)]
+IMAGES = [
+    image_part(data_url(Image.new("RGB", s, c)))
+    for s, c in zip(SIZES, ["red", "blue", "green"], strict=True)
+]
+# Four prompts that differ from their first block on: a decoder is chosen by the blocks it holds
+# (the same prompt again goes where it went), so it takes different prompts to give both work.
 MESSAGES = [
-    {
-        "role": "user",
-        "content": [
-            *(
-                image_part(data_url(Image.new("RGB", s, c)))
-                for s, c in zip(SIZES, ["red", "blue", "green"], strict=True)
-            ),
-            text_part("Which is largest?"),
-        ],
-    }
+    [{"role": "user", "content": [text_part(f"Picture set {i}."), *IMAGES, text_part("Largest?")]}]
+    for i in range(4)
 ]
 
 
@@ -63,15 +61,19 @@ def test_two_prefills_two_encoders_two_decoders(tiny_checkpoint, local):
             )
             for i in (4, 5)
         ]
-        params = {"model": "tiny", "messages": MESSAGES, "max_tokens": 12, "temperature": 0}
-        expected = local.chat(params)
+        params = [
+            {"model": "tiny", "messages": m, "max_tokens": 12, "temperature": 0} for m in MESSAGES
+        ]
+        expected = [local.chat(p) for p in params]
+
+        def ask(i):
+            return clients[i % 2].chat.completions.create(**params[i % 4])
+
         with ThreadPoolExecutor(4) as pool:
-            replies = list(
-                pool.map(lambda i: clients[i % 2].chat.completions.create(**params), range(8))
-            )
-        for reply in replies:
-            assert reply.choices[0].message.content == expected.text
-            assert reply.usage.prompt_tokens == expected.prompt_tokens
+            replies = list(pool.map(ask, range(8)))
+        for i, reply in enumerate(replies):
+            assert reply.choices[0].message.content == expected[i % 4].text
+            assert reply.usage.prompt_tokens == expected[i % 4].prompt_tokens
         for port in range(base + 10, base + 14):  # every encoder and decoder had work
             metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode()
             done = re.search(
