@@ -1,4 +1,5 @@
-"""Several prefills, encoders and decoders: images split in parts, answers unchanged."""
+"""Several prefills, encoders and decoders: images split in parts, answers unchanged, and a
+conversation kept on the decoder that holds it."""
 
 import re
 import urllib.request
@@ -80,6 +81,52 @@ def test_two_prefills_two_encoders_two_decoders(tiny_checkpoint, local):
                 r"^epd:(encode_images_total|decode_batch_size_count)\{[^}]*\} (\S+)", metrics, re.M
             )
             assert done and float(done[2]) > 0, port
+    finally:
+        for process in processes:
+            assert process.stop() == 0, process.output
+
+
+def test_a_conversation_stays_on_the_decoder_that_holds_it(tiny_checkpoint, local):
+    """Two decoders: every turn of a conversation goes to the one that holds its blocks (the
+    other gets nothing), and its hand-offs after the first carry only the rows it lacks."""
+    base = free_base()
+    tcp = [f"tcp://127.0.0.1:{base + i}" for i in range(4)]  # encode 0, prefill 1, decode 2-3
+    model = ["--model", str(tiny_checkpoint)]
+    peer = [*model, "--prefills", tcp[1], "--threads", "1"]
+    processes = [
+        Process(role, *peer, "--bind", tcp[i], "--health-port", str(base + 10 + i), ready="ready")
+        for role, i in (("encode", 0), ("decode", 2), ("decode", 3))
+    ]
+    processes.append(
+        Process(
+            "prefill",
+            *model,
+            *("--bind", tcp[1], "--port", str(base + 20), "--encoders", tcp[0]),
+            *("--decoders", tcp[2], tcp[3], "--served-model-name", "tiny", "--threads", "1"),
+            ready="ready",
+        )
+    )
+    try:
+        for process in processes:
+            process.wait_ready()
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{base + 20}/v1", api_key="-")
+        messages = [{"role": "system", "content": "You answer briefly. " * 20}]
+        for turn in range(3):
+            messages.append({"role": "user", "content": f"Question {turn}?"})
+            params = {"model": "tiny", "messages": messages, "max_tokens": 6, "temperature": 0}
+            reply = client.chat.completions.create(**params, extra_body={"ignore_eos": True})
+            expected = local.chat(params | {"ignore_eos": True})
+            assert reply.choices[0].message.content == expected.text
+            messages.append({"role": "assistant", "content": reply.choices[0].message.content})
+        steps, hits = {}, {}
+        for port in (base + 12, base + 13):
+            text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode()
+            step = re.search(r"^epd:decode_batch_size_count\{[^}]*\} (\S+)", text, re.M)
+            hit = re.search(r"^epd:prefix_cache_hits_total\{[^}]*\} (\S+)", text, re.M)
+            steps[port], hits[port] = float(step[1]) if step else 0.0, float(hit[1]) if hit else 0.0
+        held = max(steps, key=steps.__getitem__)
+        assert sorted(steps.values())[0] == 0  # the other decoder never had a step
+        assert hits[held] >= 2 * 16  # turns 2 and 3 found the system prompt's blocks there
     finally:
         for process in processes:
             assert process.stop() == 0, process.output
