@@ -50,7 +50,8 @@ class DecoderBlocks:
         self.keep_nothing: set[str] = set()  # decoders whose prefix cache is off
 
     def blocks(self, decoder: str, hashes: Sequence[bytes]) -> int:
-        """How many of the leading blocks the decoder holds, by what prefill knows."""
+        """How many of the leading blocks the decoder holds, by what prefill knows (asked of
+        every candidate decoder: only `sent` makes a block recent)."""
         held = self.held.get(decoder)
         if held is None:
             return 0
@@ -58,7 +59,6 @@ class DecoderBlocks:
         for content in hashes:
             if content not in held:
                 break
-            held.move_to_end(content)
             count += 1
         return count
 

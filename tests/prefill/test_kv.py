@@ -27,7 +27,8 @@ def test_what_a_decoder_lacks_is_forgotten_and_one_that_keeps_nothing_is_never_b
 def test_each_decoder_is_remembered_within_a_bound_least_recently_used_out():
     held = DecoderBlocks(per_decoder=4)
     held.sent("a", HASHES[:4])
-    assert held.blocks("a", HASHES[:1]) == 1  # the first block, used again
+    assert held.blocks("a", HASHES[1:2]) == 1  # asked of: every candidate is, it stays old
+    held.sent("a", HASHES[:1])  # the first block, handed again
     held.sent("a", HASHES[4:5])
     assert held.blocks("a", HASHES[:1]) == 1 and held.blocks("a", HASHES[1:2]) == 0
 
