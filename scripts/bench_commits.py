@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from bench_serving import ROWS, SUMMARY, measure, run_rows, start, stop  # noqa: E402
+from bench_serving import ROWS, run_rows, start, stop, table  # noqa: E402
 
 PORTS = {"base": (8310, 7500), "tree": (8311, 7600)}  # API port, internal base port
 
@@ -37,25 +36,6 @@ def serve(name: str, tree: Path, checkpoint: Path, out: Path) -> tuple[str, Any]
     # from any other checkout both sides would run that checkout's code.
     tree = tree.resolve()
     return url, start(command, url, out / f"{name}.log", {"PYTHONPATH": str(tree)}, cwd=tree)
-
-
-def table(results: dict[str, dict[str, list[dict[str, Any]]]]) -> str:
-    heads = ["output tok/s", "TTFT p50 ms", "TPOT p50 ms", "ITL p99 ms"]
-    lines = [
-        "| workload | " + " | ".join(f"{h}: tree / base (ratio)" for h in heads) + " |",
-        "|---" * (len(heads) + 1) + "|",
-    ]
-    for row, sides in results.items():
-        cells = []
-        for key in SUMMARY:
-            ours = [measure(s, key) for s in sides["tree"]]
-            theirs = [measure(s, key) for s in sides["base"]]
-            ratio = statistics.median(a / b for a, b in zip(ours, theirs, strict=True) if b)
-            cells.append(
-                f"{statistics.median(ours):.1f} / {statistics.median(theirs):.1f} ({ratio:.2f}×)"
-            )
-        lines.append(f"| {row} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
 
 
 def main() -> None:
@@ -78,7 +58,7 @@ def main() -> None:
     finally:
         for _, process in running.values():
             stop(process)
-    print(table(results))
+    print(table(results, ("tree", "base"), "tree / base"))
     print(f"\n(base {args.base}, tree {args.tree}; {os.cpu_count()} cores)")
 
 

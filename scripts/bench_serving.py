@@ -182,19 +182,23 @@ def measure(summary: dict[str, Any], key: str) -> float:
     return float(summary[key].get("p99" if key == "itl_ms" else "p50", 0.0))
 
 
-def table(results: dict[str, dict[str, list[dict[str, Any]]]]) -> str:
+def table(
+    results: dict[str, dict[str, list[dict[str, Any]]]],
+    sides: tuple[str, str] = ("epd", "vllm"),
+    labels: str = "epd / vLLM",
+) -> str:
     """Per row: each measure's median over rounds on each side, and the median of the rounds'
-    ratios (epd ÷ vLLM); goal: tok/s ≥ 1, TTFT ≤ 1, TPOT ≤ 1.1."""
+    ratios (the first side ÷ the second: epd ÷ vLLM, goal tok/s ≥ 1, TTFT ≤ 1, TPOT ≤ 1.1)."""
     heads = ["output tok/s", "TTFT p50 ms", "TPOT p50 ms", "ITL p99 ms"]
     lines = [
-        "| workload | " + " | ".join(f"{h}: epd / vLLM (ratio)" for h in heads) + " |",
+        "| workload | " + " | ".join(f"{h}: {labels} (ratio)" for h in heads) + " |",
         "|---" * (len(heads) + 1) + "|",
     ]
-    for row, sides in results.items():
+    for row, by_side in results.items():
         cells = []
         for key in SUMMARY:
-            ours = [measure(s, key) for s in sides["epd"]]
-            theirs = [measure(s, key) for s in sides["vllm"]]
+            ours = [measure(s, key) for s in by_side[sides[0]]]
+            theirs = [measure(s, key) for s in by_side[sides[1]]]
             ratio = statistics.median(a / b for a, b in zip(ours, theirs, strict=True) if b)
             cells.append(
                 f"{statistics.median(ours):.1f} / {statistics.median(theirs):.1f} ({ratio:.2f}×)"
