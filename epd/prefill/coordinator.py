@@ -213,6 +213,8 @@ class Coordinator:
     def choose_decoder(self, live: list[str], hashes: tuple[bytes, ...]) -> tuple[str, int]:
         """The live decoder (rotated: equals take turns) that holds most of the prompt, weighed
         against how full and busy each is (`decoders.choose`), and the blocks it holds."""
+        if len(live) == 1:  # nothing to weigh: no count over every stream on the loop
+            return live[0], self.decoder_blocks.blocks(live[0], hashes)
         running, usage = self.router.running(), self.router.kv_usage
         candidates = [
             Candidate(d, self.decoder_blocks.blocks(d, hashes), usage.get(d, 0.0), running[d])
