@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from epd.api.errors import APIError, bad_request, overloaded, unavailable
-from epd.wire.transport import PerSecond
+from epd.wire.limits import PerSecond
 
 log = logging.getLogger(__name__)
 

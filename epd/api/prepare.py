@@ -17,9 +17,8 @@ from msgspec.structs import replace
 from transformers import PreTrainedTokenizerBase
 
 from epd.api.errors import APIError, bad_request
-from epd.api.reasoning import markers_for
 from epd.api.schema import ChatCompletionRequest, CompletionRequest, GenerationRequest
-from epd.api.tools import ForcedTools, describe_tools
+from epd.api.tool_prompts import ForcedTools, describe_tools
 from epd.checkpoint.config import (
     CheckpointError,
     context_length,
@@ -38,7 +37,7 @@ from epd.generation.grammar import (
     regex_grammar,
 )
 from epd.generation.params import SamplingParams
-from epd.generation.reasoning import Markers, opened
+from epd.generation.reasoning import Markers, markers_for, opened
 from epd.multimodal.grids import Grid
 from epd.multimodal.image_processor import ImageProcessor
 from epd.multimodal.images import ImageError, open_image

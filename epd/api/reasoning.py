@@ -11,12 +11,10 @@ repository's folder names a -Thinking model). The split itself is `generation.re
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from pathlib import Path
 
 import msgspec
 
-from epd.checkpoint.config import read_json
-from epd.generation.reasoning import PARSERS, Markers, Split
+from epd.generation.reasoning import Markers, Split
 from epd.wire.messages import TokenDelta
 
 
@@ -25,24 +23,6 @@ class ReasonedDelta(TokenDelta, frozen=True):
     `reasoning` the reasoning's. (Not a wire message: decode sends plain TokenDeltas.)"""
 
     reasoning: str = ""
-
-
-def markers_for(parser: str, checkpoint: str | Path, chat_template: str) -> Markers | None:
-    """The markers of `parser` ("auto": kimi_vl's for a thinking checkpoint), or None."""
-    if parser == "auto":
-        thinking = PARSERS["kimi_vl"].start in chat_template or thinking_name(Path(checkpoint))
-        return PARSERS["kimi_vl"] if thinking else None
-    return PARSERS.get(parser)
-
-
-def thinking_name(checkpoint: Path) -> bool:
-    """Whether the checkpoint's name is a -Thinking model's: config.json's `_name_or_path`,
-    its folder, or the folder of the Hugging Face cache's repository it is a snapshot of."""
-    named = str(read_json(checkpoint / "config.json").get("_name_or_path", ""))
-    folders = [checkpoint.resolve().name]
-    if checkpoint.resolve().parent.name == "snapshots":  # models--org--Name/snapshots/<hash>
-        folders.append(checkpoint.resolve().parent.parent.name)
-    return any("-thinking" in name.lower() for name in (named, *folders))
 
 
 async def split_deltas(

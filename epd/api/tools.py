@@ -14,71 +14,15 @@ system message, so the model can see what it may call.
 
 from __future__ import annotations
 
-import json
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from epd.api.responses import Reply, ended, thinking
-from epd.api.schema import ChatCompletionRequest, Tool
-from epd.wire.messages import TokenDelta
+from epd.api.tool_prompts import ForcedTools
 
-MAX_PARALLEL_CALLS = 8
-
-
-@dataclass(frozen=True)
-class ForcedTools:
-    """The calls a reply must be: one named function's arguments, or a list of calls."""
-
-    tools: tuple[Tool, ...]
-    name: str = ""  # a named function; "" for `required`
-    parallel: bool = True
-
-    @classmethod
-    def of(cls, request: ChatCompletionRequest) -> ForcedTools | None:
-        tools, parallel = tuple(request.tools or ()), request.parallel_tool_calls is not False
-        if request.named_tool is not None:
-            return cls(tools, request.named_tool, parallel)
-        return cls(tools, parallel=parallel) if request.tool_choice == "required" else None
-
-    def schema(self) -> dict[str, Any]:
-        """The JSON schema the reply's text must follow."""
-        if self.name:
-            return next(t.function.parameters for t in self.tools if t.function.name == self.name)
-        calls = [
-            {
-                "type": "object",
-                "properties": {
-                    "name": {"const": t.function.name},
-                    "parameters": t.function.parameters,
-                },
-                "required": ["name", "parameters"],
-                "additionalProperties": False,
-            }
-            for t in self.tools
-        ]
-        most = MAX_PARALLEL_CALLS if self.parallel else 1  # a bound, so any model ends the list
-        return {"type": "array", "minItems": 1, "maxItems": most, "items": {"anyOf": calls}}
-
-    def calls(self, text: str) -> list[dict[str, Any]] | None:
-        """The tool calls a complete reply's text holds (None if it is not one: the grammar
-        makes that a bug, but a bug must not cost the reply)."""
-        try:
-            if self.name:
-                json.loads(text)
-                named = [(self.name, text)]
-            else:
-                named = [(c["name"], json.dumps(c["parameters"])) for c in json.loads(text)]
-        except (ValueError, TypeError, KeyError):
-            return None
-        return [
-            {
-                "id": f"call_{uuid.uuid4().hex[:24]}",
-                "type": "function",
-                "function": {"name": name, "arguments": arguments},
-            }
-            for name, arguments in named
-        ]
+if TYPE_CHECKING:
+    from epd.wire.messages import TokenDelta
 
 
 @dataclass
@@ -146,9 +90,3 @@ class ToolReply(Reply):
         logprobs = self.logprobs(self.held.pop(index))
         choice = {"index": index, "delta": content, "logprobs": logprobs, "finish_reason": reason}
         return self.chunk([choice | ended(delta)])
-
-
-def describe_tools(tools: list[Tool]) -> str:
-    """A system message for a template that does not show tools itself."""
-    specs = [t.function.model_dump(exclude_none=True) for t in tools]
-    return "You may call these functions (JSON schemas of their parameters):\n" + json.dumps(specs)

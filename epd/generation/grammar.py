@@ -20,15 +20,17 @@ import threading
 from collections import OrderedDict
 from collections.abc import Collection, Sequence
 from functools import cached_property
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import llguidance
 import llguidance.numpy
-import torch
 from transformers import PreTrainedTokenizerBase
 
 from epd.checkpoint.tiktoken_files import TiktokenFiles
 from epd.checkpoint.tokenizer import vocabulary_bytes
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 COMPACT_JSON = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
@@ -243,6 +245,8 @@ def mask_forbidden(
 
     Raises GrammarError for a matcher that failed (a lexer limit, say): its mask would allow
     only a stop token, and the output would end there, short of what the grammar asks for."""
+    import torch  # here: requests' grammars are checked where no torch is imported (`epd route`)
+
     bitmask = llguidance.numpy.allocate_token_bitmask(len(rows), logits.shape[-1])  # (n, words)
     bitmask.fill(0)
     for i, matcher in enumerate(matchers):

@@ -15,8 +15,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+from epd.checkpoint.config import read_json
 from epd.generation.grammar import GrammarError, Grammars, advance
 from epd.generation.params import SamplingParams
 
@@ -183,3 +185,21 @@ def prepare(grammars: Grammars) -> None:
         start = markers.start.encode()
         for begun in range(len(start)):
             grammars.marker_tokens(start[begun:])
+
+
+def markers_for(parser: str, checkpoint: str | Path, chat_template: str) -> Markers | None:
+    """The markers of `parser` ("auto": kimi_vl's for a thinking checkpoint), or None."""
+    if parser == "auto":
+        thinking = PARSERS["kimi_vl"].start in chat_template or thinking_name(Path(checkpoint))
+        return PARSERS["kimi_vl"] if thinking else None
+    return PARSERS.get(parser)
+
+
+def thinking_name(checkpoint: Path) -> bool:
+    """Whether the checkpoint's name is a -Thinking model's: config.json's `_name_or_path`,
+    its folder, or the folder of the Hugging Face cache's repository it is a snapshot of."""
+    named = str(read_json(checkpoint / "config.json").get("_name_or_path", ""))
+    folders = [checkpoint.resolve().name]
+    if checkpoint.resolve().parent.name == "snapshots":  # models--org--Name/snapshots/<hash>
+        folders.append(checkpoint.resolve().parent.parent.name)
+    return any("-thinking" in name.lower() for name in (named, *folders))

@@ -52,6 +52,20 @@ def image_spans(
     return tuple(spans)
 
 
+def image_digests(images: Sequence[bytes], salt: str | None = None) -> list[str]:
+    """Each image's key: the SHA-256 of its file, or for a salted request, of a digest of the
+    salt and then the file (a fixed-length seed, so no salt and file run into another's)."""
+    if salt is None:
+        return [hashlib.sha256(data).hexdigest() for data in images]
+    seed = hashlib.sha256(b"epd image salt\0" + salt.encode("utf-8", "surrogatepass")).digest()
+    keys = []
+    for data in images:
+        digest = hashlib.sha256(seed)
+        digest.update(data)
+        keys.append(digest.hexdigest())
+    return keys
+
+
 def model_key(checkpoint: bytes, dtype: str) -> bytes:
     """What a model's rows depend on beyond its inputs: its checkpoint's digest
     (`checkpoint/identity.py`) and the dtype its forward ran in."""

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+Grid = tuple[int, int]  # an image's (h, w) in patches
+
 
 @dataclass(frozen=True)
 class VisionConfig:

@@ -13,10 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from epd.model.config import VisionConfig
+from epd.model.config import Grid, VisionConfig
 from epd.model.rope import rotate, rotor, vision_angles
-
-Grid = tuple[int, int]  # an image's (h, w) in patches
 
 
 class PositionTable(nn.Module):

@@ -10,21 +10,23 @@ objects, so they are safe to put in a message header.
 from __future__ import annotations
 
 import numbers
+import sys
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-import torch
 
-from epd.model.moonvit import Grid
+from epd.model.config import Grid
 
 MAX_SIDE = 512  # a grid side of 512 patches or more is refused, as Kimi-VL's processor does
 FORMS = "expected (h, w) or (t, h, w) rows of positive ints, h and w even and below 512"
 
 
 def _plain(grids: Any) -> list[Any]:
-    if isinstance(grids, torch.Tensor | np.ndarray):
-        if grids.dtype == torch.bool or grids.dtype == np.bool_:
+    torch = sys.modules.get("torch")  # a tensor's class, where torch is loaded (else none is)
+    tensor = (np.ndarray,) if torch is None else (torch.Tensor, np.ndarray)
+    if isinstance(grids, tensor):
+        if str(grids.dtype) in ("torch.bool", "bool"):
             raise ValueError(f"grid values must be integers, got booleans; {FORMS}")
         return grids.tolist()
     if isinstance(grids, Sequence) and not isinstance(grids, str | bytes):

@@ -9,13 +9,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 from PIL import Image
 
 from epd.checkpoint.config import ProcessorConfig
 from epd.multimodal.grids import MAX_SIDE, Grid
+
+if TYPE_CHECKING:  # grids are read where no torch is imported (`epd route`)
+    import torch
 
 
 @dataclass(frozen=True)
@@ -27,8 +31,18 @@ class ProcessedImages:
 class ImageProcessor:
     def __init__(self, config: ProcessorConfig) -> None:
         self.config = config
-        self.mean = torch.tensor(config.image_mean, dtype=torch.float32)[:, None, None]
-        self.std = torch.tensor(config.image_std, dtype=torch.float32)[:, None, None]
+
+    @cached_property
+    def mean(self) -> torch.Tensor:
+        import torch
+
+        return torch.tensor(self.config.image_mean, dtype=torch.float32)[:, None, None]
+
+    @cached_property
+    def std(self) -> torch.Tensor:
+        import torch
+
+        return torch.tensor(self.config.image_std, dtype=torch.float32)[:, None, None]
 
     def resized_size(self, width: int, height: int) -> tuple[int, int]:
         """(w, h) after scaling down to at most `in_token_limit` whole patches."""
@@ -70,6 +84,8 @@ class ImageProcessor:
 
     def preprocess(self, image: Image.Image) -> tuple[torch.Tensor, Grid]:
         """One image → patches (h·w, 3, p, p) and its (h, w) grid."""
+        import torch
+
         image = image.convert("RGB")
         grid = self.grid_for_size(*image.size)
         size = self.resized_size(*image.size)
@@ -90,6 +106,8 @@ class ImageProcessor:
         return patches, grid
 
     def __call__(self, images: list[Image.Image]) -> ProcessedImages:
+        import torch
+
         processed = [self.preprocess(image) for image in images]
         return ProcessedImages(
             pixel_values=torch.cat([patches for patches, _ in processed]),

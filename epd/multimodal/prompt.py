@@ -11,12 +11,14 @@ import itertools
 import re
 import secrets
 from collections.abc import Collection, Iterator, Mapping, Sequence
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import jinja2
 import jinja2.meta
-import torch
 from transformers import PreTrainedTokenizerBase
+
+if TYPE_CHECKING:  # prompts are built where no torch is imported (`epd route`)
+    import torch
 
 
 def image_parts(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:

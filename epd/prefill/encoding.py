@@ -21,10 +21,11 @@ import torch
 
 from epd.config.roles import PrefillConfig
 from epd.generation.finite import overflows
+from epd.kv.hashing import image_digests
 from epd.multimodal.grids import Grid, kimi_vl_grids
 from epd.prefill.engine import PrefillEngine
 from epd.prefill.errors import Internal, Overloaded, TimedOut, Unavailable
-from epd.prefill.image_cache import ImageCache, digests
+from epd.prefill.image_cache import ImageCache
 from epd.prefill.metrics import PrefillMetrics
 from epd.prefill.request import PreparedRequest
 from epd.prefill.router import Router
@@ -69,7 +70,7 @@ class Encoding:
             return None
         self.check_room(request.images, request.grids, request.cache_salt)  # before hashing
         # Hashing large files takes time; salted keys keep one tenant's encodes its own.
-        keys = await asyncio.to_thread(digests, request.images, request.cache_salt)
+        keys = await asyncio.to_thread(image_digests, request.images, request.cache_salt)
         rows = {
             i: found for i, key in enumerate(keys) if (found := self.images.get(key)) is not None
         }

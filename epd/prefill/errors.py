@@ -6,7 +6,10 @@ does not know it serves HTTP.
 
 from __future__ import annotations
 
-from epd.wire.messages import Failure
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the router builds prompts with these errors, and imports no torch
+    from epd.wire.messages import Failure
 
 
 class PrefillError(Exception):

@@ -8,29 +8,13 @@ Least recently used out first under a byte budget; hits and misses are counted f
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from collections import Counter, OrderedDict
-from collections.abc import Sequence
 
 import torch
 
 log = logging.getLogger(__name__)
 FileKey = tuple[str | None, int]  # what is known of an image before it is hashed: salt, size
-
-
-def digests(images: Sequence[bytes], salt: str | None = None) -> list[str]:
-    """Each image's key: the SHA-256 of its file, or for a salted request, of a digest of the
-    salt and then the file (a fixed-length seed, so no salt and file run into another's)."""
-    if salt is None:
-        return [hashlib.sha256(data).hexdigest() for data in images]
-    seed = hashlib.sha256(b"epd image salt\0" + salt.encode("utf-8", "surrogatepass")).digest()
-    keys = []
-    for data in images:
-        digest = hashlib.sha256(seed)
-        digest.update(data)
-        keys.append(digest.hexdigest())
-    return keys
 
 
 class ImageCache:

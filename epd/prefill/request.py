@@ -7,14 +7,17 @@ from __future__ import annotations
 import asyncio
 import sys
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from epd.generation.params import SamplingParams
-from epd.generation.sampling import Scored
 from epd.generation.status import Status
 from epd.multimodal.grids import Grid
-from epd.prefill.engine import Handed
-from epd.prefill.errors import PrefillError
-from epd.wire.messages import KVMissing, TokenDelta
+
+if TYPE_CHECKING:  # `PreparedRequest` is built where no torch is imported (`epd route`)
+    from epd.generation.sampling import Scored
+    from epd.prefill.engine import Handed
+    from epd.prefill.errors import PrefillError
+    from epd.wire.messages import KVMissing, TokenDelta
 
 
 @dataclass(frozen=True)

@@ -22,9 +22,10 @@ from epd.prefill.metrics import PrefillMetrics
 from epd.prefill.peers import RESOLVE_S, PeerSet
 from epd.prefill.request import Request
 from epd.wire.curve import process_keys
+from epd.wire.limits import PerSecond
 from epd.wire.messages import Abort, Failure, ImageEmbeddings, KVMissing, Message, TokenDelta
 from epd.wire.outbox import Outbox
-from epd.wire.transport import Inbox, PerSecond, async_context
+from epd.wire.transport import Inbox, async_context
 
 log = logging.getLogger(__name__)
 PEER_POLL_S = 0.02

@@ -10,14 +10,16 @@ here and when one is decoded.
 from __future__ import annotations
 
 import re
-from typing import Annotated
+import time
+from typing import TYPE_CHECKING, Annotated
 
-import torch
 from msgspec import Meta
 
 from epd.config.roles import ADDRESS_SCHEMES
-from epd.generation.finite import all_finite
 from epd.generation.params import MAX_TEXT_CHARS, require
+
+if TYPE_CHECKING:
+    import torch
 
 MAX_ID_CHARS = 256  # request ids, error codes
 MAX_ADDRESS_CHARS = 512  # ZeroMQ addresses
@@ -46,6 +48,8 @@ def check_address(value: str, name: str, optional: bool = False) -> None:
 
 def check_tensor(tensor: torch.Tensor, name: str, rank: int) -> None:
     """A floating tensor of `rank` dimensions holding only finite values."""
+    from epd.generation.finite import all_finite  # here: the API reads these limits, no torch
+
     require(tensor.dim() == rank, f"{name} must have {rank} dimensions, not {tensor.dim()}")
     require(tensor.is_floating_point(), f"{name} must hold floats, not {tensor.dtype}")
     require(all_finite(tensor), f"{name} holds NaN or infinite values")
@@ -54,3 +58,20 @@ def check_tensor(tensor: torch.Tensor, name: str, rank: int) -> None:
 def cut(text: str) -> str:
     """`text` cut to fit a message's text field (error messages can be long)."""
     return text if len(text) <= MAX_TEXT_CHARS else text[: MAX_TEXT_CHARS - 1] + "…"
+
+
+class PerSecond:
+    """Lets at most `limit` events a second through: a flood of messages must not become a
+    flood of what they cause (log lines, Aborts)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.second, self.count = 0, 0
+
+    def take(self) -> bool:
+        """Count one event: whether it is within this second's limit."""
+        second = int(time.monotonic())
+        if second != self.second:
+            self.second, self.count = second, 0
+        self.count += 1
+        return self.count <= self.limit

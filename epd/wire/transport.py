@@ -9,7 +9,6 @@ import contextlib
 import functools
 import logging
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -18,6 +17,7 @@ import zmq.asyncio
 
 from epd.wire.codec import HEADER_BYTES, WireError, decode
 from epd.wire.curve import CurveKeys
+from epd.wire.limits import PerSecond
 from epd.wire.messages import Message
 from epd.wire.outbox import STALL_TIMEOUT_S
 
@@ -36,23 +36,6 @@ HANDSHAKE_MS = 5000
 HEARTBEAT_MS, HEARTBEAT_TIMEOUT_MS = 1000, int(STALL_TIMEOUT_S * 1000)
 REFUSALS_LOGGED_PER_S = 10
 MAX_PROBLEM_CHARS = 500  # of a refusal's text, logged
-
-
-class PerSecond:
-    """Lets at most `limit` events a second through: a flood of messages must not become a
-    flood of what they cause (log lines, Aborts)."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.second, self.count = 0, 0
-
-    def take(self) -> bool:
-        """Count one event: whether it is within this second's limit."""
-        second = int(time.monotonic())
-        if second != self.second:
-            self.second, self.count = second, 0
-        self.count += 1
-        return self.count <= self.limit
 
 
 class Refusals:

@@ -12,13 +12,14 @@ from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
 from epd.api.prepare import PromptBuilder
-from epd.api.reasoning import markers_for, split_deltas
+from epd.api.reasoning import split_deltas
 from epd.api.responses import Reply
 from epd.api.responses_api import ResponseReply
 from epd.api.schema import parse_request
-from epd.api.tools import ForcedTools, ToolReply
+from epd.api.tool_prompts import ForcedTools
+from epd.api.tools import ToolReply
 from epd.checkpoint.tokenizer import load_tokenizer
-from epd.generation.reasoning import PARSERS
+from epd.generation.reasoning import PARSERS, markers_for
 from epd.wire.messages import TokenDelta
 
 KIMI = PARSERS["kimi_vl"]

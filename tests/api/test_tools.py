@@ -5,7 +5,8 @@ import json
 import pytest
 
 from epd.api.schema import Tool
-from epd.api.tools import ForcedTools, ToolReply
+from epd.api.tool_prompts import ForcedTools
+from epd.api.tools import ToolReply
 from epd.generation.params import TokenLogprob
 from epd.wire.messages import TokenDelta
 

@@ -24,11 +24,10 @@ import pytest
 import torch
 from PIL import Image
 
-from epd.api.reasoning import markers_for
 from epd.checkpoint.published import make_published
 from epd.checkpoint.synthetic import make_checkpoint
 from epd.checkpoint.tokenizer import load_tokenizer
-from epd.generation.reasoning import PARSERS, Split
+from epd.generation.reasoning import PARSERS, Split, markers_for
 from epd.local import LocalPipeline
 
 from ..checkpoint.test_hub import COMMIT, REPOSITORY, lay_out_cache

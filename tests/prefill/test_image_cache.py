@@ -2,7 +2,8 @@
 
 import torch
 
-from epd.prefill.image_cache import ImageCache, digests
+from epd.kv.hashing import image_digests as digests
+from epd.prefill.image_cache import ImageCache
 
 
 def rows(n):
