@@ -31,6 +31,8 @@ HELP = {
     "encode": "run the vision tower: images in, embeddings out",
     "prefill": "run the OpenAI API and the prefill of the language model",
     "decode": "run continuous-batching decode from KV hand-offs",
+    "route": "run the OpenAI API in front of several prefills, sending each request where its "
+    "prefix is cached",
     "serve": "start encode, prefill and decode here and supervise them",
 }
 
@@ -45,6 +47,13 @@ def runner(role: str) -> Callable[[Any], None]:
         from epd.api import server as prefill
 
         return prefill.run
+    if role == "route":
+        from epd.route import keep_torch_out
+
+        keep_torch_out()  # before the tokenizer's imports
+        from epd.route import server as route
+
+        return route.run
     from epd.decode import server as decode
 
     return decode.run

@@ -44,9 +44,9 @@ from epd.runtime.process import (
     torch_threads,
 )
 
-CHILDREN = ("encode", "decode", "prefill")
+CHILDREN = ("encode", "decode", "prefill", "route")
+FRONT = ("prefill", "route")  # what holds clients' requests: stopped first, given the drain
 HEALTHY_AFTER_S = 60.0  # a child that lived this long restarts without accumulated backoff
-KV_EVENT_PORTS = {"prefill": 0, "decode": 1}  # added to --kv-events-config's ports, per role
 CORES = available_cores()
 # Turns libgomp's threads spin after an op before they sleep, on a CPU (`openmp_env`).
 BRIEF_SPIN = 10_000
@@ -61,6 +61,7 @@ class Child:
     argv: list[str]
     secrets: dict[str, str] = field(default_factory=dict)  # environment, not argv
     env: dict[str, str] = field(default_factory=dict)  # more of its environment (`openmp_env`)
+    name: str = ""  # in serve's output: the role, or prefill-1, ... (default: the role)
     process: subprocess.Popen[str] | None = None
     ready: threading.Event = field(default_factory=threading.Event)
     tail: collections.deque[str] = field(default_factory=lambda: collections.deque(maxlen=40))
@@ -90,7 +91,7 @@ class Child:
         assert process.stdout is not None
         for line in process.stdout:
             self.tail.append(line)
-            print(f"[{self.role}] {line}", end="", flush=True)
+            print(f"[{self.name or self.role}] {line}", end="", flush=True)
             if line.startswith(f"epd {self.role} ready"):
                 self.ready.set()
 
@@ -126,11 +127,12 @@ def stop_all(children: list[Child], timeout: float = STOP_TIMEOUT_S) -> None:
 
 
 def stop_in_order(children: list[Child], drain_s: float) -> None:
-    """Prefill first, given `drain_s` to let its requests in flight finish (it refuses new
-    ones meanwhile); then encode and decode, which those requests needed until the end."""
-    first = [c for c in children if c.role == "prefill"]
+    """Prefill (and the router in front of several) first, given `drain_s` to let its requests
+    in flight finish (it refuses new ones meanwhile); then encode and decode, which those
+    requests needed until the end."""
+    first = [c for c in children if c.role in FRONT]
     stop_all(first, drain_s + STOP_TIMEOUT_S)
-    stop_all([c for c in children if c.role != "prefill"])
+    stop_all([c for c in children if c.role not in FRONT])
 
 
 def kill_all(children: list[Child]) -> None:
@@ -153,7 +155,7 @@ def stop_at_once_when_asked_again(children: list[Child], stop: threading.Event) 
             handler(sig, frame)
             return
         for child in children:
-            if child.role == "prefill":
+            if child.role in FRONT:
                 child.terminate()
         killer = threading.Timer(HURRY_S, kill_all, args=(children,))
         killer.daemon = True
@@ -177,8 +179,8 @@ def start_all(children: list[Child], stop: threading.Event) -> None:
                 sys.exit(0)
             time.sleep(0.2)  # let the relay thread print the last lines
             sys.exit(
-                f"epd serve: {failed.role} failed to start (exit code {failed.exit_code()}):\n"
-                + "".join(failed.tail)
+                f"epd serve: {failed.name or failed.role} failed to start "
+                f"(exit code {failed.exit_code()}):\n" + "".join(failed.tail)
             )
         time.sleep(0.1)
 
@@ -193,7 +195,8 @@ def supervise(child: Child, max_delay: float) -> None:
             child.delay = 1.0
         child.restart_at = now + child.delay
         print(
-            f"epd serve: {child.role} exited with code {code}; restarting in {child.delay:.0f}s",
+            f"epd serve: {child.name or child.role} exited with code {code}; restarting in "
+            f"{child.delay:.0f}s",
             flush=True,
         )
         child.delay = min(child.delay * 2, max_delay)
@@ -219,30 +222,57 @@ def plan(args: argparse.Namespace) -> tuple[ServeConfig, dict[str, Any]]:
     # what serve's section or flags say wins over both.
     shared = {k: v for k, v in (raw.get("serve", {}) | flags).items() if k in SHARED}
     settings = child_settings()  # serve's flags for its children's settings → their roles
-    children = {}
+    children: dict[str, Any] = {}
     for role in CHILDREN:
         given = flag_values(args, ROLES[role])
         passed = {k: v for k, v in given.items() if role in settings.get(k, ())}
-        values = role_values(raw, role) | shared | passed | config.addresses(role)
-        child = build(ROLES[role], values)
-        share = torch_threads(child.threads, child.device, core_shares(CORES)[role])
-        children[role] = dataclasses.replace(child, threads=share)
-    prefill = children["prefill"]
-    assert isinstance(prefill, PrefillConfig)
-    if prefill.device == "cpu" and not prefill.busy_threads:
-        busy = busy_threads(prefill.threads, children["decode"].threads, CORES)
-        children["prefill"] = dataclasses.replace(prefill, busy_threads=busy)
-    for role, offset in KV_EVENT_PORTS.items():  # each role its own ports, as vLLM's DP ranks
-        child = children[role]
-        assert isinstance(child, PrefillConfig | DecodeConfig)
+        count = config.count(role)
+        for i in range(count):
+            values = role_values(raw, role) | shared | passed | config.addresses(role, i)
+            child = build(ROLES[role], values)
+            if role != "route":  # the router runs no model: its threads are not torch's
+                share = max(1, core_shares(CORES)[role] // count)
+                child = dataclasses.replace(
+                    child, threads=torch_threads(child.threads, child.device, share)
+                )
+            children[child_name(role, i)] = child
+    decode = children["decode"]
+    for name, child in children.items():
+        if isinstance(child, PrefillConfig) and child.device == "cpu" and not child.busy_threads:
+            busy = busy_threads(child.threads, decode.threads, CORES)
+            children[name] = dataclasses.replace(child, busy_threads=busy)
+    publishing = sorted(  # prefill on the ports given, decode on the next; then prefill-1, ...
+        (n for n, c in children.items() if isinstance(c, PrefillConfig | DecodeConfig)),
+        key=lambda n: (int(n.rpartition("-")[2] or 0) if "-" in n else 0, n.startswith("decode")),
+    )
+    for offset, name in enumerate(publishing):  # each its own ports, as vLLM's DP ranks
+        child = children[name]
         events = offset_kv_events(child.kv_events_config, offset)
-        children[role] = dataclasses.replace(child, kv_events_config=events)
-    for role in ("encode", "decode"):  # a lone request's encode; decode while nothing else runs
-        child = children[role]
-        assert isinstance(child, EncodeConfig | DecodeConfig)
-        if child.device == "cpu" and not child.alone_threads:
-            children[role] = dataclasses.replace(child, alone_threads=CORES)
+        if config.count("route") and isinstance(child, PrefillConfig) and not events:
+            events = router_kv_events(config, name)  # the router follows its blocks
+        children[name] = dataclasses.replace(child, kv_events_config=events)
+        if config.count("route") and isinstance(child, PrefillConfig):
+            # Every request comes from the router's address: one client's bound would be all.
+            arriving = children[name].max_arriving_bodies
+            children[name] = dataclasses.replace(
+                children[name], max_arriving_bodies_per_client=arriving
+            )
+    for name, child in children.items():  # a lone request's encode; decode while alone
+        alone = isinstance(child, EncodeConfig | DecodeConfig) and not child.alone_threads
+        if alone and child.device == "cpu":
+            children[name] = dataclasses.replace(child, alone_threads=CORES)
     return config, children
+
+
+def child_name(role: str, i: int) -> str:
+    """A child's name in serve's output: its role, then `prefill-1`, `prefill-2`, ..."""
+    return f"{role}-{i}" if i else role
+
+
+def router_kv_events(config: ServeConfig, name: str) -> str:
+    """A prefill's KV events, to the router's socket under the prefill's name as topic."""
+    endpoint = f"tcp://127.0.0.1:{config.kv_events_port}"
+    return json.dumps({"enable_kv_cache_events": True, "endpoint": endpoint, "topic": name})
 
 
 def offset_kv_events(text: str, offset: int) -> str:
@@ -322,9 +352,7 @@ def announce(config: ServeConfig, model_name: str) -> None:
 def taken_port(config: ServeConfig) -> str | None:
     """Why serve cannot start on its ports, if one is already in use."""
     n = config.internal_base_port
-    ports = {n: "internal", n + 1: "internal", n + 2: "internal", n + 10: "internal"}
-    ports |= {n + 12: "internal", config.port: "API"}
-    for port, kind in ports.items():
+    for port, kind in config.ports().items():
         host = config.host if kind == "API" else "127.0.0.1"
         with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
             # As the children will bind: a port left in TIME_WAIT is free, a listener is not.
@@ -336,7 +364,8 @@ def taken_port(config: ServeConfig) -> str | None:
                     return f"the API port {port} is in use: pass another --port"
                 return (
                     f"internal port {port} is in use (epd serve uses --internal-base-port {n} "
-                    f"and the ports after it: {n}-{n + 2}, {n + 10}, {n + 12}): pass another "
+                    f"and the ports after it: {n}-{n + 2}, {n + 10}, {n + 12}, and 100 higher "
+                    "for each second, third... process of a role): pass another "
                     "--internal-base-port"
                 )
     return None
@@ -351,10 +380,11 @@ def run(config: ServeConfig, child_configs: dict[str, Any]) -> None:
     drain_s = child_configs["prefill"].drain_timeout_s
     stop = stop_event(grace_s=drain_s + 3 * STOP_TIMEOUT_S)  # the stop below, and a margin
     base = [sys.executable, "-m", "epd.cli"]
-    children = [
-        Child(role, [*base, role, *to_flags(c)], secret_env(c), openmp_env(c.device))
-        for role, c in child_configs.items()
-    ]
+    children = []
+    for name, c in child_configs.items():
+        role = name.partition("-")[0]
+        argv = [*base, role, *to_flags(c)]
+        children.append(Child(role, argv, secret_env(c), openmp_env(c.device), name=name))
     stop_at_once_when_asked_again(children, stop)  # from the start: children load for minutes
     start_all(children, stop)
     announce(config, child_configs["prefill"].model_name)

@@ -10,7 +10,7 @@ EPD = Path(__file__).parents[1] / "epd"
 # above, nor another package of its own layer (those are peers: the three roles, say).
 LAYERS = [
     {"epd.cli"},
-    {"epd.serve", "epd.local", "epd.bench", "epd.plan"},
+    {"epd.serve", "epd.route", "epd.local", "epd.bench", "epd.plan"},
     {"epd.api"},
     {"epd.prefill", "epd.decode", "epd.encode"},
     {"epd.runtime"},

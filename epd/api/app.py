@@ -50,11 +50,13 @@ from epd.api.schema import (
     parse_request,
     parse_tokenize,
 )
-from epd.api.tools import ForcedTools, ToolReply
+from epd.api.tool_prompts import ForcedTools
+from epd.api.tools import ToolReply
 from epd.checkpoint.tokenizer import decode_text
 from epd.config.roles import PrefillConfig
 from epd.generation.reasoning import Markers
 from epd.generation.sampling import Scored, spelled
+from epd.kv.events import KVEventsConfig
 from epd.multimodal.grids import Grid
 from epd.prefill.coordinator import Coordinator
 from epd.prefill.engine import PrefillEngine
@@ -125,7 +127,15 @@ class Service:
         requests["peers"] = {a: "up" if outbox.is_up(a) else "down" for a in router.peers()}
         refused = {"refused_messages": router.inbox.refusals.total}
         images = coordinator.encoding.images.status() | router.load.status()
-        return requests | refused | images | coordinator.batcher.status()
+        return requests | refused | images | coordinator.batcher.status() | self.kv_status()
+
+    def kv_status(self) -> dict[str, object]:
+        """What a router needs to follow this prefill's blocks (`epd route`): the key its block
+        hashes start from, and the topic its KV events carry (None: it publishes none)."""
+        events = self.config.kv_events_config
+        config = KVEventsConfig.from_json(events) if events else None
+        topic = config.topic if config is not None and config.publishes else None
+        return {"kv": {"model_key": self.engine.model_key.hex(), "events_topic": topic}}
 
     @contextmanager
     def queue_slot(self, places: int = 1) -> Iterator[None]:

@@ -370,36 +370,160 @@ class PrefillConfig(ModelOptions):
         return self.advertise or self.bind
 
 
+ROUTINGS = ("cache-aware", "round-robin", "least-loaded")
+
+
+@dataclass(frozen=True)
+class RouteConfig(ModelOptions):
+    """`epd route`: the OpenAI API in front of several prefills. It reads the checkpoint's
+    tokenizer, chat template and image processor (to name each request's KV blocks as prefill
+    does) and holds no weights; device, dtype and threads do not apply."""
+
+    host: str = option("127.0.0.1", "host of the OpenAI-compatible HTTP API", vllm="--host")
+    port: int = option(8000, "port of the OpenAI-compatible HTTP API", vllm="--port")
+    prefill_urls: tuple[str, ...] = option(
+        ("http://127.0.0.1:8001",),
+        "the prefills' API URLs; a host name is looked up again every 5 s and each address it "
+        "gives is a prefill (a Kubernetes headless Service)",
+    )
+    routing: str = option(
+        "cache-aware",
+        "cache-aware: the prefill that holds the longest prefix of the request's KV blocks, "
+        "weighed against its load; round-robin; least-loaded: fewest requests in flight",
+    )
+    kv_events_bind: str = option(
+        "tcp://127.0.0.1:5557",
+        "ZeroMQ address the prefills' KV events come to (their --kv-events-config endpoint, "
+        "each with a topic of its own, named in its /health); empty: none, and cache-aware "
+        "routing follows the requests it sent each prefill instead",
+    )
+    health_interval_s: float = option(1.0, "how often each prefill's /health is read")
+    max_image_bytes: int = option(20 * 1024 * 1024, "size limit of one image, encoded")
+    max_request_bytes: int = option(
+        100 * 1024 * 1024, "request bodies over this size get 413 before they are read"
+    )
+    max_text_request_bytes: int = option(
+        16 * 1024 * 1024,
+        "the same for routes that take no images (/v1/completions, /detokenize)",
+    )
+    api_key: str = option(
+        "",
+        "key every /v1 request must send as 'Authorization: Bearer' (or set EPD_API_KEY); "
+        "it is passed on to the prefills, which check the same key",
+        vllm="--api-key",
+    )
+    allowed_origins: tuple[str, ...] = option(
+        (),
+        "origins browsers may call the API from (CORS), e.g. https://app.example; * for any",
+        vllm="--allowed-origins",
+    )
+    max_model_len: int = max_model_len_option()
+    chat_template: str = option(
+        "",
+        "the chat template the prefills were given (--chat-template), so that blocks are "
+        "named alike (default: the checkpoint's)",
+        vllm="--chat-template",
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.routing not in ROUTINGS:
+            raise ValueError(f"routing must be one of {', '.join(ROUTINGS)}, not {self.routing!r}")
+        if not self.prefill_urls:
+            raise ValueError("prefill_urls: give at least one prefill")
+        for url in self.prefill_urls:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"prefill_urls: {url!r} is not an http:// or https:// URL")
+
+
 @dataclass(frozen=True)
 class ServeConfig(ModelOptions):
     host: str = option("127.0.0.1", "host of the OpenAI-compatible HTTP API", vllm="--host")
     port: int = option(8000, "port of the OpenAI-compatible HTTP API", vllm="--port")
     internal_base_port: int = option(
-        7101, "loopback ports for the processes' traffic: ZeroMQ on N..N+2, health on N+10, N+12"
+        7101,
+        "loopback ports for the processes' traffic: ZeroMQ on N..N+2, health on N+10, N+12; "
+        "the second of each role 100 higher, and so on; with several prefills, their APIs on "
+        "N+21 (+100 each) and their KV events to the router on N+30",
     )
     max_restart_delay_s: float = option(30.0, "longest wait before restarting a child that died")
+    encoders: int = option(1, "encode processes to start")
+    prefills: int = option(
+        1, "prefill processes to start; more than one start behind `epd route`, on the API port"
+    )
+    decoders: int = option(1, "decode processes to start")
 
-    def addresses(self, role: str) -> dict[str, Any]:
-        """The loopback addresses `epd serve` gives one of its children."""
-        n, loopback = self.internal_base_port, "tcp://127.0.0.1"
-        encode, prefill, decode = (f"{loopback}:{n + i}" for i in range(3))
+    def count(self, role: str) -> int:
+        """How many of `role` serve starts (the router only in front of several prefills)."""
+        counts = {"encode": self.encoders, "prefill": self.prefills, "decode": self.decoders}
+        return counts.get(role, int(self.prefills > 1))
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for role in ("encoders", "prefills", "decoders"):
+            if not 1 <= getattr(self, role) <= 32:
+                raise ValueError(f"{role} must be 1 to 32")
+
+    def zmq(self, role: str, i: int) -> str:
+        offset = {"encode": 0, "prefill": 1, "decode": 2}[role]
+        return f"tcp://127.0.0.1:{self.internal_base_port + 100 * i + offset}"
+
+    def health_port(self, role: str, i: int) -> int:
+        offset = {"encode": 10, "prefill": 21, "decode": 12}[role]  # prefill's: its API
+        return self.internal_base_port + 100 * i + offset
+
+    @property
+    def kv_events_port(self) -> int:
+        return self.internal_base_port + 30
+
+    def addresses(self, role: str, i: int = 0) -> dict[str, Any]:
+        """The loopback addresses `epd serve` gives its `i`-th child of `role`."""
+        every = {r: tuple(self.zmq(r, j) for j in range(self.count(r))) for r in PIPELINE}
+        if role in ("encode", "decode"):
+            return {
+                "bind": self.zmq(role, i),
+                "health_port": self.health_port(role, i),
+                "prefills": every["prefill"],
+            }
+        if role == "prefill":
+            behind = self.count("route") > 0  # the router has the API port
+            peers = [
+                self.health_port(r, j) for r in ("encode", "decode") for j in range(self.count(r))
+            ]
+            return {
+                "bind": self.zmq(role, i),
+                "host": "127.0.0.1" if behind else self.host,
+                "port": self.health_port(role, i) if behind else self.port,
+                "encoders": every["encode"],
+                "decoders": every["decode"],
+                "peer_metrics": tuple(f"http://127.0.0.1:{port}/metrics" for port in peers),
+            }
+        urls = (f"http://127.0.0.1:{self.health_port('prefill', j)}" for j in range(self.prefills))
         return {
-            "encode": {"bind": encode, "health_port": n + 10, "prefills": (prefill,)},
-            "prefill": {
-                "bind": prefill,
-                "host": self.host,
-                "port": self.port,
-                "encoders": (encode,),
-                "decoders": (decode,),
-                "peer_metrics": tuple(f"http://127.0.0.1:{n + i}/metrics" for i in (10, 12)),
-            },
-            "decode": {"bind": decode, "health_port": n + 12, "prefills": (prefill,)},
-        }[role]
+            "host": self.host,
+            "port": self.port,
+            "prefill_urls": tuple(urls),
+            "kv_events_bind": f"tcp://127.0.0.1:{self.kv_events_port}",
+        }
+
+    def ports(self) -> dict[int, str]:
+        """Every port serve's children listen on: "API" or "internal"."""
+        taken = {self.port: "API"}
+        for role in PIPELINE:
+            for i in range(self.count(role)):
+                taken[int(self.zmq(role, i).rsplit(":", 1)[1])] = "internal"
+                if role != "prefill" or self.count("route"):
+                    taken[self.health_port(role, i)] = "internal"
+        if self.count("route"):
+            taken[self.kv_events_port] = "internal"
+        return taken
 
 
+PIPELINE = ("encode", "prefill", "decode")
 ROLES: dict[str, type[ModelOptions]] = {
     "encode": EncodeConfig,
     "prefill": PrefillConfig,
     "decode": DecodeConfig,
+    "route": RouteConfig,
     "serve": ServeConfig,
 }

@@ -102,9 +102,10 @@ def _check_value(name: str, value: Any) -> str | None:
     if name == "log_format" and value not in ("text", "json"):
         return "must be text or json"
     addresses = value if isinstance(value, tuple) else (value,)
-    is_address = name in ("bind", "encoders", "decoders", "prefills") or (
-        name == "advertise" and value
-    )
+    # (serve's encoders, decoders and prefills are counts of processes, not addresses)
+    is_address = (
+        name in ("bind", "encoders", "decoders", "prefills") and not isinstance(value, int)
+    ) or (name == "advertise" and value)
     if is_address and not (addresses and all(a.startswith(ADDRESS_SCHEMES) for a in addresses)):
         return "must be ZeroMQ addresses such as tcp://127.0.0.1:7101"
     return None

@@ -179,7 +179,7 @@ def help_text(f: dataclasses.Field[Any], note: str = "") -> str:
 SERVE_OWNS = frozenset(
     {
         *("bind", "advertise", "encoders", "decoders", "prefills", "health_host", "health_port"),
-        "peer_metrics",
+        *("peer_metrics", "prefill_urls", "kv_events_bind"),
     }
 )
 
@@ -189,7 +189,7 @@ def child_settings() -> dict[str, list[str]]:
     have each: everything a single-node user may set but the addresses serve owns."""
     own = set(_fields(ROLES["serve"])) | SERVE_OWNS
     roles: dict[str, list[str]] = {}
-    for role in ("encode", "prefill", "decode"):
+    for role in ("encode", "prefill", "decode", "route"):
         for name in _fields(ROLES[role]):
             if name not in own:
                 roles.setdefault(name, []).append(role)

@@ -29,7 +29,7 @@ def resolve_host(host: str, port: int) -> list[str]:
 
 def service_of(address: str) -> tuple[str, int] | None:
     """(host, port) when `address` names its host (a service to resolve), else None."""
-    if not address.startswith("tcp://"):
+    if not address.startswith(("tcp://", "http://", "https://")):
         return None
     parts = urlsplit(address)
     host, port = parts.hostname or "", parts.port
@@ -64,7 +64,8 @@ class PeerSet:
                 log.warning("cannot resolve %s peers at %s: %s", self.role, address, e)
                 continue
             bracketed = (f"[{ip}]" if ":" in ip else ip for ip in ips)
-            self.found[address] = tuple(f"tcp://{ip}:{port}" for ip in bracketed)
+            scheme = address.split("://", 1)[0]  # a router's prefills are http:// URLs
+            self.found[address] = tuple(f"{scheme}://{ip}:{port}" for ip in bracketed)
         peers: list[str] = []
         for address in self.configured:
             peers += self.found.get(address, ()) if service_of(address) else (address,)

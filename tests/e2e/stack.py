@@ -24,6 +24,8 @@ from pathlib import Path
 import openai
 from PIL import Image
 
+from epd.config.roles import ServeConfig
+
 READY_TIMEOUT_S = 120
 
 
@@ -56,6 +58,18 @@ def free_base() -> int:
     while True:
         base = random.randrange(20000, top if top > 25000 else 60000, 50)
         if ports_free(base, base + 1, base + 2, base + 10, base + 12, base + 20):
+            return base
+
+
+def free_fleet_base() -> int:
+    """A base as `free_base`'s whose ports `epd serve` with two of each role takes are free too:
+    the second of each role 100 higher, the prefills' APIs on N+21 and N+121, the router's KV
+    events on N+30 (`ServeConfig.ports`)."""
+    while True:
+        base = free_base()
+        two = {"encoders": 2, "prefills": 2, "decoders": 2}
+        fleet = ServeConfig(model="-", port=base + 20, internal_base_port=base, **two)
+        if ports_free(*fleet.ports()):
             return base
 
 

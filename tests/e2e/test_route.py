@@ -1,0 +1,123 @@
+"""`epd serve --prefills 2`: the router in front, as real processes. Each conversation's turns
+go to the prefill that holds its blocks (its KV events say so), the router imports no torch, and
+a prefill killed mid-stream costs only its own streams, each ended by an error event at once."""
+
+import os
+import re
+import signal
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import openai
+
+from .stack import DRAINED, free_fleet_base, health, serve
+
+FLEET = ("--prefills", "2", "--decoders", "2", "--encoders", "2", "--served-model-name", "tiny")
+
+
+def client(base: int) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{base + 20}/v1", api_key="-", max_retries=0)
+
+
+def routed(base: int) -> dict[tuple[str, str], float]:
+    """The router's requests by (prefill, reason), from its /metrics."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{base + 20}/metrics").read().decode()
+    pattern = r'^epd:router_requests_total\{[^}]*prefill="([^"]+)",reason="([^"]+)"[^}]*\} (\S+)'
+    return {(m[1], m[2]): float(m[3]) for m in re.finditer(pattern, text, re.M)}
+
+
+def test_each_conversation_stays_on_the_prefill_that_holds_it(tiny_checkpoint):
+    base = free_fleet_base()
+    stack = serve(tiny_checkpoint, base, *FLEET)
+    try:
+        api = client(base)
+        conversations = [
+            # Different from the first block on: nothing of one is cached for another.
+            [{"role": "system", "content": f"{i} {i} {i} {i} You are assistant {i}. " * 20}]
+            for i in range(4)
+        ]
+        cached: list[tuple[int, int]] = []  # (the turn before's prompt tokens, cached now)
+        before = [0] * len(conversations)
+        for turn in range(3):
+            for i, messages in enumerate(conversations):
+                messages.append({"role": "user", "content": f"Question {turn}?"})
+                reply = api.chat.completions.create(
+                    model="tiny", messages=messages, max_tokens=4, temperature=0
+                )
+                usage = reply.usage
+                if turn:
+                    cached.append((before[i], usage.prompt_tokens_details.cached_tokens))
+                before[i] = usage.prompt_tokens
+                messages.append({"role": "assistant", "content": reply.choices[0].message.content})
+        # Every later turn found its conversation's blocks: all of the turn before's full
+        # blocks, less at most the last (its final tokens are in no full block).
+        assert all(hit >= prompt - 2 * 16 for prompt, hit in cached), cached
+        by_prefill: dict[str, float] = {}
+        for (prefill, reason), count in routed(base).items():
+            by_prefill[prefill] = by_prefill.get(prefill, 0) + count
+            assert reason in ("cache_hit", "load")
+        assert len(by_prefill) == 2 and sum(by_prefill.values()) == 12  # both had work
+        status, body = health(base + 20)
+        assert status == 200
+        assert {p["followed"] for p in body["prefills"].values()} == {"events"}
+        route = stack.role_pids()["route"]
+        maps = Path(f"/proc/{route}/maps").read_text()
+        assert "libtorch" not in maps, "the router loaded torch"
+    finally:
+        assert stack.stop() == 0, stack.output
+
+
+def stream_until_it_ends(api: openai.OpenAI, started: threading.Semaphore) -> tuple[str, float]:
+    """A long greedy stream: how it ended ("done" or the error's text) and when (monotonic)."""
+    try:
+        chunks = api.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": "count"}],
+            max_tokens=DRAINED,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        texts = 0
+        for chunk in chunks:
+            if chunk.choices and chunk.choices[0].delta.content:
+                texts += 1
+                if texts == 2:
+                    started.release()
+        return "done", time.monotonic()
+    except openai.APIError as e:
+        return str(e), time.monotonic()
+
+
+def test_a_killed_prefill_ends_its_own_streams_at_once_and_no_request_after_it_fails(
+    tiny_checkpoint,
+):
+    base = free_fleet_base()
+    stack = serve(tiny_checkpoint, base, *FLEET)
+    try:
+        api = client(base)
+        started = threading.Semaphore(0)
+        with ThreadPoolExecutor(4) as pool:
+            streams = [pool.submit(stream_until_it_ends, api, started) for _ in range(4)]
+            for _ in streams:
+                assert started.acquire(timeout=60), "a stream did not get under way"
+            _, prefill = health(base + 21)
+            killed_at = time.monotonic()
+            os.kill(prefill["pid"], signal.SIGKILL)
+            ended = [s.result(timeout=120) for s in streams]
+        cut = [(how, at - killed_at) for how, at in ended if how != "done"]
+        assert cut, "no stream was on the killed prefill (4 streams, two prefills, by load)"
+        assert all(seconds < 2.0 for _, seconds in cut), cut
+        assert all("prefill serving this stream failed" in how for how, _ in cut), cut
+        assert len(cut) < len(ended), "the other prefill's streams should have finished"
+        replies = [
+            api.chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": f"hi {i}"}], max_tokens=2
+            )
+            for i in range(20)
+        ]
+        assert all(r.choices[0].finish_reason == "length" for r in replies)
+    finally:
+        assert stack.stop() == 0, stack.output
