@@ -2,6 +2,7 @@
 
 import argparse
 import dataclasses
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -282,3 +283,33 @@ def test_openmp_threads_spin_briefly_on_a_cpu_unless_the_environment_says(monkey
     assert openmp_env("cuda:0") == {}  # a role of its own GPU: its threads only feed it
     monkeypatch.setenv("OMP_WAIT_POLICY", "active")  # the user's say wins
     assert openmp_env("cpu") == {}
+
+
+def test_serve_puts_several_prefills_behind_a_router_on_the_api_port():
+    config, children = plan(
+        args(
+            *("serve", "--model", "/m", "--port", "8123", "--internal-base-port", "9100"),
+            *("--prefills", "2", "--decoders", "2", "--routing", "least-loaded"),
+        )
+    )
+    assert set(children) == {"encode", "decode", "decode-1", "prefill", "prefill-1", "route"}
+    route = children["route"]
+    assert route.port == 8123 and route.routing == "least-loaded"
+    assert route.prefill_urls == ("http://127.0.0.1:9121", "http://127.0.0.1:9221")
+    assert [children[p].port for p in ("prefill", "prefill-1")] == [9121, 9221]
+    assert {children[p].host for p in ("prefill", "prefill-1")} == {"127.0.0.1"}
+    decoders = ("tcp://127.0.0.1:9102", "tcp://127.0.0.1:9202")
+    assert children["prefill-1"].decoders == decoders and children["prefill"].decoders == decoders
+    assert children["decode-1"].prefills == ("tcp://127.0.0.1:9101", "tcp://127.0.0.1:9201")
+    for name in ("prefill", "prefill-1"):  # each publishes to the router under its own name
+        events = json.loads(children[name].kv_events_config)
+        assert events["endpoint"] == route.kv_events_bind == "tcp://127.0.0.1:9130"
+        assert events["topic"] == name
+        assert children[name].max_arriving_bodies_per_client == children[name].max_arriving_bodies
+    assert config.count("route") == 1
+
+
+def test_one_prefill_needs_no_router():
+    _, children = plan(args("serve", "--model", "/m", "--decoders", "3"))
+    assert "route" not in children and len(children["prefill"].decoders) == 3
+    assert children["prefill"].kv_events_config == ""  # off, as asked
