@@ -30,6 +30,7 @@ class Timing:
     output_tokens: int = 0
     error: str = ""
     turn: int = 0  # of its conversation, from 0
+    cached_tokens: int = 0  # of the prompt's, served from the prefix cache (its usage says)
 
     @property
     def ok(self) -> bool:
@@ -86,9 +87,10 @@ def read(line: str, timing: Timing, now: float) -> None:
     if "error" in chunk:
         error = chunk["error"]
         timing.error = str(error.get("message", error) if isinstance(error, dict) else error)[:200]
-    if chunk.get("usage"):
-        timing.prompt_tokens = chunk["usage"].get("prompt_tokens", 0)
-        timing.output_tokens = chunk["usage"].get("completion_tokens", 0)
+    if usage := chunk.get("usage"):
+        timing.prompt_tokens = usage.get("prompt_tokens", 0)
+        timing.output_tokens = usage.get("completion_tokens", 0)
+        timing.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
     for choice in chunk.get("choices") or []:
         delta = choice.get("delta") or {}
         if delta.get("content") or choice.get("text"):  # chat's delta, or legacy completions

@@ -33,6 +33,10 @@ class Summary:
     e2e_ms: dict[str, float]
     client_cpu_s: float = 0.0  # this process's CPU seconds over the timed requests
     ttft_by_turn_ms: dict[int, float] = field(default_factory=dict)  # p50, turns > 1 only
+    # Prompt tokens served from the prefix cache, of all prompt tokens (as replies' usage says).
+    cached_prompt_share: float = 0.0
+    # Each prefill's share of the requests, where a router's /metrics tells (`epd route`).
+    prefill_share: dict[str, float] = field(default_factory=dict)
 
 
 def spread(values: Sequence[float]) -> dict[str, float]:
@@ -75,7 +79,14 @@ def summarise(timings: Sequence[Timing], ttft_target_ms: float, tpot_target_ms: 
         itl_ms=spread(gaps),
         e2e_ms=spread([(t.end or 0.0) - t.start for t in done]),
         ttft_by_turn_ms=by_turn(done),
+        cached_prompt_share=share(
+            sum(t.cached_tokens for t in done), sum(t.prompt_tokens for t in done)
+        ),
     )
+
+
+def share(part: float, whole: float) -> float:
+    return part / whole if whole else 0.0
 
 
 def by_turn(done: Sequence[Timing]) -> dict[int, float]:
@@ -120,5 +131,8 @@ def table(summary: Summary) -> str:
     if summary.ttft_by_turn_ms:
         turns = "  ".join(f"{k}: {v:.1f}" for k, v in summary.ttft_by_turn_ms.items())
         lines.append(f"{'TTFT p50 by turn (ms)':<28}{turns}")
+    lines.append(f"{'prompt tokens from cache':<28}{summary.cached_prompt_share:.1%}")
+    for prefill, part in summary.prefill_share.items():
+        lines.append(f"{'  requests to ' + prefill:<28}{part:.1%}")
     lines.append(f"{'client CPU (s)':<28}{summary.client_cpu_s:.2f}")
     return "\n".join(lines)

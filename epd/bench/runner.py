@@ -122,6 +122,7 @@ async def run(config: BenchConfig) -> tuple[Summary, list[Timing], str]:
                 *(stream(client, url, b, time.perf_counter(), config.timeout_s) for b in warm)
             )
         requests = conversations(config, model, config.requests, samples=samples)
+        before = await routed(client, config.api_base)
         cpu_s = time.process_time()
         with tqdm(total=config.requests, desc="requests", unit="req") as bar:
             if config.rate:
@@ -130,8 +131,32 @@ async def run(config: BenchConfig) -> tuple[Summary, list[Timing], str]:
                 workers = config.concurrency or 1
                 timings = await closed_loop(client, url, requests, workers, config.timeout_s, bar)
         cpu_s = time.process_time() - cpu_s
+        after = await routed(client, config.api_base)
     summary = summarise(timings, config.goodput_ttft_ms, config.goodput_tpot_ms)
-    return dataclasses.replace(summary, client_cpu_s=cpu_s), timings, model
+    sent = {p: n - before.get(p, 0.0) for p, n in after.items()}
+    total = sum(sent.values())
+    shares = {p: n / total for p, n in sorted(sent.items())} if total else {}
+    return dataclasses.replace(summary, client_cpu_s=cpu_s, prefill_share=shares), timings, model
+
+
+ROUTED = re.compile(r"^epd:router_requests_total\{([^}]*)\} (\S+)$", re.M)
+
+
+async def routed(client: aiohttp.ClientSession, api_base: str) -> dict[str, float]:
+    """Requests a router (`epd route`) has sent each prefill, from its /metrics beside the API;
+    nothing where the server is no router."""
+    root = api_base.removesuffix("/v1")
+    try:
+        async with client.get(f"{root}/metrics") as response:
+            text = await response.text() if response.status == 200 else ""
+    except (aiohttp.ClientError, TimeoutError):
+        return {}
+    counts: dict[str, float] = {}
+    for labels, value in ROUTED.findall(text):
+        prefill = re.search(r'prefill="([^"]*)"', labels)
+        if prefill:
+            counts[prefill[1]] = counts.get(prefill[1], 0.0) + float(value)
+    return counts
 
 
 def dataset(config: BenchConfig) -> Sequence[Sample]:

@@ -1,5 +1,7 @@
 """The bench's arithmetic: throughput, TTFT, TPOT, ITL, goodput, from known timings."""
 
+import json
+
 import pytest
 
 from epd.bench.client import Timing, read
@@ -68,3 +70,19 @@ def test_ttft_is_given_turn_by_turn_for_conversations():
     assert summary.ttft_by_turn_ms == pytest.approx({1: 2000.0, 2: 300.0})
     assert "TTFT p50 by turn (ms)       1: 2000.0  2: 300.0" in table(summary)
     assert summarise(timings[:1], 0, 0).ttft_by_turn_ms == {}
+
+
+def test_the_prompt_tokens_served_from_cache_are_read_from_usage_and_summed():
+    t = Timing(0.0)
+    usage = {
+        "prompt_tokens": 40,
+        "completion_tokens": 2,
+        "prompt_tokens_details": {"cached_tokens": 32},
+    }
+    read('data: {"choices": [{"delta": {"content": "Hi"}}]}', t, 0.1)
+    read("data: " + json.dumps({"choices": [], "usage": usage}), t, 0.2)
+    t.end = 0.3
+    cold = Timing(0.0, first_token=0.1, end=0.2, prompt_tokens=60, output_tokens=2)
+    summary = summarise([t, cold], 0, 0)
+    assert t.cached_tokens == 32 and summary.cached_prompt_share == pytest.approx(32 / 100)
+    assert "prompt tokens from cache    32.0%" in table(summary)

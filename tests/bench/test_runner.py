@@ -204,3 +204,44 @@ def test_the_api_key_comes_from_the_flag_else_openais_variable(monkeypatch):
     assert asyncio.run(authorization(api_key="sk-flag")) == "Bearer sk-flag"
     monkeypatch.delenv("OPENAI_API_KEY")
     assert asyncio.run(authorization()) is None
+
+
+def test_a_routers_requests_by_prefill_become_each_prefills_share_of_the_run():
+    """The share counts only the run's requests: what the router had sent before is left out."""
+    counts = {"a": 5.0, "b": 1.0}
+
+    async def metrics(request: web.Request) -> web.Response:
+        lines = [
+            f'epd:router_requests_total{{model_name="m",prefill="http://{p}",reason="{r}"}} {n}'
+            for p, n in counts.items()
+            for r in ("cache_hit", "load")
+        ]
+        return web.Response(text="# TYPE epd:router_requests_total counter\n" + "\n".join(lines))
+
+    async def go():
+        app = web.Application()
+        app.router.add_get("/metrics", metrics)
+        async with (
+            TestServer(app, host="127.0.0.1") as server,
+            runner.session(BenchConfig()) as client,
+        ):
+            before = await runner.routed(client, str(server.make_url("/v1")))
+            counts["a"] += 3.0
+            after = await runner.routed(client, str(server.make_url("/v1")))
+            return before, after
+
+    before, after = asyncio.run(go())
+    assert before == {"http://a": 10.0, "http://b": 2.0}  # both reasons summed
+    assert after == {"http://a": 16.0, "http://b": 2.0}
+
+
+def test_without_a_router_there_is_no_share():
+    async def go():
+        app = web.Application()
+        async with (
+            TestServer(app, host="127.0.0.1") as server,
+            runner.session(BenchConfig()) as client,
+        ):
+            return await runner.routed(client, str(server.make_url("/v1")))
+
+    assert asyncio.run(go()) == {}
