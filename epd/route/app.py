@@ -257,6 +257,11 @@ def create_app(router: Router, on_started: Any = None) -> FastAPI:
             body |= router.status()
         return JSONResponse(body, status_code=200 if live else 503)
 
+    @app.get("/health/live")
+    async def live() -> JSONResponse:
+        """The router itself answers (its prefills aside): what a liveness probe asks."""
+        return JSONResponse({"status": "ok", "role": "router"})
+
     @app.get("/metrics")
     async def metrics() -> Response:
         router.metrics.live.set(len(router.prefills.live()))

@@ -1,5 +1,6 @@
 """docker-compose files, parsed by the real docker-compose, checked against the CLI and configs."""
 
+import json
 import os
 import re
 import shutil
@@ -131,3 +132,50 @@ def test_image_is_pinned_layered_and_not_root():
     user = re.search(r"^USER (\S+)", dockerfile, re.M)[1]
     assert user not in ("root", "0") and "HEALTHCHECK" in dockerfile
     assert dockerfile.index("USER") > dockerfile.index("RUN pip install --no-cache-dir --no-deps .")
+
+
+def test_the_fleet_file_puts_the_router_in_front_of_two_prefills():
+    """docker-compose.fleet.yml: the router publishes the API and names both prefills; each
+    prefill advertises its own address, which encode and decode reply to, and publishes its KV
+    events to the router under its own topic; every prefill uses both decoders."""
+    services = parsed("docker-compose.fleet.yml")["services"]
+    assert set(services) == {
+        "keys",
+        "encode",
+        "decode-a",
+        "decode-b",
+        "prefill-a",
+        "prefill-b",
+        "router",
+    }
+    configs = {name: role_config(s) for name, s in services.items() if name != "keys"}
+    assert {name: role for name, (role, _) in configs.items()} == {
+        "encode": "encode",
+        "decode-a": "decode",
+        "decode-b": "decode",
+        "prefill-a": "prefill",
+        "prefill-b": "prefill",
+        "router": "route",
+    }
+    router = configs["router"][1]
+    prefills = {name: configs[name][1] for name in ("prefill-a", "prefill-b")}
+    assert router.prefill_urls == tuple(f"http://{n}:{c.port}" for n, c in prefills.items())
+    published = [
+        str(p["target"] if isinstance(p, dict) else p) for p in services["router"]["ports"]
+    ]
+    assert [int(p.split(":")[-1]) for p in published] == [router.port]
+    assert all("ports" not in services[name] for name in prefills)  # reached through the router
+    events_port = router.kv_events_bind.rsplit(":", 1)[1]
+    for name, config in prefills.items():
+        assert config.reply_address == f"tcp://{name}:{config.bind.rsplit(':', 1)[1]}"
+        events = json.loads(config.kv_events_config)
+        assert events["endpoint"] == f"tcp://router:{events_port}" and events["topic"] == name
+        assert config.decoders == ("tcp://decode-a:7103", "tcp://decode-b:7103")
+        assert config.max_arriving_bodies_per_client == config.max_arriving_bodies
+        assert health_port(services[name]) == config.port
+    advertised = tuple(c.reply_address for c in prefills.values())
+    for name in ("encode", "decode-a", "decode-b"):
+        assert configs[name][1].prefills == advertised
+        assert health_port(services[name]) == configs[name][1].health_port
+    assert health_port(services["router"]) == router.port
+    assert len({c.model_name for _, c in configs.values()}) == 1  # one name everywhere

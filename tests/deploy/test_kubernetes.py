@@ -1,6 +1,8 @@
 """The Kubernetes manifests: rendered by the real kustomize, validated against the Kubernetes
 schemas offline, checked against the CLI, and their pods' commands run here on loopback."""
 
+import json
+import os
 import re
 import shutil
 import subprocess
@@ -185,3 +187,77 @@ def test_disruption_budgets_and_the_service_monitor_cover_every_role():
         assert wanted.items() <= service["metadata"]["labels"].items()
         assert scraped & {p["name"] for p in service["spec"]["ports"]}
     assert {e["path"] for e in monitor["spec"]["endpoints"]} == {"/metrics"}
+
+
+def test_the_fleet_overlay_puts_the_router_in_front_of_the_prefills(tmp_path):
+    """cpu-fleet: the API's Service reaches the router, which finds every prefill pod through a
+    headless Service; each prefill publishes its KV events to the router under its pod address."""
+    objects = render("cpu-fleet")
+    for obj in objects:
+        kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+    config_file = tmp_path / "epd.yaml"
+    config_file.write_text(config_text(objects))
+    env = {"POD_IP": "10.42.0.7"}
+    pods = workloads(objects)
+    role, router = role_config(pods["router"], config_file, env)
+    assert role == "route" and router.port == 8000 and router.host == "0.0.0.0"
+    _, prefill = role_config(pods["prefill"], config_file, env)
+    assert router.model == prefill.model  # the same tokenizer and chat template
+    events = json.loads(prefill.kv_events_config)
+    assert events["enable_kv_cache_events"] and events["topic"] == "kv@10.42.0.7"
+    host, port = events["endpoint"].removeprefix("tcp://").split(":")  # connected: no *
+    assert router.kv_events_bind == f"tcp://*:{port}"
+    labels = {n: w["spec"]["template"]["metadata"]["labels"] for n, w in pods.items()}
+    container = pods["router"]["spec"]["template"]["spec"]["containers"][0]
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    events_service = find(objects, "Service", host)
+    assert events_service["spec"]["selector"].items() <= labels["router"].items()
+    assert ports[events_service["spec"]["ports"][0]["targetPort"]] == int(port)
+    api = find(objects, "Service", "prefill")  # what clients and port-forwards reach
+    assert api["spec"]["selector"].items() <= labels["router"].items()
+    assert ports[api["spec"]["ports"][0]["targetPort"]] == router.port
+    (url,) = router.prefill_urls
+    pods_service = find(objects, "Service", url.split("//")[1].split(":")[0])
+    assert pods_service["spec"]["clusterIP"] == "None"  # a DNS answer per prefill pod
+    assert pods_service["spec"]["selector"].items() <= labels["prefill"].items()
+    assert int(url.rsplit(":", 1)[1]) == prefill.port
+    for probe in ("readinessProbe", "livenessProbe"):
+        assert ports[container[probe]["httpGet"]["port"]] == router.port
+    assert container["livenessProbe"]["httpGet"]["path"] == "/health/live"
+
+
+def test_the_inference_pool_component_selects_the_prefill_pods(tmp_path):
+    """components/inference-pool, taken by an overlay of the demo: its InferencePool (a CRD, its
+    fields checked here) covers the prefill pods on their API port, and the prefills publish
+    their KV events to the endpoint picker."""
+    overlay = tmp_path / "overlay"
+    overlay.mkdir()
+    (overlay / "kustomization.yaml").write_text(
+        "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\n"
+        f"resources: [{os.path.relpath(KUSTOMIZE / 'overlays' / 'cpu-demo', overlay)}]\n"
+        f"components: [{os.path.relpath(KUSTOMIZE / 'components' / 'inference-pool', overlay)}]\n"
+    )
+    result = subprocess.run(
+        [
+            KUBECTL or "kubectl",
+            "kustomize",
+            "--load-restrictor",
+            "LoadRestrictionsNone",
+            str(overlay),
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, result.stderr
+    objects = [o for o in yaml.safe_load_all(result.stdout) if o]
+    pool = find(objects, "InferencePool", "epd-prefills")
+    assert pool["apiVersion"] == "inference.networking.k8s.io/v1"
+    prefill = workloads(objects)["prefill"]["spec"]["template"]
+    assert pool["spec"]["selector"]["matchLabels"].items() <= prefill["metadata"]["labels"].items()
+    (container,) = prefill["spec"]["containers"]
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert [p["number"] for p in pool["spec"]["targetPorts"]] == [ports["http"]]
+    assert pool["spec"]["endpointPickerRef"]["port"]["number"] > 0
+    config = json.loads(container["args"][container["args"].index("--kv-events-config") + 1])
+    assert config["endpoint"] == f"tcp://{pool['spec']['endpointPickerRef']['name']}:5557"
+    assert config["topic"].startswith("kv@$(POD_IP)")

@@ -1,0 +1,179 @@
+"""A fleet behind `epd route`, measured: what its cache-aware routing keeps of the prefix cache,
+and what the router costs.
+
+    .venv/bin/python scripts/bench_fleet.py [--checkpoint DIR] [--rounds 2] [--out bench-fleet]
+        [--only trace,overhead]
+
+- trace: 16 conversations of 4 turns, interleaved (16 at once), a 900-word system prompt they
+  share and an image each, through `epd serve` three ways, each started fresh (cold caches)
+  and run in turn, round after round: one prefill and two decoders (the ideal: one prefill
+  sees every turn), then two prefills and two decoders behind the router, cache-aware, then
+  round-robin. For each: the share of prompt tokens the replies' usage says came from cache,
+  each prefill's share of the requests, the KV rows handed to decoders against the prompt
+  tokens prefilled (not cached), TTFT p50 and output tokens/s.
+- overhead: one `epd serve` (one prefill) and an `epd route` in front of it; `epd bench` at 1
+  and 16 streams straight to the prefill and through the router, alternately: TTFT and TPOT
+  through it ÷ straight.
+
+Not a test, never in CI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import sys
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from bench_serving import bench, start, stop  # noqa: E402
+
+PORT, INTERNAL = 8320, 7700
+TRACE = {
+    "system_prompt_tokens": 900,
+    "images": 1,
+    "turns": 4,
+    "prompt_tokens": 30,
+    "output_tokens": 32,
+    "concurrency": 16,
+    "requests": 64,
+    "warmup": 0,
+}
+SETUPS = {
+    "one prefill (ideal)": ["--prefills", "1", "--decoders", "2"],
+    "cache-aware": ["--prefills", "2", "--decoders", "2", "--routing", "cache-aware"],
+    "round-robin": ["--prefills", "2", "--decoders", "2", "--routing", "round-robin"],
+}
+STREAMS = {
+    "1 stream": {"prompt_tokens": 90, "output_tokens": 64, "concurrency": 1, "requests": 12},
+    "16 streams": {"prompt_tokens": 90, "output_tokens": 64, "concurrency": 16, "requests": 96},
+}
+
+
+def serve(checkpoint: Path, flags: list[str], log: Path) -> Any:
+    command = [sys.executable, "-m", "epd.cli", "serve", str(checkpoint), "--dtype", "float32"]
+    command += ["--port", str(PORT), "--internal-base-port", str(INTERNAL), *flags]
+    return start(command, f"http://127.0.0.1:{PORT}/v1", log)
+
+
+def prefill_counters(prefills: int) -> dict[str, float]:
+    """Each prefill's own hand-off counters, summed (its /metrics: role="prefill" series)."""
+    ports = [PORT] if prefills == 1 else [INTERNAL + 100 * i + 21 for i in range(prefills)]
+    totals: dict[str, float] = {}
+    for port in ports:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode()
+        for name in ("kv_handoff_tokens_total", "kv_handoff_reused_tokens_total"):
+            pattern = rf'^epd:{name}\{{[^}}]*role="prefill"[^}}]*\}} (\S+)$'
+            totals[name] = totals.get(name, 0.0) + sum(map(float, re.findall(pattern, text, re.M)))
+    return totals
+
+
+def trace_run(checkpoint: Path, name: str, flags: list[str], out: Path, seed: int) -> dict:
+    process = serve(checkpoint, flags, out / f"{slug(name)}-{seed}.log")
+    try:
+        path = out / f"{slug(name)}-{seed}.json"
+        summary = bench(f"http://127.0.0.1:{PORT}/v1", path, seed, **TRACE)
+        counters = prefill_counters(int(flags[1]))
+    finally:
+        stop(process)
+    requests = json.loads(path.read_text())["requests"]
+    new = sum(r["prompt_tokens"] - r["cached_tokens"] for r in requests if not r["error"])
+    sent = counters["kv_handoff_tokens_total"]  # rows sent: those decode held are not counted
+    return {
+        "cached": summary["cached_prompt_share"],
+        "shares": summary["prefill_share"],
+        "kv_per_new": sent / new if new else 0.0,
+        "ttft": summary["ttft_ms"].get("p50", 0.0),
+        "tok_s": summary["output_throughput"],
+        "failed": summary["failed"],
+        "counters": counters,
+        "new_tokens": new,
+    }
+
+
+def slug(name: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+
+
+def trace(checkpoint: Path, rounds: int, out: Path) -> None:
+    results: dict[str, list[dict]] = {name: [] for name in SETUPS}
+    for seed in range(rounds):
+        for name, flags in SETUPS.items():
+            results[name].append(trace_run(checkpoint, name, flags, out, seed))
+            print(name, seed, results[name][-1], flush=True)
+    ideal = statistics.median(r["cached"] for r in results["one prefill (ideal)"])
+    print(
+        "\n| setup | prompt tokens from cache | ÷ ideal | requests per prefill | "
+        "KV rows handed ÷ tokens prefilled | TTFT p50 (ms) | output tok/s | failed |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for name, runs in results.items():
+        cached = statistics.median(r["cached"] for r in runs)
+        shares = " / ".join("-".join(f"{v:.0%}" for v in r["shares"].values()) or "-" for r in runs)
+        print(
+            f"| {name} | {cached:.1%} | {cached / ideal:.2f} | {shares} | "
+            f"{statistics.median(r['kv_per_new'] for r in runs):.2f} | "
+            f"{statistics.median(r['ttft'] for r in runs):.0f} | "
+            f"{statistics.median(r['tok_s'] for r in runs):.1f} | "
+            f"{sum(r['failed'] for r in runs)} |"
+        )
+
+
+def overhead(checkpoint: Path, rounds: int, out: Path) -> None:
+    backend = serve(checkpoint, [], out / "overhead-serve.log")
+    route_port = PORT + 1
+    command = [sys.executable, "-m", "epd.cli", "route", str(checkpoint), "--port", str(route_port)]
+    command += ["--prefill-urls", f"http://127.0.0.1:{PORT}", "--kv-events-bind", ""]
+    urls = {
+        "straight": f"http://127.0.0.1:{PORT}/v1",
+        "router": f"http://127.0.0.1:{route_port}/v1",
+    }
+    router = start(command, urls["router"], out / "overhead-route.log")
+    ratios: dict[str, dict[str, list[float]]] = {row: {"ttft": [], "tpot": []} for row in STREAMS}
+    try:
+        for seed in range(rounds):
+            for row, settings in STREAMS.items():
+                got = {}
+                order = ("straight", "router") if seed % 2 == 0 else ("router", "straight")
+                for side in order:
+                    path = out / f"overhead-{slug(row)}-{side}-{seed}.json"
+                    got[side] = bench(urls[side], path, seed, **settings)
+                for key, field in (("ttft", "ttft_ms"), ("tpot", "tpot_ms")):
+                    through, direct = got["router"][field]["p50"], got["straight"][field]["p50"]
+                    ratios[row][key].append(through / direct)
+                print(row, seed, {k: v[-1] for k, v in ratios[row].items()}, flush=True)
+    finally:
+        stop(router)
+        stop(backend)
+    print("\n| streams | TTFT p50 through ÷ straight (per round) | TPOT p50 through ÷ straight |")
+    print("|---|---|---|")
+    for row, got in ratios.items():
+        cells = [
+            f"{statistics.median(v):.3f} ({', '.join(f'{x:.2f}' for x in v)})"
+            for v in (got["ttft"], got["tpot"])
+        ]
+        print(f"| {row} | {cells[0]} | {cells[1]} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    demo = HERE.parent / "checkpoints" / "kimi-vl-shapes"
+    parser.add_argument("--checkpoint", type=Path, default=demo)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=Path("bench-fleet"))
+    parser.add_argument("--only", default="trace,overhead")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    if "trace" in args.only:
+        trace(args.checkpoint.resolve(), args.rounds, args.out.resolve())
+    if "overhead" in args.only:
+        overhead(args.checkpoint.resolve(), args.rounds, args.out.resolve())
+
+
+if __name__ == "__main__":
+    main()
