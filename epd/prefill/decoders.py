@@ -9,6 +9,12 @@ KV cache left free as it last reported it (1), and how few of this prefill's req
 from it against the busiest (1). The highest score wins; among equals the first, and callers
 pass the live decoders rotated, so that equal decoders take turns (round-robin where nothing
 tells them apart).
+
+The idle part is bounded, so a decoder that held a prompt outscored an idle one however many
+streams it ran: eight concurrent repeats of earlier prompts all went to one of two decoders.
+So, as SGLang's router guards its cache-aware choice, where the loads are out of balance (the
+busiest runs over BALANCE_ABS more than the least busy, and over BALANCE_REL times as many) the
+least busy decoders are the only candidates; the score picks among them.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from dataclasses import dataclass
 PREFIX_WEIGHT = 2.0
 FREE_KV_WEIGHT = 1.0
 IDLE_WEIGHT = 1.0
+BALANCE_ABS, BALANCE_REL = 2, 1.5  # streams; a ratio
 
 
 @dataclass(frozen=True)
@@ -31,7 +38,9 @@ class Candidate:
 def choose(candidates: list[Candidate], blocks: int) -> Candidate:
     """The best candidate for a prompt of `blocks` full blocks (see the module's docstring);
     the first among equals."""
-    busiest = max(c.running for c in candidates)
+    busiest, calmest = max(c.running for c in candidates), min(c.running for c in candidates)
+    if busiest - calmest > BALANCE_ABS and busiest > BALANCE_REL * calmest:
+        candidates = [c for c in candidates if c.running == calmest]
 
     def score(c: Candidate) -> float:
         prefix = c.held / blocks if blocks else 0.0
