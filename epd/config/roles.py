@@ -206,6 +206,13 @@ class PrefillConfig(ModelOptions):
     )
     encode_timeout_s: float = option(60.0, "longest wait for an image payload")
     token_timeout_s: float = option(60.0, "longest wait for the next token from decode")
+    migration_limit: int = option(
+        3,
+        "times a stream may move to another decoder when the one streaming it dies: prefilled "
+        "again with its reply so far (from the prefix cache), it goes on with no token lost or "
+        "repeated (Dynamo's name; 0: a dead decoder ends its streams; requests of n > 1 never "
+        "move)",
+    )
     image_fetch_timeout_s: float = option(
         10.0, "time limit for fetching an http(s) image, redirects and headers included"
     )

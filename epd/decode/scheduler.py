@@ -171,7 +171,8 @@ class Scheduler:
             raise ValueError("a prompt token id is outside the vocabulary")
         if any(not 0 <= t < config.vocab_size for t in handoff.sampling.token_ids()):
             raise ValueError("logit_bias or stop_token_ids name a token outside the vocabulary")
-        total = handoff.prompt_tokens + handoff.sampling.max_tokens
+        # (a migrated request's reply so far is in its prompt, and counted in max_tokens too)
+        total = handoff.prompt_tokens - handoff.resumed_tokens + handoff.sampling.max_tokens
         if total > self.context_length:
             raise ValueError(
                 f"{handoff.prompt_tokens} prompt tokens and max_tokens "
@@ -239,6 +240,8 @@ class Scheduler:
         tables = [held, *(self.pool.share(held) for _ in generators[1:])]
         added = []
         try:
+            resumed = handoff.resumed_tokens  # a migrated request's reply so far, in its prompt
+            prompt_ids = handoff.prompt_ids[: handoff.prompt_tokens - resumed]
             for index, (generator, table) in enumerate(zip(generators, tables, strict=True)):
                 sequence = Sequence(
                     handoff.request_id,
@@ -248,11 +251,12 @@ class Scheduler:
                     rows,
                     self.tokenizer,
                     self.eos_ids,
-                    handoff.prompt_ids,
+                    prompt_ids,
                     gate(self.grammars, handoff.sampling),  # GrammarError: refused
                     index,
                 )
                 sequence.block_hashes = hashes
+                replay(sequence, handoff.prompt_ids[len(prompt_ids) :].tolist())
                 first = handoff.first_tokens[index], handoff.first_logprobs[index]
                 added.append((sequence, sequence.accept(*first)))
         except BaseException:
@@ -491,3 +495,16 @@ def kv_memory(device: torch.device, share: float = 0.0, copies: int = 1) -> int:
             return free // 2
         return max(0, min(free, int(share * total) - torch.cuda.memory_reserved(device)))
     return int(available_memory() * (share or 0.5)) // copies
+
+
+def replay(sequence: Sequence, tokens: list[int]) -> None:
+    """Feed a migrated reply's tokens to its new sequence, as its first decoder did: its
+    transcript (text, stop strings, grammar, penalties' history) comes to the same place, and
+    what they gave the client is not given again. A token that would end it is refused: the
+    client's reply went on past it."""
+    for token in tokens:
+        if sequence.finish_reason is not None:
+            raise ValueError("a resumed reply ended before its last token")
+        sequence.accept(token)
+    if sequence.finish_reason is not None:
+        raise ValueError("a resumed reply ended before its last token")

@@ -38,6 +38,17 @@ def restore_generator(state: torch.Tensor) -> torch.Generator:
     return generator
 
 
+def advanced(state: torch.Tensor, params: SamplingParams, steps: int) -> torch.Tensor:
+    """A generator's state after `steps` more tokens of a request: `sample_batch` draws one
+    uniform a step for a sampled request, none for a greedy one. A migrated request's generator
+    goes on from where its first decoder's was."""
+    generator = restore_generator(state)
+    if params.temperature >= GREEDY_BELOW:
+        for _ in range(steps):
+            torch.rand(1, generator=generator)
+    return generator.get_state()
+
+
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
     """One token id from a float32 logits row (vocab,)."""
     return int(sample_batch(logits[None], [params], [generator])[0])

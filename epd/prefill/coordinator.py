@@ -20,14 +20,16 @@ from dataclasses import replace
 from typing import TypeVar
 
 from epd.config.roles import PrefillConfig
+from epd.generation.sampling import advanced
 from epd.generation.status import Status
 from epd.kv.hashing import BLOCK_TOKENS, image_spans, salt_digest
 from epd.prefill.batcher import PrefillBatcher, token_budget
 from epd.prefill.decoders import Candidate, choose
 from epd.prefill.encoding import Encoding, Images
-from epd.prefill.engine import Handed, Prefilled, PrefillEngine, Prompt
+from epd.prefill.engine import Handed, Prefilled, PrefillEngine, Prompt, Resume
 from epd.prefill.errors import (
     BadRequest,
+    DecoderLost,
     Internal,
     PrefillError,
     TimedOut,
@@ -40,7 +42,7 @@ from epd.prefill.router import Router
 from epd.runtime.process import torch_threads
 from epd.runtime.watchdog import Watchdog
 from epd.wire.codec import WireError
-from epd.wire.messages import KVHandoff, KVMissing, TokenDelta
+from epd.wire.messages import Abort, KVHandoff, KVMissing, TokenDelta
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -118,6 +120,7 @@ class Coordinator:
         )
         self.encoding = Encoding(config, engine, self.router, self.metrics)
         self.decoder_blocks = DecoderBlocks()  # what each decoder holds, as prefill believes
+        self.bound: Counter[str] = Counter()  # requests in prefill, by the decoder chosen
         self.tasks: list[asyncio.Task[None]] = []
         self.ending = asyncio.Event()  # set by `end_all`
 
@@ -171,6 +174,7 @@ class Coordinator:
         tokens end it); raises, before any reply is sent, what kept it from decode. Its
         deltas then come from `deltas`, which ends its life."""
         request = self.requests[prepared.request_id] = Request(prepared.request_id)
+        request.prepared = prepared if prepared.sampling.n == 1 else None  # what moving needs
         try:
             images = await self.encoding.embed(prepared)
             request.status = Status.WAITING
@@ -181,11 +185,15 @@ class Coordinator:
             raise
 
     async def prefill(
-        self, prepared: PreparedRequest, images: Images | None, request: Request
+        self,
+        prepared: PreparedRequest,
+        images: Images | None,
+        request: Request,
+        resume: Resume | None = None,
     ) -> None:
         """Prefill the request, packed with whatever else waits for prefill, and hand it to a
         decoder unless its first tokens ended it; raises (before any reply is sent) if no
-        decoder can take it."""
+        decoder can take it. `resume`: a request moving to another decoder (`migrate`)."""
         ids, slot = prepared.prompt_ids, self.engine.placeholder_id
         spans = image_spans(ids, slot, prepared.image_tokens, images.digests) if images else ()
         prompt = Prompt(
@@ -196,6 +204,7 @@ class Coordinator:
             prepared.prompt_logprobs,
             image_spans=spans,
             salt=salt_digest(prepared.cache_salt),
+            resume=resume,
         )
         if prompt.cacheable:
             prompt = replace(prompt, block_hashes=await self.hashes(prompt))
@@ -207,15 +216,19 @@ class Coordinator:
         if live:
             decoder, held = self.choose_decoder(live, prompt.block_hashes)
             prompt = replace(prompt, decoder_blocks=held)
-        prefilled = await self.batcher.prefill(prompt, request)
-        await self.hand_off(request, prefilled, decoder, prompt.block_hashes)
+        self.bound[decoder] += 1  # counted as its decoder's from now: prompts prefilled together
+        try:  # choose before any of them streams
+            prefilled = await self.batcher.prefill(prompt, request)
+            await self.hand_off(request, prefilled, decoder, prompt.block_hashes)
+        finally:
+            self.bound[decoder] -= 1
 
     def choose_decoder(self, live: list[str], hashes: tuple[bytes, ...]) -> tuple[str, int]:
         """The live decoder (rotated: equals take turns) that holds most of the prompt, weighed
         against how full and busy each is (`decoders.choose`), and the blocks it holds."""
         if len(live) == 1:  # nothing to weigh: no count over every stream on the loop
             return live[0], self.decoder_blocks.blocks(live[0], hashes)
-        running, usage = self.router.running(), self.router.kv_usage
+        running, usage = self.router.running() + self.bound, self.router.kv_usage
         candidates = [
             Candidate(d, self.decoder_blocks.blocks(d, hashes), usage.get(d, 0.0), running[d])
             for d in live
@@ -235,9 +248,10 @@ class Coordinator:
     ) -> None:
         """The request's first tokens, and unless they ended it, its hand-off to `decoder` (or
         another, where that one went): its record then streams decode's tokens."""
-        first = (TokenDelta.of(request.request_id, i, out) for i, out in enumerate(prefilled.first))
-        request.first = tuple(first)
-        request.choices, request.prompt_logprobs = len(request.first), prefilled.prompt_logprobs
+        if prefilled.first:  # none for a request moving on: its client has them
+            first = (TokenDelta.of(request.request_id, i, o) for i, o in enumerate(prefilled.first))
+            request.first = tuple(first)
+            request.choices, request.prompt_logprobs = len(request.first), prefilled.prompt_logprobs
         handoff = prefilled.handoff
         if handoff is None:
             return
@@ -255,6 +269,8 @@ class Coordinator:
             raise
         request.decoder, request.handed = decoder, handed
         request.sent_at, request.max_tokens = now(), handoff.sampling.max_tokens
+        if request.prepared is not None and request.rng_state is None:
+            request.rng_state = handoff.rng_states[0]  # after the first token: moving replays
         router.open(request)
         try:
             if router.ended is not None:  # its forward ran on through `end_all`
@@ -291,6 +307,39 @@ class Coordinator:
         )
         handoff = await self.on_engine(self.engine.resend, handed, missing.held_blocks)
         self.send(request, handoff)
+
+    async def migrate(self, request: Request, lost: DecoderLost) -> None:
+        """Move a stream whose decoder died to another: its prompt and its reply so far
+        prefilled again (the prompt's blocks from the prefix cache, so mostly the reply's
+        tokens are computed; its images from the image cache, or encoded again), and handed on
+        from the last token its client has, the generator where the dead decoder's was
+        (`Resume`): the client's stream goes on, no token lost or repeated. Raises `lost` where
+        it may not move (more than one choice, `migration_limit` reached), or what kept it from
+        another decoder (none is up: at once)."""
+        prepared, emitted = request.prepared, request.emitted
+        if prepared is None or request.rng_state is None or not emitted:
+            raise lost
+        try:
+            if request.migrations >= self.config.migration_limit:
+                raise lost
+            await self.router.pick(self.router.decoders, "decode")  # none: fail now, not later
+            request.migrations += 1
+            log.warning(
+                "%s: %s; moving it to another decoder after %d tokens",
+                request.request_id,
+                lost,
+                len(emitted),
+            )
+            self.router.outbox.send(request.decoder, Abort(request.request_id))  # if it is back
+            self.decoded(request)
+            moved = replace(prepared, prompt_ids=[*prepared.prompt_ids, *emitted[:-1]])
+            state = advanced(request.rng_state, prepared.sampling, len(emitted) - 1)
+            images = await self.encoding.embed(moved)
+            await self.prefill(moved, images, request, Resume(len(emitted) - 1, emitted[-1], state))
+        except PrefillError:
+            self.metrics.migrations.labels("decode", "failed").inc()
+            raise
+        self.metrics.migrations.labels("decode", "resumed").inc()
 
     async def on_engine(self, fn: Callable[..., T], *args: object) -> T:
         """fn(*args) on the engine's thread, as every use of its pool, between forwards."""
@@ -333,6 +382,8 @@ class Coordinator:
         try:
             for delta in request.first:
                 tokens[delta.index] = delta.completion_tokens
+                if request.prepared is not None:  # one choice: what moving it replays
+                    request.emitted.extend(delta.token_ids)
                 if delta.finish_reason is not None:
                     open_choices.discard(delta.index)
                 yield delta
@@ -343,6 +394,9 @@ class Coordinator:
                 )
                 if isinstance(item, KVMissing):
                     await self.resend(request, item)
+                    continue
+                if isinstance(item, DecoderLost):
+                    await self.migrate(request, item)
                     continue
                 if isinstance(item, TokenDelta) and request.handed is not None:
                     reused = request.handed.reused * BLOCK_TOKENS
@@ -355,6 +409,8 @@ class Coordinator:
                     request.sent_at = 0.0
                 check_follows(item, request, tokens, open_choices)
                 tokens[item.index] = item.completion_tokens
+                if request.prepared is not None:
+                    request.emitted.extend(item.token_ids)
                 if item.finish_reason is not None:
                     open_choices.discard(item.index)
                 yield item

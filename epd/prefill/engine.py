@@ -74,6 +74,7 @@ class Prompt:
     # how many of them its decoder holds already: the hand-off carries the rows after them.
     block_hashes: tuple[bytes, ...] = ()
     decoder_blocks: int = 0
+    resume: Resume | None = None  # a migrated request: its prompt ends in its reply so far
 
     @property
     def cacheable(self) -> bool:
@@ -96,6 +97,17 @@ class Partial:
 
     cache: BlockTable
     scored: tuple[Scored, ...] = ()
+
+
+@dataclass(frozen=True)
+class Resume:
+    """A request moved off a decoder that died: its prompt is the original one and its reply's
+    tokens but the last (`resumed` of them), whose KV the new decoder needs; `last` is the last
+    token the client has, and `rng_state` the generator after it. Nothing is sampled."""
+
+    resumed: int
+    last: int
+    rng_state: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -294,6 +306,8 @@ class PrefillEngine:
         """Sample each choice's first token, say what the client gets for it, and pack what
         decode needs to go on (unless those tokens ended every choice)."""
         try:
+            if prompt.resume is not None:
+                return self.resumed(prompt, past, reply_to)
             if not all_finite(logits):  # an overflow: this request fails alone
                 raise ValueError("the model's logits for this prompt are not finite")
             sampling = prompt.sampling
@@ -348,6 +362,30 @@ class PrefillEngine:
             return BadRequest(str(e))
         except Exception as e:  # e.g. a cache with NaN from an overflow: this request only
             return e
+
+    def resumed(self, prompt: Prompt, past: Partial, reply_to: str) -> Prefilled:
+        """A migrated request's hand-off: its reply's last token as the first, nothing
+        sampled, nothing for the client (it has every token up to there)."""
+        assert prompt.resume is not None
+        held = min(prompt.decoder_blocks, len(prompt.block_hashes))
+        handoff = KVHandoff(
+            request_id=prompt.request_id,
+            reply_to=reply_to,
+            prompt_tokens=len(prompt.prompt_ids),
+            first_tokens=(prompt.resume.last,),
+            first_logprobs=(None,),
+            sampling=prompt.sampling,
+            rng_states=prompt.resume.rng_state[None],
+            cache=past.cache.rows(held * BLOCK_TOKENS).contiguous().cpu(),
+            prompt_ids=torch.tensor(prompt.prompt_ids, dtype=torch.int64),
+            block_hashes=hash_rows(prompt.block_hashes),
+            cached_blocks=held,
+            salt=prompt.salt,
+            images=image_rows(prompt.image_spans) if prompt.block_hashes else (),
+            resumed_tokens=prompt.resume.resumed,
+        )
+        self.kv.publish(past.cache, prompt.block_hashes, prompt.prompt_ids)
+        return Prefilled((), handoff, (), table=past.cache)
 
     def resend(self, handed: Handed, held: int) -> KVHandoff:
         """A hand-off again, for a decoder that holds its first `held` blocks (fewer than it

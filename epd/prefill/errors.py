@@ -28,6 +28,11 @@ class Unavailable(PrefillError):
     """A peer the request needs is down, or did not take the request in time."""
 
 
+class DecoderLost(Unavailable):
+    """The decoder streaming the request went (its connection lost): the request may move to
+    another (`Coordinator.migrate`)."""
+
+
 class Overloaded(PrefillError):
     """The request would wait longer than it may: refused before any work, to be retried."""
 

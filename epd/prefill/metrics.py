@@ -101,6 +101,12 @@ class PrefillMetrics(RoleMetrics):
             "(encode_late).",
             ["reason"],
         )
+        self.migrations = counter(
+            "migrations",
+            "Streams moved off a peer that died, by its role and how it went: resumed (on "
+            "another, from the tokens sent), failed (none could take it, or it moved too often).",
+            ["role", "outcome"],
+        )
         self.prefix_cache_queries = counter(
             "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
         )

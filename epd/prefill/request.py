@@ -14,6 +14,8 @@ from epd.generation.status import Status
 from epd.multimodal.grids import Grid
 
 if TYPE_CHECKING:  # `PreparedRequest` is built where no torch is imported (`epd route`)
+    import torch
+
     from epd.generation.sampling import Scored
     from epd.prefill.engine import Handed
     from epd.prefill.errors import PrefillError
@@ -54,3 +56,10 @@ class Request:
     status: Status = Status.ENCODING
     num_computed_tokens: int = 0  # prompt tokens prefilled so far, or found cached
     cached_tokens: int = 0  # of those, found cached: what its reply's usage reports
+    # What moving it to another decoder needs (one choice only, `Coordinator.migrate`): the
+    # request as the API handed it over, its generator after the first token, the tokens its
+    # client has so far, and how often it moved.
+    prepared: PreparedRequest | None = None
+    rng_state: torch.Tensor | None = None
+    emitted: list[int] = field(default_factory=list)
+    migrations: int = 0

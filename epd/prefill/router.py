@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from epd.config.roles import PrefillConfig
 from epd.prefill.encode_load import EncodeLoad
-from epd.prefill.errors import PrefillError, Unavailable, from_failure
+from epd.prefill.errors import DecoderLost, PrefillError, Unavailable, from_failure
 from epd.prefill.metrics import PrefillMetrics
 from epd.prefill.peers import RESOLVE_S, PeerSet
 from epd.prefill.request import Request
@@ -243,8 +243,9 @@ class Router:
                 if not future.done():
                     future.set_exception(Unavailable(error))
             for stream in streams:
-                if self.streams.get(stream.request_id) is stream:  # not released yet
-                    stream.queue.put_nowait(Unavailable(error))
+                # not released yet, nor moved to another decoder since (`Coordinator.migrate`)
+                if self.streams.get(stream.request_id) is stream and stream.decoder == address:
+                    stream.queue.put_nowait(DecoderLost(error))
 
         loop.call_later(LAST_WORDS_S, fail)  # harmless if the router has stopped by then
 

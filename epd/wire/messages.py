@@ -139,11 +139,20 @@ class KVHandoff(WireMessage, frozen=True):
     cached_blocks: int = 0
     salt: Annotated[bytes, Meta(max_length=HASH_BYTES)] = b""  # the cache salt's digest, or none
     images: Annotated[tuple[ImageRows, ...], Meta(max_length=MAX_ITEMS)] = ()
+    # A request moved from a decoder that died (migration): its last `resumed_tokens` prompt
+    # ids are the reply's tokens the client has already, after the first; `first_tokens` is the
+    # last one it has, and `rng_states` the generator after it. Decode replays them (sending
+    # nothing) and goes on. One choice only.
+    resumed_tokens: int = 0
 
     def __post_init__(self) -> None:
         super().__post_init__()
         check_address(self.reply_to, "reply_to", optional=True)  # empty: served in-process
         n = self.sampling.n
+        require(
+            0 <= self.resumed_tokens < self.prompt_tokens and (self.resumed_tokens == 0 or n == 1),
+            "resumed_tokens must be 0, or fewer than the prompt's tokens for one choice",
+        )
         require(
             len(self.first_tokens) == len(self.first_logprobs) == n,
             f"first_tokens and first_logprobs must have one entry for each of the {n} choices",

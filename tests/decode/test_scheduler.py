@@ -8,6 +8,8 @@ from epd.checkpoint.weights import load_model
 from epd.decode.scheduler import Busy, Scheduler, TooLarge, default_kv_tokens, kv_memory
 from epd.generation.grammar import choice_grammar
 from epd.generation.params import SamplingParams
+from epd.generation.sampling import advanced
+from epd.prefill.engine import Prompt, Resume
 
 PROMPTS = [[5, 17, 42, 99], [7, 300, 12, 64, 128, 3, 250], [31, 77]]
 
@@ -432,3 +434,39 @@ def test_a_shorter_context_refuses_a_hand_off_past_it(parts):
     with pytest.raises(ValueError, match="exceed the context length 16"):
         scheduler.add(engine.run("long", [9] * 10, None, SamplingParams(7, temperature=0)).handoff)
     scheduler.add(engine.run("fits", [9] * 10, None, SamplingParams(6, temperature=0)).handoff)
+
+
+@pytest.mark.parametrize("seeded", [False, True])
+def test_a_request_moved_mid_reply_goes_on_as_if_it_never_moved(parts, seeded):
+    """Migration: prefill again with the reply's first k - 1 tokens, hand off from its k-th with
+    the generator advanced past them; a new decoder gives the rest of the reply unchanged, its
+    counts going on from k (nothing of the first k is given again)."""
+    lm, tokenizer, engine, eos = parts
+    whole = run_alone(parts, 1, max_tokens=12, seeded=seeded)
+    first = handoff(engine, 1, 12, seeded)
+    k = 5
+    resume = Resume(k - 1, whole[k - 1], advanced(first.rng_states[0], first.sampling, k - 1))
+    prompt = Prompt("r1", PROMPTS[1] + whole[: k - 1], None, first.sampling, resume=resume)
+    (prefilled,) = engine.run_batch([prompt])
+    moved = prefilled.handoff
+    assert prefilled.first == () and moved.resumed_tokens == k - 1
+    scheduler = Scheduler(lm, tokenizer, eos)
+    ((sequence, output),) = scheduler.add(moved)
+    assert output.completion_tokens == k and sequence.tokens == whole[:k]
+    rest, counts = [], []
+    while len(scheduler):
+        for _, delta in scheduler.step().produced:
+            rest += delta.token_ids
+            counts.append(delta.completion_tokens)
+    assert rest == whole[k:] and counts[0] == k + 1 and counts[-1] == 12
+
+
+def test_a_resumed_reply_that_would_have_ended_is_refused(parts):
+    lm, tokenizer, engine, eos = parts
+    first = handoff(engine, 0, 12)
+    ended = next(iter(eos))  # the client's reply could not have gone on past its eos
+    resume = Resume(1, 5, first.rng_states[0])
+    prompt = Prompt("r0", PROMPTS[0] + [ended], None, first.sampling, resume=resume)
+    (prefilled,) = engine.run_batch([prompt])
+    with pytest.raises(ValueError, match="ended before its last token"):
+        Scheduler(lm, tokenizer, eos).add(prefilled.handoff)

@@ -1,0 +1,98 @@
+"""A decoder killed under load: its streams move to the other decoder and go on token for token
+(request migration); with no decoder left, they end with an error event at once."""
+
+import itertools
+import os
+import re
+import signal
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+
+from .stack import cluster, free_fleet_base, health, serve
+
+TOKENS = 128
+
+
+def ask(index: int) -> dict:
+    """Eight requests: greedy ones, and seeded sampled ones (their generator moves with them)."""
+    sampled = index % 4 == 3
+    return {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": f"Tell me story number {index}."}],
+        "max_tokens": TOKENS,
+        "temperature": 0.9 if sampled else 0.0,
+        "seed": 1000 + index if sampled else None,
+        "extra_body": {"ignore_eos": True},
+    }
+
+
+def streamed(api: openai.OpenAI, index: int, going: threading.Semaphore) -> tuple[str, list[float]]:
+    """The stream's text and when each of its pieces came; `going` released at its 10th."""
+    chunks = api.chat.completions.create(**ask(index), stream=True)
+    text, times = [], []
+    for chunk in chunks:
+        if chunk.choices and chunk.choices[0].delta.content:
+            text.append(chunk.choices[0].delta.content)
+            times.append(time.monotonic())
+            if len(times) == 10:
+                going.release()
+    return "".join(text), times
+
+
+def migrated(port: int) -> float:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode()
+    found = re.search(r'^epd:migrations_total\{[^}]*outcome="resumed"[^}]*\} (\S+)', text, re.M)
+    return float(found[1]) if found else 0.0
+
+
+def test_streams_of_a_killed_decoder_go_on_on_the_other_token_for_token(tiny_checkpoint):
+    base = free_fleet_base()
+    stack = serve(tiny_checkpoint, base, "--decoders", "2", "--served-model-name", "tiny")
+    try:
+        api = openai.OpenAI(base_url=f"http://127.0.0.1:{base + 20}/v1", api_key="-")
+        undisturbed = [
+            api.chat.completions.create(**ask(i)).choices[0].message.content for i in range(8)
+        ]
+        going = threading.Semaphore(0)
+        with ThreadPoolExecutor(8) as pool:
+            streams = [pool.submit(streamed, api, i, going) for i in range(8)]
+            for _ in streams:
+                assert going.acquire(timeout=60), "a stream did not get under way"
+            _, decoder = health(base + 12)
+            killed_at = time.monotonic()
+            os.kill(decoder["pid"], signal.SIGKILL)
+            results = [s.result(timeout=120) for s in streams]
+        for i, (text, _) in enumerate(results):
+            assert text == undisturbed[i], f"stream {i} differs from its undisturbed run"
+        moved = migrated(base + 20)
+        assert moved >= 1, "no stream was on the killed decoder"
+        gaps = [
+            b - a for _, times in results for a, b in itertools.pairwise(times) if b > killed_at
+        ]
+        print(f"{moved:.0f} of 8 streams moved; longest gap after the kill: {max(gaps):.2f} s")
+        assert max(gaps) < 10.0
+    finally:
+        assert stack.stop() == 0, stack.output
+
+
+def test_with_no_decoder_left_a_stream_ends_with_an_error_event_at_once(tiny_checkpoint):
+    with cluster(tiny_checkpoint) as (processes, api, _):
+        going = threading.Semaphore(0)
+        with ThreadPoolExecutor(1) as pool:
+            stream = pool.submit(streamed, api, 0, going)
+            assert going.acquire(timeout=60)
+            killed_at = time.monotonic()
+            processes["decode"].popen.send_signal(signal.SIGKILL)
+            try:
+                stream.result(timeout=30)
+                raise AssertionError("the stream finished without its decoder")
+            except openai.APIError as e:
+                ended = time.monotonic() - killed_at
+                assert "decode" in str(e)
+        assert ended < 2.0, f"the stream ended {ended:.2f} s after its decoder died"
+        processes["decode"].popen.wait()
+        processes.pop("decode")  # killed: no clean stop to check
