@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import time
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -24,15 +25,17 @@ from epd.generation.finite import overflows
 from epd.kv.hashing import image_digests
 from epd.multimodal.grids import Grid, kimi_vl_grids
 from epd.prefill.engine import PrefillEngine
-from epd.prefill.errors import Internal, Overloaded, TimedOut, Unavailable
+from epd.prefill.errors import EncoderLost, Internal, Overloaded, TimedOut, Unavailable
 from epd.prefill.image_cache import ImageCache
 from epd.prefill.metrics import PrefillMetrics
 from epd.prefill.request import PreparedRequest
 from epd.prefill.router import Router
 from epd.wire.messages import EncodeRequest, ImageEmbeddings
 
+log = logging.getLogger(__name__)
 # How often a request waiting for its images asks whether they will still be back in time.
 LATE_CHECK_S = 0.5
+MAX_PARTS = 1024  # parts of one try, at most (one per image): a try's part numbers start apart
 
 
 class Part(NamedTuple):
@@ -78,7 +81,7 @@ class Encoding:
         self.metrics.images.inc(len(keys))
         self.metrics.image_cache_hits.inc(len(rows))
         if missing:
-            payloads, lm = await self.encode_images(request, missing), self.engine.lm
+            payloads, lm = await self.encode_moving_on(request, missing), self.engine.lm
             encoded = check_payloads(
                 request, missing, payloads, lm.config.hidden_size, lm.lm_head.weight.dtype
             )
@@ -88,17 +91,35 @@ class Encoding:
                 rows[index] = image_rows
         return Images(torch.cat([rows[i] for i in range(len(request.images))]), tuple(keys))
 
-    async def encode_images(
+    async def encode_moving_on(
         self, request: PreparedRequest, indices: list[int]
     ) -> list[ImageEmbeddings]:
-        """The embeddings of the images at `indices`, split over the live encoders."""
+        """`encode_images`, again on the encoders left where one holding some of them dies, up
+        to `migration_limit` times (each try's parts numbered apart from the last's, so that a
+        late reply of the lost encoder answers nothing)."""
+        for attempt in itertools.count():
+            try:
+                return await self.encode_images(request, indices, attempt)
+            except EncoderLost as lost:
+                if attempt >= self.config.migration_limit:
+                    self.metrics.migrations.labels("encode", "failed").inc()
+                    raise
+                log.warning("%s: %s; encoding its images again", request.request_id, lost)
+                self.metrics.migrations.labels("encode", "resumed").inc()
+        raise AssertionError("unreachable")
+
+    async def encode_images(
+        self, request: PreparedRequest, indices: list[int], attempt: int = 0
+    ) -> list[ImageEmbeddings]:
+        """The embeddings of the images at `indices`, split over the live encoders (as parts
+        numbered from `attempt` × MAX_PARTS)."""
         router = self.router
         live = await router.pick(router.encoders, "encode")
         encoders = router.load.quickest(live, patches(request.grids, indices))
         parts = self.parts(request.grids, indices, encoders)
         self.admit(parts)
-        waits = []
-        for number, part in enumerate(parts):
+        waits, first = [], attempt * MAX_PARTS
+        for number, part in enumerate(parts, first):
             future = router.expect(request.request_id, number, part.encoder)
             waits.append(future)
             files = tuple(request.images[i] for i in part.indices)
@@ -120,7 +141,7 @@ class Encoding:
             self.metrics.embedding_bytes.inc(sum(r.embeddings.nbytes for r in replies))
             return replies
         finally:
-            router.forget(request.request_id, len(parts))
+            router.forget(request.request_id, first + len(parts))
 
     def parts(self, grids: Sequence[Grid], indices: list[int], encoders: list[str]) -> list[Part]:
         """The images at `indices` split over `encoders`, each part with its patches (from the

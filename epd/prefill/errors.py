@@ -28,6 +28,11 @@ class Unavailable(PrefillError):
     """A peer the request needs is down, or did not take the request in time."""
 
 
+class EncoderLost(Unavailable):
+    """The encoder holding some of the request's images went (its connection lost): they may be
+    encoded again by another (`Encoding.embed`)."""
+
+
 class DecoderLost(Unavailable):
     """The decoder streaming the request went (its connection lost): the request may move to
     another (`Coordinator.migrate`)."""

@@ -17,7 +17,13 @@ from dataclasses import dataclass
 
 from epd.config.roles import PrefillConfig
 from epd.prefill.encode_load import EncodeLoad
-from epd.prefill.errors import DecoderLost, PrefillError, Unavailable, from_failure
+from epd.prefill.errors import (
+    DecoderLost,
+    EncoderLost,
+    PrefillError,
+    Unavailable,
+    from_failure,
+)
 from epd.prefill.metrics import PrefillMetrics
 from epd.prefill.peers import RESOLVE_S, PeerSet
 from epd.prefill.request import Request
@@ -241,7 +247,7 @@ class Router:
                 return
             for future in waits:
                 if not future.done():
-                    future.set_exception(Unavailable(error))
+                    future.set_exception(EncoderLost(error))
             for stream in streams:
                 # not released yet, nor moved to another decoder since (`Coordinator.migrate`)
                 if self.streams.get(stream.request_id) is stream and stream.decoder == address:

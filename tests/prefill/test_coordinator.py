@@ -282,7 +282,7 @@ def test_a_salted_request_gets_no_image_encoded_for_another_salt(tiny_checkpoint
     service = build_service(config)
     lm, encoded = service.engine.lm, []
 
-    async def encode_images(request, indices):
+    async def encode_images(request, indices, attempt=0):
         encoded.append(request.cache_salt)
         rows = torch.ones(8, lm.config.hidden_size, dtype=lm.lm_head.weight.dtype)
         return [ImageEmbeddings(request.request_id, 0, request.grids, rows)]

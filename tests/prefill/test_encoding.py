@@ -9,10 +9,10 @@ import epd.prefill.encode_load as encode_load
 from epd.config.roles import PrefillConfig
 from epd.generation.params import SamplingParams
 from epd.prefill.encoding import Encoding
-from epd.prefill.errors import Overloaded, Unavailable
+from epd.prefill.errors import EncoderLost, Overloaded, Unavailable
 from epd.prefill.metrics import PrefillMetrics
 from epd.prefill.request import PreparedRequest
-from epd.prefill.router import Router
+from epd.prefill.router import LAST_WORDS_S, Router
 from epd.wire.outbox import Losses
 
 BUSY, IDLE = "ipc://busy-encoder", "ipc://idle-encoder"
@@ -103,3 +103,39 @@ def test_a_part_that_never_reaches_its_encoder_leaves_its_queue(tiny_checkpoint,
         return held
 
     assert asyncio.run(main()) == (0, 40_100)
+
+
+def test_images_whose_encoder_was_lost_are_encoded_again_on_the_others(
+    tiny_checkpoint, tmp_path, clock
+):
+    """A lost encoder's waits fail with EncoderLost (once its last words are read), and the
+    request's images are sent again, their parts numbered apart from the lost try's, up to
+    migration_limit times."""
+    encoding = encoding_of(tiny_checkpoint, tmp_path, clock)
+    router = encoding.router
+
+    async def lose() -> BaseException | None:
+        waiting = router.expect("r", 0, BUSY)
+        router.fail_held_by(BUSY)
+        await asyncio.sleep(LAST_WORDS_S + 0.2)
+        return waiting.exception()
+
+    assert isinstance(asyncio.run(lose()), EncoderLost)
+    tries = []
+
+    async def encode_images(request, indices, attempt=0):
+        tries.append(attempt)
+        if attempt < 2:
+            raise EncoderLost(f"lost the encoder of try {attempt}")
+        return ["rows"]
+
+    encoding.encode_images = encode_images
+    assert asyncio.run(encoding.encode_moving_on(request(100), [0])) == ["rows"]
+    assert tries == [0, 1, 2]
+    moved = encoding.metrics.migrations.labels("encode", "resumed")._value.get()
+    assert moved == 2
+    tries.clear()
+    object.__setattr__(encoding.config, "migration_limit", 1)
+    with pytest.raises(EncoderLost, match="try 1"):
+        asyncio.run(encoding.encode_moving_on(request(100), [0]))
+    assert tries == [0, 1]
