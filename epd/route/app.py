@@ -117,7 +117,10 @@ class Router:
         target = path + (f"?{request.url.query}" if request.url.query else "")
         for attempt, prefill in enumerate(chosen):
             why = "retry" if attempt else reason
-            reply = await self.send(prefill, request.method, target, headers, body, why, hashes)
+            last = attempt == len(chosen) - 1  # its refusal is the answer: none to try after
+            reply = await self.send(
+                prefill, request.method, target, headers, body, why, hashes, last
+            )
             if reply is not None:
                 return reply
         self.metrics.failed.labels("no_prefill").inc()
@@ -132,9 +135,11 @@ class Router:
         body: bytes,
         why: str,
         hashes: list[int],
+        last: bool = True,
     ) -> Response | None:
-        """The prefill's reply to the request, or None where it refused or failed before any
-        byte of it went to the client (the next prefill is tried)."""
+        """The prefill's reply to the request, or None where it refused (unless it is the
+        `last` to ask) or failed before any byte of it went to the client (the next prefill
+        is tried)."""
         prefill.in_flight += 1
         released = False
 
@@ -155,7 +160,7 @@ class Router:
             release()
             return None
         try:
-            if upstream.status_code in REFUSED and self.others_live(prefill):
+            if upstream.status_code in REFUSED and not last:
                 await upstream.aclose()
                 release()
                 return None
@@ -180,9 +185,6 @@ class Router:
             await upstream.aclose()
             release()
             raise
-
-    def others_live(self, prefill: Prefill) -> bool:
-        return any(p is not prefill for p in self.prefills.live())
 
     async def relay(
         self, upstream: httpx.Response, prefill: Prefill, release: Any
