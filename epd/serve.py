@@ -45,7 +45,9 @@ from epd.runtime.process import (
 )
 
 CHILDREN = ("encode", "decode", "prefill", "route")
-FRONT = ("prefill", "route")  # what holds clients' requests: stopped first, given the drain
+# What holds clients' requests: stopped first, given the drain. The router stops with encode and
+# decode after it, so that the streams it relays finish (new requests get the prefills' 503s).
+FRONT = ("prefill",)
 HEALTHY_AFTER_S = 60.0  # a child that lived this long restarts without accumulated backoff
 CORES = available_cores()
 # Turns libgomp's threads spin after an op before they sleep, on a CPU (`openmp_env`).
@@ -127,8 +129,8 @@ def stop_all(children: list[Child], timeout: float = STOP_TIMEOUT_S) -> None:
 
 
 def stop_in_order(children: list[Child], drain_s: float) -> None:
-    """Prefill (and the router in front of several) first, given `drain_s` to let its requests
-    in flight finish (it refuses new ones meanwhile); then encode and decode, which those
+    """Prefill first, given `drain_s` to let its requests in flight finish (it refuses new ones
+    meanwhile); then encode, decode and the router in front of several prefills, which those
     requests needed until the end."""
     first = [c for c in children if c.role in FRONT]
     stop_all(first, drain_s + STOP_TIMEOUT_S)

@@ -8,6 +8,7 @@ import importlib.metadata
 import json
 import logging
 import re
+import secrets
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -135,7 +136,8 @@ class Service:
         events = self.config.kv_events_config
         config = KVEventsConfig.from_json(events) if events else None
         topic = config.topic if config is not None and config.publishes else None
-        return {"kv": {"model_key": self.engine.model_key.hex(), "events_topic": topic}}
+        key = self.engine.model_key.hex()
+        return {"kv": {"model_key": key, "events_topic": topic, "instance": INSTANCE}}
 
     @contextmanager
     def queue_slot(self, places: int = 1) -> Iterator[None]:
@@ -207,6 +209,11 @@ class Service:
         hashed, which in a burst of large images took seconds of their wait."""
         if images and self.coordinator is not None:
             self.coordinator.encoding.check_room(images, grids, salt)
+
+
+# This process's own id: a router told apart a restarted prefill by its pid, which in a
+# container is the same (1) each time.
+INSTANCE = secrets.token_hex(8)
 
 
 def handle_errors(app: FastAPI, metrics: PrefillMetrics) -> None:

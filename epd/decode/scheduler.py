@@ -256,6 +256,7 @@ class Scheduler:
                     index,
                 )
                 sequence.block_hashes = hashes
+                sequence.named_ids = handoff.prompt_ids  # a migrated one's: the reply's too
                 replay(sequence, handoff.prompt_ids[len(prompt_ids) :].tolist())
                 first = handoff.first_tokens[index], handoff.first_logprobs[index]
                 added.append((sequence, sequence.accept(*first)))
@@ -353,7 +354,7 @@ class Scheduler:
             self.pool.write(sequence.table, pending)
             sequence.pending = None
         self.pool.make_room(sequence.table)
-        self.pool.publish(sequence.table, sequence.block_hashes, sequence.prompt_ids.tolist())
+        self.pool.publish(sequence.table, sequence.block_hashes, sequence.named_ids.tolist())
 
     def _make_room(self, step: Step) -> None:
         """A row for every running sequence's next token. When no block is free, the sequence

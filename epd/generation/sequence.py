@@ -37,6 +37,7 @@ class Sequence(Transcript):
         # rows, latent) in host memory, not in the pool yet (waiting to join the batch).
         self.table, self.pending = table, pending
         self.block_hashes: tuple[bytes, ...] = ()  # its prompt's full blocks', where named
+        self.named_ids = prompt_ids  # the tokens those blocks hold (`KVHandoff.resumed_tokens`)
         self.status = Status.WAITING  # the scheduler's to move on
 
     @property

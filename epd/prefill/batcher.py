@@ -121,6 +121,8 @@ class PrefillBatcher:
         loop = asyncio.get_running_loop()
         request = request if request is not None else Request(prompt.request_id)
         request.status = Status.WAITING
+        # From nothing: a request prefilled again (moved off a dead decoder) starts anew.
+        request.num_computed_tokens = request.cached_tokens = 0
         job = Job(prompt, request, loop.create_future())
         if self.kv.caching and prompt.block_hashes and self.ended is None:
             # On the engine's thread, as every use of the pool.

@@ -174,7 +174,8 @@ class Coordinator:
         tokens end it); raises, before any reply is sent, what kept it from decode. Its
         deltas then come from `deltas`, which ends its life."""
         request = self.requests[prepared.request_id] = Request(prepared.request_id)
-        request.prepared = prepared if prepared.sampling.n == 1 else None  # what moving needs
+        if prepared.sampling.n == 1 and self.config.migration_limit:  # what moving it needs
+            request.prepared = prepared
         try:
             images = await self.encoding.embed(prepared)
             request.status = Status.WAITING
@@ -331,6 +332,7 @@ class Coordinator:
                 len(emitted),
             )
             self.router.outbox.send(request.decoder, Abort(request.request_id))  # if it is back
+            request.decoder = ""  # it has left that one: a late word of its loss is stale
             self.decoded(request)
             moved = replace(prepared, prompt_ids=[*prepared.prompt_ids, *emitted[:-1]])
             state = advanced(request.rng_state, prepared.sampling, len(emitted) - 1)
@@ -396,7 +398,8 @@ class Coordinator:
                     await self.resend(request, item)
                     continue
                 if isinstance(item, DecoderLost):
-                    await self.migrate(request, item)
+                    if item.decoder == request.decoder:  # else: one it has left already
+                        await self.migrate(request, item)
                     continue
                 if isinstance(item, TokenDelta) and request.handed is not None:
                     reused = request.handed.reused * BLOCK_TOKENS

@@ -37,6 +37,10 @@ class DecoderLost(Unavailable):
     """The decoder streaming the request went (its connection lost): the request may move to
     another (`Coordinator.migrate`)."""
 
+    def __init__(self, message: str, decoder: str) -> None:
+        super().__init__(message)
+        self.decoder = decoder  # which: a loss of one the request has left since is stale
+
 
 class Overloaded(PrefillError):
     """The request would wait longer than it may: refused before any work, to be retried."""

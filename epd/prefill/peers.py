@@ -29,7 +29,8 @@ def resolve_host(host: str, port: int) -> list[str]:
 
 def service_of(address: str) -> tuple[str, int] | None:
     """(host, port) when `address` names its host (a service to resolve), else None."""
-    if not address.startswith(("tcp://", "http://", "https://")):
+    # (an https:// name stays a name: its certificate is for the name, not an address)
+    if not address.startswith(("tcp://", "http://")):
         return None
     parts = urlsplit(address)
     host, port = parts.hostname or "", parts.port

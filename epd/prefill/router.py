@@ -120,7 +120,7 @@ class Router:
         whichever of its ends comes first)."""
         if self.streams.get(stream.request_id) is stream:
             del self.streams[stream.request_id]
-            if not finished:
+            if not finished and stream.decoder:  # none while it moves between decoders
                 self.outbox.send(stream.decoder, Abort(stream.request_id))
 
     # Receiving.
@@ -251,7 +251,7 @@ class Router:
             for stream in streams:
                 # not released yet, nor moved to another decoder since (`Coordinator.migrate`)
                 if self.streams.get(stream.request_id) is stream and stream.decoder == address:
-                    stream.queue.put_nowait(DecoderLost(error))
+                    stream.queue.put_nowait(DecoderLost(error, address))
 
         loop.call_later(LAST_WORDS_S, fail)  # harmless if the router has stopped by then
 

@@ -29,8 +29,15 @@ from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from epd.api.errors import APIError, unavailable
-from epd.api.middleware import BodyLimits, add_middleware, api_key, key_holders, request_id
+from epd.api.errors import APIError, as_api_error, unavailable
+from epd.api.middleware import (
+    BodyLimits,
+    Unforeseen,
+    add_middleware,
+    api_key,
+    key_holders,
+    request_id,
+)
 from epd.config.roles import RouteConfig
 from epd.route.choice import Candidate, order
 from epd.route.index import PrefixIndex
@@ -45,13 +52,21 @@ NOT_PASSED = {
     "host",
     "connection",
     "keep-alive",
+    "proxy-connection",
+    "proxy-authenticate",
+    "proxy-authorization",
+    "te",
+    "trailer",
     "transfer-encoding",
+    "upgrade",
     "content-length",
     "x-request-id",
     "date",
     "server",
 }
 TIMEOUT = httpx.Timeout(connect=2.0, read=None, write=30.0, pool=None)
+NAMING_S = 1.0  # a request whose blocks take longer to name is routed by load alone
+GONE_POLL_S = 0.5  # how often a reply read whole checks that its client is still there
 
 
 @dataclass
@@ -76,13 +91,16 @@ class Router:
         hashes as the first names them (empty: not named)."""
         live = self.prefills.live()
         if not live:  # none up at the last poll (a fleet just started): ask again now
-            await self.prefills.poll(self.client)
+            await self.prefills.poll_once(self.client)
             live = self.prefills.live()
         hashes: dict[bytes, list[int]] = {}
         if self.config.routing == "cache-aware" and len(live) > 1:
-            named = await asyncio.get_running_loop().run_in_executor(
-                self.threads, self.name, path, body
-            )
+            loop = asyncio.get_running_loop()
+            naming = loop.run_in_executor(self.threads, self.name, path, body)
+            try:
+                named = await asyncio.wait_for(naming, NAMING_S)
+            except TimeoutError:  # a huge body, or the threads busy with others': by load
+                named = None
             if named is not None:
                 for key in {p.model_key for p in live}:
                     hashes[key] = named.hashes(key)
@@ -92,7 +110,8 @@ class Router:
         ]
         blocks = max(map(len, hashes.values()), default=0)
         ranked, reason = order(candidates, self.config.routing, blocks, next(self.turns))
-        chosen = [self.prefills.prefills[c.url] for c in ranked]
+        by_url = {p.url: p for p in live}  # not the set's: a lookup may have changed it since
+        chosen = [by_url[c.url] for c in ranked]
         if ranked and blocks:
             self.metrics.prompt_blocks.inc(blocks)
             self.metrics.matched_blocks.inc(ranked[0].matched)
@@ -107,20 +126,18 @@ class Router:
 
     async def forward(self, request: Request) -> Response:
         body = await request.body()
-        path = request.url.path
+        path = request.url.path  # decoded: what the routes are named by
         chosen, reason, hashes = await self.plan(path, body if request.method == "POST" else b"")
         if not chosen:
             self.metrics.failed.labels("no_prefill").inc()
             return error_response(unavailable("no prefill is ready to take the request"))
         headers = {k: v for k, v in request.headers.items() if k.lower() not in NOT_PASSED}
         headers["x-request-id"] = request_id(request)
-        target = path + (f"?{request.url.query}" if request.url.query else "")
+        target = as_sent(request)
         for attempt, prefill in enumerate(chosen):
             why = "retry" if attempt else reason
             last = attempt == len(chosen) - 1  # its refusal is the answer: none to try after
-            reply = await self.send(
-                prefill, request.method, target, headers, body, why, hashes, last
-            )
+            reply = await self.send(request, prefill, target, headers, body, why, hashes, last)
             if reply is not None:
                 return reply
         self.metrics.failed.labels("no_prefill").inc()
@@ -128,8 +145,8 @@ class Router:
 
     async def send(
         self,
+        request: Request,
         prefill: Prefill,
-        method: str,
         target: str,
         headers: dict[str, str],
         body: bytes,
@@ -151,7 +168,7 @@ class Router:
 
         try:
             built = self.client.build_request(
-                method, prefill.url + target, headers=headers, content=body
+                request.method, prefill.url + target, headers=headers, content=body
             )
             upstream = await self.client.send(built, stream=True)
         except httpx.HTTPError as e:
@@ -159,6 +176,9 @@ class Router:
             self.prefills.down(prefill)
             release()
             return None
+        except BaseException:  # a target httpx refuses, a cancelled request: never counted
+            release()
+            raise
         try:
             if upstream.status_code in REFUSED and not last:
                 await upstream.aclose()
@@ -169,10 +189,10 @@ class Router:
                 self.index.sent(prefill.url, hashes)
             passed = {k: v for k, v in upstream.headers.items() if k.lower() not in NOT_PASSED}
             if upstream.headers.get("content-type", "").startswith("text/event-stream"):
-                relay = self.relay(upstream, prefill, release)
+                relay = self.relay(upstream, prefill, release, request.url.path)
                 return StreamingResponse(relay, upstream.status_code, passed)
             try:
-                content = await upstream.aread()
+                content = await read_unless_gone(request, upstream)
             except httpx.HTTPError as e:  # it died while working on it: nothing was sent yet
                 log.warning("prefill %s failed mid-reply: %s", prefill.url, e)
                 self.prefills.down(prefill)
@@ -180,6 +200,9 @@ class Router:
             finally:
                 await upstream.aclose()
                 release()
+            if content is None:  # the client left: its prefill was told, by the close
+                return Response(status_code=499)
+            passed.pop("content-encoding", None)  # read decoded
             return Response(content, upstream.status_code, passed)
         except BaseException:
             await upstream.aclose()
@@ -187,7 +210,7 @@ class Router:
             raise
 
     async def relay(
-        self, upstream: httpx.Response, prefill: Prefill, release: Any
+        self, upstream: httpx.Response, prefill: Prefill, release: Any, path: str
     ) -> AsyncIterator[bytes]:
         """The stream's bytes as they come; a stream its prefill cut off ends with an error
         event and [DONE] (the client's parser sees why, not a broken connection)."""
@@ -198,7 +221,7 @@ class Router:
             log.warning("prefill %s cut a stream off: %s", prefill.url, e)
             self.metrics.failed.labels("upstream").inc()
             error = unavailable("the prefill serving this stream failed; retry the request")
-            yield f"data: {json.dumps(error.body())}\n\ndata: [DONE]\n\n".encode()
+            yield error_event(error, path)
         finally:
             with contextlib.suppress(Exception):
                 await upstream.aclose()
@@ -226,6 +249,39 @@ def error_response(error: APIError) -> JSONResponse:
     return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
 
 
+def error_event(error: APIError, path: str) -> bytes:
+    """A stream's last words when its prefill is gone, in its API's form (after blank lines:
+    the prefill's last event may have been cut short)."""
+    if path.startswith("/v1/responses"):  # that API's error event, and no [DONE]
+        fields = {"type": "error", "code": error.code, "message": error.message, "param": None}
+        return f"\n\nevent: error\ndata: {json.dumps(fields)}\n\n".encode()
+    return f"\n\ndata: {json.dumps(error.body())}\n\ndata: [DONE]\n\n".encode()
+
+
+def as_sent(request: Request) -> str:
+    """The request's path and query as the client sent them, still percent-encoded: decoded,
+    a %3F or %2F would mean something else to the prefill, and a %01 no URL at all."""
+    path = request.scope.get("raw_path") or request.url.path.encode()
+    query = request.scope.get("query_string", b"")
+    return (path + (b"?" + query if query else b"")).decode("latin-1")
+
+
+async def read_unless_gone(request: Request, upstream: httpx.Response) -> bytes | None:
+    """The whole reply, or None once the client has gone (a client that gave up must not
+    keep a prefill and a decoder at work: closing the upstream aborts it there)."""
+    reading = asyncio.ensure_future(upstream.aread())
+    try:
+        while True:
+            done, _ = await asyncio.wait({reading}, timeout=GONE_POLL_S)
+            if done:
+                return reading.result()
+            if await request.is_disconnected():
+                return None
+    finally:
+        if not reading.done():
+            reading.cancel()
+
+
 def create_app(router: Router, on_started: Any = None) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -242,6 +298,17 @@ def create_app(router: Router, on_started: Any = None) -> FastAPI:
         router.threads.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="epd route", lifespan=lifespan, openapi_url=None)
+
+    async def as_json(request: Request, error: Exception) -> JSONResponse:
+        """Every error becomes an OpenAI-style body with its status (a 413 from the body
+        bounds, a request that cannot be sent on), never a plain-text 500."""
+        api_error = as_api_error(error)
+        if api_error.status >= 500 and not isinstance(error, APIError):
+            log.exception("unhandled error", exc_info=error)
+        return error_response(api_error)
+
+    app.add_exception_handler(APIError, as_json)
+    app.add_middleware(Unforeseen, handler=as_json)  # the first added: innermost
     config = router.config
     key = api_key(config.api_key)
     limits = BodyLimits(config.max_request_bytes, config.max_text_request_bytes)

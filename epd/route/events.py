@@ -21,7 +21,8 @@ from epd.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBa
 from epd.route.index import PrefixIndex
 
 log = logging.getLogger(__name__)
-MAX_BATCH_BYTES = 64 << 20  # a larger message is dropped by ZeroMQ before it is read
+MAX_BATCH_BYTES = 16 << 20  # a larger message is dropped by ZeroMQ before it is read
+QUEUED_BATCHES = 1000  # past these unread, ZeroMQ drops batches: at most this × the size above
 POLL_MS = 200
 
 
@@ -32,6 +33,7 @@ class KVEventListener:
         self.decoder = msgspec.msgpack.Decoder(KVEventBatch)
         self.socket: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.SUB)
         self.socket.setsockopt(zmq.MAXMSGSIZE, MAX_BATCH_BYTES)
+        self.socket.setsockopt(zmq.RCVHWM, QUEUED_BATCHES)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.subscribe(b"")
         self.socket.bind(bind)
@@ -47,10 +49,12 @@ class KVEventListener:
             if not poller.poll(POLL_MS):
                 continue
             try:
-                frames = self.socket.recv_multipart(zmq.NOBLOCK)
+                self.take(self.socket.recv_multipart(zmq.NOBLOCK))
             except zmq.ZMQError:
                 continue
-            self.take(frames)
+            except Exception:  # one batch (a bug, a hostile one) must not end the listening
+                self.refused += 1
+                log.exception("a KV events batch could not be filed")
         self.socket.close()
 
     def take(self, frames: list[bytes]) -> None:

@@ -3,7 +3,8 @@ block's digest, `kv/events.py`), so the router can send a request where its pref
 
 A prefill that publishes KV events is followed exactly: what it stored, less what it removed or
 cleared. One that does not is followed approximately, as SGLang's router does it: the blocks of
-the requests sent to it, least recently sent out first past `approximate_limit`.
+the requests sent to it. Either way at most `limit` blocks a prefill, the least recently
+stored or sent out first (a prefill's cache is bounded; a flood of events must not be).
 """
 
 from __future__ import annotations
@@ -26,17 +27,20 @@ class PrefixIndex:
     """Block hashes per prefill; written by the KV events' thread and the event loop, read by
     the loop (one lock: each call is a few dict operations per block)."""
 
-    def __init__(self, approximate_limit: int = 1 << 20) -> None:
+    def __init__(self, limit: int = 1 << 20) -> None:
         self.blocks: dict[str, OrderedDict[int, None]] = {}
         self.fed: set[str] = set()  # prefills followed by their events
-        self.approximate_limit = approximate_limit
+        self.limit = limit
         self.lock = threading.Lock()
 
     def stored(self, prefill: str, hashes: Iterable[bytes | int]) -> None:
         with self.lock:
             self.fed.add(prefill)
             held = self.blocks.setdefault(prefill, OrderedDict())
-            held.update((external(h), None) for h in hashes)
+            for h in hashes:
+                held[external(h)] = None
+                held.move_to_end(external(h))
+            self.trim(held)
 
     def removed(self, prefill: str, hashes: Iterable[bytes | int]) -> None:
         with self.lock:
@@ -66,8 +70,11 @@ class PrefixIndex:
             for h in hashes:
                 held[h] = None
                 held.move_to_end(h)
-            while len(held) > self.approximate_limit:
-                held.popitem(last=False)
+            self.trim(held)
+
+    def trim(self, held: OrderedDict[int, None]) -> None:
+        while len(held) > self.limit:
+            held.popitem(last=False)
 
     def held(self, prefill: str) -> int:
         with self.lock:

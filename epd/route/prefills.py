@@ -6,7 +6,7 @@ peer. Its load is the requests this router has on it, or those it reports in fli
 (other routers' too), whichever is higher. Its /health also names the key its block hashes
 start from and the topic of its KV events (`api/app.py`, `kv_status`), which the router needs
 to follow its blocks; a prefill that stops answering, or answers with another pid (it
-restarted, its cache empty), is forgotten by the index.
+restarted, its cache empty: a new instance id), is forgotten by the index.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ class Prefill:
     reported: int = 0  # in flight, as its /health last said
     model_key: bytes = b""
     topic: str | None = None
-    pid: int = 0
+    instance: str = ""  # its process's, as its /health says: another one is a restart
 
     @property
     def load(self) -> int:
@@ -46,15 +46,19 @@ class PrefillSet:
         self.index = index
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.prefills: dict[str, Prefill] = {}
+        # Topic → prefill, swapped whole after each poll: the KV events' thread reads it.
+        self.topics: dict[str, str] = {}
+        self.polling: asyncio.Task[None] | None = None
         self.sync()
 
     def sync(self) -> None:
         """Follow the peers found: new ones added (down until their /health says ok), gone
         ones dropped with what the index held of them."""
-        current = set(self.peers.current)
-        for url in current - self.prefills.keys():
-            self.prefills[url] = Prefill(url)
-        for url in self.prefills.keys() - current:
+        current = self.peers.current
+        for url in current:  # in the order given: equals take turns in it
+            if url not in self.prefills:
+                self.prefills[url] = Prefill(url)
+        for url in self.prefills.keys() - set(current):
             del self.prefills[url]
             self.index.forget(url)
 
@@ -62,13 +66,22 @@ class PrefillSet:
         return [p for p in self.prefills.values() if p.up]
 
     def owner(self, topic: str) -> str | None:
-        """The prefill whose KV events carry `topic` (when exactly one does)."""
-        owners = [p.url for p in self.prefills.values() if p.topic == topic]
-        return owners[0] if len(owners) == 1 else None
+        """The prefill whose KV events carry `topic` (when exactly one does); from any thread."""
+        return self.topics.get(topic)
 
     async def poll(self, client: httpx.AsyncClient) -> None:
         """Read every prefill's /health at once."""
         await asyncio.gather(*(self.read(client, p) for p in list(self.prefills.values())))
+        topics = [p.topic for p in self.prefills.values() if p.topic]
+        self.topics = {  # a topic two prefills claim is neither's
+            p.topic: p.url for p in self.prefills.values() if p.topic and topics.count(p.topic) == 1
+        }
+
+    async def poll_once(self, client: httpx.AsyncClient) -> None:
+        """`poll`, shared by every caller while one runs (requests finding no prefill up)."""
+        if self.polling is None or self.polling.done():
+            self.polling = asyncio.ensure_future(self.poll(client))
+        await asyncio.shield(self.polling)
 
     async def read(self, client: httpx.AsyncClient, prefill: Prefill) -> None:
         try:
@@ -82,23 +95,23 @@ class PrefillSet:
         if not isinstance(body, dict):
             self.down(prefill)
             return
-        pid = body.get("pid", 0)
-        if prefill.pid and pid != prefill.pid:  # restarted: its cache is empty
+        kv = body.get("kv", {})
+        kv = kv if isinstance(kv, dict) else {}
+        instance = str(kv.get("instance", ""))
+        if prefill.instance and instance != prefill.instance:  # restarted: its cache is empty
             self.index.forget(prefill.url)
-        prefill.pid = pid if isinstance(pid, int) else 0
+        prefill.instance = instance
         was_up, prefill.up = prefill.up, reply.status_code == 200 and body.get("status") == "ok"
         if prefill.up != was_up:
             log.info("prefill %s is %s", prefill.url, "up" if prefill.up else "not ready")
         in_flight = body.get("in_flight", 0)  # a key holder's view; 0 where the key is not held
         prefill.reported = in_flight if isinstance(in_flight, int) else 0
-        kv = body.get("kv", {})
-        if isinstance(kv, dict):
-            try:
-                prefill.model_key = bytes.fromhex(str(kv.get("model_key", "")))
-            except ValueError:
-                prefill.model_key = b""
-            topic = kv.get("events_topic")
-            prefill.topic = topic if isinstance(topic, str) else None
+        try:
+            prefill.model_key = bytes.fromhex(str(kv.get("model_key", "")))
+        except ValueError:
+            prefill.model_key = b""
+        topic = kv.get("events_topic")
+        prefill.topic = topic if isinstance(topic, str) else None
 
     def down(self, prefill: Prefill) -> None:
         if prefill.up:

@@ -93,16 +93,18 @@ def test_dead_decode_fails_fast_then_recovers(three, tiny_checkpoint):
 
 
 def test_a_decoder_killed_mid_stream_fails_its_streams_fast(three, tiny_checkpoint):
+    """With no other decoder to move them to (tests/e2e/test_migration.py moves them), its
+    streams end with an error event within 2 s: the disconnect, not the 60 s token timeout."""
     processes, client, base = three
     with ThreadPoolExecutor(2) as pool:
         streams = streams_under_way(pool, client, 2)
         processes["decode"].popen.send_signal(signal.SIGKILL)
         start = time.monotonic()
-        lost = f"lost the connection to tcp://127.0.0.1:{base + 2} while it held this request"
+        gone = f"no decode server is reachable \\(tried tcp://127.0.0.1:{base + 2}\\)"
         for stream in streams:
-            with pytest.raises(openai.APIError, match=lost):
+            with pytest.raises(openai.APIError, match=gone):
                 stream.result(timeout=30)
-        assert time.monotonic() - start < 15  # the disconnect, not the 60 s token timeout
+        assert time.monotonic() - start < 2
     processes["decode"].popen.wait()
     processes["decode"] = role("decode", tiny_checkpoint, base).wait_ready()
     assert eventually(lambda: ask(client, TEXT)).usage.completion_tokens == 3

@@ -2,6 +2,7 @@
 prefills retried before any byte went out, a stream cut off ended with an error event, the API
 key checked at the router, and load counted once per request whatever happened to it."""
 
+import asyncio
 import json
 
 import httpx
@@ -137,3 +138,65 @@ def test_with_no_prefill_up_the_router_says_so():
 
 async def _down(client, prefill):
     prefill.up = False
+
+
+def test_a_path_is_passed_on_as_the_client_spelt_it_and_load_is_always_given_back():
+    """Percent-escapes stay escaped (decoded, %3F and %2F would mean something else to the
+    prefill, and %01 is no URL at all), and a request that fails in any way leaves no load."""
+    router, sent = router_for(
+        {A: lambda r: httpx.Response(404, json={}), B: lambda r: httpx.Response(404, json={})}
+    )
+    with TestClient(create_app(router)) as client:
+        client.get("/v1/models/a%2Fb%3Fx?q=%01")
+        client.get("/%01")
+    assert [r.url.raw_path for _, r in sent] == [b"/v1/models/a%2Fb%3Fx?q=%01", b"/%01"]
+    assert all(p.in_flight == 0 for p in router.prefills.prefills.values())
+
+
+def test_a_body_past_the_bounds_gets_an_openai_error_not_a_plain_500():
+    router, sent = router_for(
+        {A: lambda r: httpx.Response(200, json={}), B: lambda r: httpx.Response(200, json={})}
+    )
+    with TestClient(create_app(router)) as client:
+        reply = client.post(
+            "/v1/completions",
+            content=b"[" * (1 << 20),
+            headers={"content-type": "application/json"},
+        )
+    assert 400 <= reply.status_code < 500 and "error" in reply.json() and not sent
+
+
+def test_a_responses_stream_cut_off_ends_with_that_apis_error_event():
+    stream = httpx.Response(200, headers={"content-type": "text/event-stream"}, stream=CutOff())
+    router, _ = router_for({A: lambda r: stream, B: lambda r: stream})
+    with TestClient(create_app(router)) as client:
+        reply = client.post("/v1/responses", json={"model": "m", "input": "hi", "stream": True})
+    assert "event: error" in reply.text and "[DONE]" not in reply.text
+    (data,) = [line for line in reply.text.splitlines() if line.startswith('data: {"type"')]
+    assert json.loads(data[6:])["code"] == "service_unavailable"
+
+
+def test_a_prefill_that_restarted_is_forgotten_by_the_index():
+    """Told apart by the instance id its /health gives: in a container a restart keeps pid 1."""
+    instance = ["first"]
+
+    def health(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(
+            200, json=HEALTHY | {"kv": {"model_key": "00", "instance": instance[0]}}
+        )
+
+    router, _ = router_for({})
+    router.client = httpx.AsyncClient(transport=httpx.MockTransport(health))
+
+    async def main() -> list[int]:
+        held = []
+        await router.prefills.poll(router.client)
+        router.index.stored(A, [1, 2])
+        await router.prefills.poll(router.client)  # the same process: what it holds is kept
+        held.append(router.index.held(A))
+        instance[0] = "second"  # restarted (same address, same pid)
+        await router.prefills.poll(router.client)
+        held.append(router.index.held(A))
+        return held
+
+    assert asyncio.run(main()) == [2, 0]

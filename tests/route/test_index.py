@@ -23,7 +23,7 @@ def test_digests_and_ints_name_a_block_alike():
 
 
 def test_requests_sent_count_only_for_a_prefill_without_events():
-    index = PrefixIndex(approximate_limit=3)
+    index = PrefixIndex(limit=3)
     index.sent("quiet", [1, 2, 3, 4])  # the oldest goes past the limit
     assert index.matched("quiet", [2, 3, 4]) == 3 and index.matched("quiet", [1]) == 0
     index.stored("loud", [7])
@@ -37,3 +37,9 @@ def test_a_forgotten_prefill_holds_nothing():
     index.forget("a")
     index.sent("a", [2])  # followed by requests again until its events come
     assert index.matched("a", [1]) == 0 and index.matched("a", [2]) == 1
+
+
+def test_a_fed_prefill_keeps_at_most_the_limit_newest_first():
+    index = PrefixIndex(limit=2)
+    index.stored("a", [1, 2, 3])
+    assert index.held("a") == 2 and index.matched("a", [2, 3]) == 2
