@@ -11,9 +11,10 @@ and what the router costs.
   round-robin. For each: the share of prompt tokens the replies' usage says came from cache,
   each prefill's share of the requests, the KV rows handed to decoders against the prompt
   tokens prefilled (not cached), TTFT p50 and output tokens/s.
-- overhead: one `epd serve` (one prefill) and an `epd route` in front of it; `epd bench` at 1
-  and 16 streams straight to the prefill and through the router, alternately: TTFT and TPOT
-  through it ÷ straight.
+- overhead: one `epd serve` (one prefill, no prefix cache) and an `epd route` in front of it,
+  given it under two names so that it names and weighs every request as in a fleet; `epd
+  bench` at 1 and 16 streams straight to the prefill and through the router, alternately (the
+  first side alternating by round): TTFT and TPOT through it ÷ straight.
 
 Not a test, never in CI.
 """
@@ -125,10 +126,16 @@ def trace(checkpoint: Path, rounds: int, out: Path) -> None:
 
 
 def overhead(checkpoint: Path, rounds: int, out: Path) -> None:
-    backend = serve(checkpoint, [], out / "overhead-serve.log")
+    # No prefix cache: the side that runs second must not find the first one's prompts cached.
+    # Every loopback address: the router reaches it as 127.0.0.1 and as 127.0.0.2 (below).
+    flags = ["--no-enable-prefix-caching", "--host", "0.0.0.0"]
+    backend = serve(checkpoint, flags, out / "overhead-serve.log")
     route_port = PORT + 1
     command = [sys.executable, "-m", "epd.cli", "route", str(checkpoint), "--port", str(route_port)]
-    command += ["--prefill-urls", f"http://127.0.0.1:{PORT}", "--kv-events-bind", ""]
+    # The one prefill under two names: two prefills to the router, so that it names every
+    # request's blocks and weighs them, its whole path.
+    urls_given = [f"http://127.0.0.1:{PORT}", f"http://127.0.0.2:{PORT}"]
+    command += ["--prefill-urls", *urls_given, "--kv-events-bind", ""]
     urls = {
         "straight": f"http://127.0.0.1:{PORT}/v1",
         "router": f"http://127.0.0.1:{route_port}/v1",
