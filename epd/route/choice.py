@@ -8,7 +8,11 @@ next), and why the first was chosen.
 - least-loaded: fewest requests in flight (the router's own count, or what the prefill
   reports, whichever is higher: other routers' requests count too).
 - round-robin: each in turn.
-Equals take turns, so that an idle fleet still spreads its first requests.
+Equals take turns, so that an idle fleet still spreads its first requests. Where the loads are
+out of balance (the busiest has over BALANCE_ABS more requests than the least busy, and over
+BALANCE_REL times as many), cache-aware routing goes by load alone, as SGLang's router guards
+its own: four streams of one prompt, come together, all went to the prefill whose events had
+just named its block.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 PREFIX_WEIGHT, LOAD_WEIGHT = 2.0, 1.0
+BALANCE_ABS, BALANCE_REL = 2, 1.5  # requests; a ratio
 CACHE_HIT, LOAD, ROUND_ROBIN = "cache_hit", "load", "round_robin"
 
 
@@ -38,7 +43,7 @@ def order(
     rotated = [*candidates[start:], *candidates[:start]]
     if routing == "round-robin":
         return rotated, ROUND_ROBIN
-    if routing == "least-loaded":
+    if routing == "least-loaded" or out_of_balance(candidates):
         return sorted(rotated, key=lambda c: c.load), LOAD
 
     def score(c: Candidate) -> float:
@@ -47,3 +52,8 @@ def order(
 
     ranked = sorted(rotated, key=score, reverse=True)  # stable: equals keep their turn
     return ranked, CACHE_HIT if ranked[0].matched else LOAD
+
+
+def out_of_balance(candidates: Sequence[Candidate]) -> bool:
+    loads = [c.load for c in candidates]
+    return max(loads) - min(loads) > BALANCE_ABS and max(loads) > BALANCE_REL * min(loads)

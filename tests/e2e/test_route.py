@@ -29,10 +29,40 @@ def routed(base: int) -> dict[tuple[str, str], float]:
     return {(m[1], m[2]): float(m[3]) for m in re.finditer(pattern, text, re.M)}
 
 
-def test_each_conversation_stays_on_the_prefill_that_holds_it(tiny_checkpoint):
+def stream_until_it_ends(api: openai.OpenAI, started: threading.Semaphore) -> tuple[str, float]:
+    """A long greedy stream: how it ended ("done" or the error's text) and when (monotonic)."""
+    try:
+        chunks = api.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": "count"}],
+            max_tokens=DRAINED,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        texts = 0
+        for chunk in chunks:
+            if chunk.choices and chunk.choices[0].delta.content:
+                texts += 1
+                if texts == 2:
+                    started.release()
+        return "done", time.monotonic()
+    except openai.APIError as e:
+        return str(e), time.monotonic()
+
+
+def test_a_fleet_keeps_conversations_where_their_blocks_are_and_outlives_a_prefill(
+    tiny_checkpoint,
+):
+    """One fleet, in order: each conversation's turns go to the prefill that holds its blocks
+    (its KV events say so) and the router holds no torch; then a prefill killed under four
+    streams ends its own streams at once, and no request after it fails."""
     base = free_fleet_base()
     stack = serve(tiny_checkpoint, base, *FLEET)
     try:
+        deadline = time.monotonic() + 30  # a prefill is chosen once its /health says ok
+        while not all(p["up"] for p in health(base + 20)[1].get("prefills", {}).values()):
+            assert time.monotonic() < deadline, "the router never saw both prefills up"
+            time.sleep(0.2)
         api = client(base)
         conversations = [
             # Different from the first block on: nothing of one is cached for another.
@@ -66,38 +96,6 @@ def test_each_conversation_stays_on_the_prefill_that_holds_it(tiny_checkpoint):
         route = stack.role_pids()["route"]
         maps = Path(f"/proc/{route}/maps").read_text()
         assert "libtorch" not in maps, "the router loaded torch"
-    finally:
-        assert stack.stop() == 0, stack.output
-
-
-def stream_until_it_ends(api: openai.OpenAI, started: threading.Semaphore) -> tuple[str, float]:
-    """A long greedy stream: how it ended ("done" or the error's text) and when (monotonic)."""
-    try:
-        chunks = api.chat.completions.create(
-            model="tiny",
-            messages=[{"role": "user", "content": "count"}],
-            max_tokens=DRAINED,
-            stream=True,
-            extra_body={"ignore_eos": True},
-        )
-        texts = 0
-        for chunk in chunks:
-            if chunk.choices and chunk.choices[0].delta.content:
-                texts += 1
-                if texts == 2:
-                    started.release()
-        return "done", time.monotonic()
-    except openai.APIError as e:
-        return str(e), time.monotonic()
-
-
-def test_a_killed_prefill_ends_its_own_streams_at_once_and_no_request_after_it_fails(
-    tiny_checkpoint,
-):
-    base = free_fleet_base()
-    stack = serve(tiny_checkpoint, base, *FLEET)
-    try:
-        api = client(base)
         started = threading.Semaphore(0)
         with ThreadPoolExecutor(4) as pool:
             streams = [pool.submit(stream_until_it_ends, api, started) for _ in range(4)]

@@ -8,7 +8,7 @@ def urls(ranked):
 
 
 def test_the_prefill_holding_the_prefix_wins_over_an_idle_one():
-    holder, idle = Candidate("a", load=4, matched=9), Candidate("b", load=0, matched=1)
+    holder, idle = Candidate("a", load=2, matched=9), Candidate("b", load=0, matched=1)
     ranked, why = order([idle, holder], "cache-aware", blocks=10, turn=0)
     assert urls(ranked) == ["a", "b"] and why == CACHE_HIT
 
@@ -27,7 +27,7 @@ def test_a_prompt_nobody_holds_goes_by_load_and_equals_take_turns():
 
 
 def test_a_small_share_of_the_prefix_does_not_outweigh_a_queue():
-    holder, idle = Candidate("a", load=8, matched=1), Candidate("b", load=0, matched=0)
+    holder, idle = Candidate("a", load=2, matched=1), Candidate("b", load=0, matched=0)
     assert urls(order([holder, idle], "cache-aware", blocks=20, turn=0)[0]) == ["b", "a"]
 
 
@@ -41,3 +41,12 @@ def test_round_robin_and_least_loaded_ignore_the_prefix():
 
 def test_no_candidate_gives_an_empty_order():
     assert order([], "cache-aware", 3, 0) == ([], LOAD)
+
+
+def test_out_of_balance_the_least_loaded_goes_first_whatever_the_other_holds():
+    """Four streams of one prompt came together and all went to the prefill whose events had
+    just named its block: past the balance bound, load decides."""
+    holder, idle = Candidate("a", load=3, matched=4), Candidate("b", load=0)
+    assert order([holder, idle], "cache-aware", blocks=4, turn=0) == ([idle, holder], LOAD)
+    near = Candidate("c", load=2, matched=4)
+    assert order([near, idle], "cache-aware", blocks=4, turn=0)[0][0] is near  # 2 to 0: held
