@@ -36,6 +36,7 @@ from epd.api.middleware import (
     arrived,
     key_holders,
     request_id,
+    until_disconnected,
 )
 from epd.api.prepare import PromptBuilder, check_grammar, check_scored
 from epd.api.reasoning import reasoning_of, split_deltas
@@ -71,7 +72,6 @@ from epd.runtime.watchdog import Watchdog
 from epd.wire.messages import TokenDelta
 
 log = logging.getLogger(__name__)
-DISCONNECT_POLL_S = 0.25
 T = TypeVar("T")
 
 
@@ -644,18 +644,6 @@ async def logged(
 
 async def collect(deltas: AsyncIterator[TokenDelta]) -> list[TokenDelta]:
     return [delta async for delta in deltas]
-
-
-async def until_disconnected(request: Request, work: Any) -> list[TokenDelta] | None:
-    """Await `work`, cancelling it (which aborts the request in decode) if the client leaves."""
-    task = asyncio.ensure_future(work)
-    while not task.done():
-        await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-        if not task.done() and await request.is_disconnected():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-            return None
-    return task.result()
 
 
 async def stream(

@@ -3,6 +3,7 @@ the API key check, a bound on the body's size, and admission (in-flight count, d
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import os
 import re
@@ -10,7 +11,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
@@ -23,6 +24,8 @@ from epd.api.errors import APIError, overloaded
 from epd.wire.limits import ID_CHARS
 
 REQUEST_ID = re.compile(f"[{ID_CHARS}]{{1,128}}")  # what may be echoed into a header and logs
+DISCONNECT_POLL_S = 0.25  # how often a reply being gathered checks that its client is there
+T = TypeVar("T")
 
 
 class RequestIds:
@@ -295,3 +298,17 @@ def add_middleware(
         return JSONResponse(body, status_code=status, headers=error.headers)
 
     app.add_exception_handler(HTTPException, http_error)
+
+
+async def until_disconnected(request: Request, work: Awaitable[T]) -> T | None:
+    """Await `work`, cancelling it if the client leaves (None then): a reply nobody will read
+    must not keep prefill and decode at work (cancelling aborts it there, or closes the
+    prefill's connection, which aborts it there)."""
+    task = asyncio.ensure_future(work)
+    while not task.done():
+        await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+        if not task.done() and await request.is_disconnected():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            return None
+    return task.result()

@@ -111,6 +111,30 @@ def max_model_len_option() -> Any:
     )
 
 
+def max_image_bytes_option() -> Any:
+    return option(20 * 1024 * 1024, "size limit of one image, encoded")
+
+
+def max_request_bytes_option() -> Any:
+    return option(100 * 1024 * 1024, "request bodies over this size get 413 before they are read")
+
+
+def max_text_request_bytes_option() -> Any:
+    return option(
+        16 * 1024 * 1024,
+        "the same for routes that take no images (/v1/completions, /detokenize)",
+    )
+
+
+def allowed_origins_option() -> Any:
+    return option(
+        (),
+        "origins browsers may call the API from (CORS), e.g. https://app.example; * for any; "
+        "listed with spaces, or as vLLM's JSON list '[\"*\"]'",
+        vllm="--allowed-origins",
+    )
+
+
 def kv_events_option() -> Any:
     return option(
         "",
@@ -132,7 +156,7 @@ class EncodeConfig(ModelOptions):
     health_host: str = option("127.0.0.1", "host of the GET /health endpoint")
     health_port: int = option(7111, "port of the GET /health endpoint")
     max_image_pixels: int = option(50_000_000, "refuse decoded images larger than this")
-    max_image_bytes: int = option(20 * 1024 * 1024, "size limit of one image, encoded")
+    max_image_bytes: int = max_image_bytes_option()
     max_images: int = option(16, "most images in one encode request", vllm=IMAGE_LIMIT)
     batch_patches: int = option(
         0,
@@ -228,7 +252,7 @@ class PrefillConfig(ModelOptions):
         "any image under it (default: none, file:// URLs are refused)",
         vllm="--allowed-local-media-path",
     )
-    max_image_bytes: int = option(20 * 1024 * 1024, "size limit of one image, encoded")
+    max_image_bytes: int = max_image_bytes_option()
     max_image_pixels: int = option(50_000_000, "refuse images larger than this (from their header)")
     max_images: int = option(16, "most images in one request", vllm=IMAGE_LIMIT)
     default_max_tokens: int = option(1024, "max_tokens when a request gives none")
@@ -292,13 +316,8 @@ class PrefillConfig(ModelOptions):
         "prompts are kept, not at start)",
     )
     kv_events_config: str = kv_events_option()
-    max_request_bytes: int = option(
-        100 * 1024 * 1024, "request bodies over this size get 413 before they are read"
-    )
-    max_text_request_bytes: int = option(
-        16 * 1024 * 1024,
-        "the same for routes that take no images (/v1/completions, /detokenize)",
-    )
+    max_request_bytes: int = max_request_bytes_option()
+    max_text_request_bytes: int = max_text_request_bytes_option()
     max_request_bytes_at_once: int = option(
         300 * 1024 * 1024,
         "request bodies over 1 MiB being read and parsed hold at most this many bytes together; "
@@ -347,12 +366,7 @@ class PrefillConfig(ModelOptions):
         "or --log-level where that is higher)",
         vllm="--uvicorn-log-level",
     )
-    allowed_origins: tuple[str, ...] = option(
-        (),
-        "origins browsers may call the API from (CORS), e.g. https://app.example; * for any; "
-        "listed with spaces, or as vLLM's JSON list '[\"*\"]'",
-        vllm="--allowed-origins",
-    )
+    allowed_origins: tuple[str, ...] = allowed_origins_option()
     max_model_len: int = max_model_len_option()
     chat_template: str = option(
         "",
@@ -405,25 +419,16 @@ class RouteConfig(ModelOptions):
         "routing follows the requests it sent each prefill instead",
     )
     health_interval_s: float = option(1.0, "how often each prefill's /health is read")
-    max_image_bytes: int = option(20 * 1024 * 1024, "size limit of one image, encoded")
-    max_request_bytes: int = option(
-        100 * 1024 * 1024, "request bodies over this size get 413 before they are read"
-    )
-    max_text_request_bytes: int = option(
-        16 * 1024 * 1024,
-        "the same for routes that take no images (/v1/completions, /detokenize)",
-    )
+    max_image_bytes: int = max_image_bytes_option()
+    max_request_bytes: int = max_request_bytes_option()
+    max_text_request_bytes: int = max_text_request_bytes_option()
     api_key: str = option(
         "",
         "key every /v1 request must send as 'Authorization: Bearer' (or set EPD_API_KEY); "
         "it is passed on to the prefills, which check the same key",
         vllm="--api-key",
     )
-    allowed_origins: tuple[str, ...] = option(
-        (),
-        "origins browsers may call the API from (CORS), e.g. https://app.example; * for any",
-        vllm="--allowed-origins",
-    )
+    allowed_origins: tuple[str, ...] = allowed_origins_option()
     max_model_len: int = max_model_len_option()
     chat_template: str = option(
         "",

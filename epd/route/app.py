@@ -37,6 +37,7 @@ from epd.api.middleware import (
     api_key,
     key_holders,
     request_id,
+    until_disconnected,
 )
 from epd.config.roles import RouteConfig
 from epd.route.choice import Candidate, order
@@ -66,7 +67,6 @@ NOT_PASSED = {
 }
 TIMEOUT = httpx.Timeout(connect=2.0, read=None, write=30.0, pool=None)
 NAMING_S = 1.0  # a request whose blocks take longer to name is routed by load alone
-GONE_POLL_S = 0.5  # how often a reply read whole checks that its client is still there
 
 
 @dataclass
@@ -192,7 +192,7 @@ class Router:
                 relay = self.relay(upstream, prefill, release, request.url.path)
                 return StreamingResponse(relay, upstream.status_code, passed)
             try:
-                content = await read_unless_gone(request, upstream)
+                content = await until_disconnected(request, upstream.aread())
             except httpx.HTTPError as e:  # it died while working on it: nothing was sent yet
                 log.warning("prefill %s failed mid-reply: %s", prefill.url, e)
                 self.prefills.down(prefill)
@@ -264,22 +264,6 @@ def as_sent(request: Request) -> str:
     path = request.scope.get("raw_path") or request.url.path.encode()
     query = request.scope.get("query_string", b"")
     return (path + (b"?" + query if query else b"")).decode("latin-1")
-
-
-async def read_unless_gone(request: Request, upstream: httpx.Response) -> bytes | None:
-    """The whole reply, or None once the client has gone (a client that gave up must not
-    keep a prefill and a decoder at work: closing the upstream aborts it there)."""
-    reading = asyncio.ensure_future(upstream.aread())
-    try:
-        while True:
-            done, _ = await asyncio.wait({reading}, timeout=GONE_POLL_S)
-            if done:
-                return reading.result()
-            if await request.is_disconnected():
-                return None
-    finally:
-        if not reading.done():
-            reading.cancel()
 
 
 def create_app(router: Router, on_started: Any = None) -> FastAPI:
