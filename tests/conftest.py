@@ -3,7 +3,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from epd.checkpoint.config import load_generation_config, load_model_config
 from epd.checkpoint.synthetic import make_checkpoint
+from epd.checkpoint.tokenizer import load_tokenizer
+from epd.checkpoint.weights import load_model
+from epd.prefill.engine import PrefillEngine
 
 torch.set_num_threads(2)
 
@@ -32,3 +36,12 @@ def checkpoint_in(tmp_path_factory: pytest.TempPathFactory):
         return made[layout]
 
     return make
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_checkpoint):
+    """The tiny checkpoint's prefill engine (prefill's tests, and the router's block names)."""
+    lm = load_model(tiny_checkpoint, role="language").language_model
+    placeholder = load_model_config(tiny_checkpoint).media_placeholder_token_id
+    eos = load_generation_config(tiny_checkpoint).eos_token_ids
+    return PrefillEngine(lm, load_tokenizer(tiny_checkpoint), placeholder, eos)

@@ -20,6 +20,7 @@ from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import NamedTuple
 
 import openai
 from PIL import Image
@@ -292,3 +293,28 @@ def streams_under_way(
     for _ in streams:
         assert started.acquire(timeout=30), "a stream did not get under way"
     return streams
+
+
+class Streamed(NamedTuple):
+    text: str
+    times: list[float]  # when each piece came (monotonic)
+    error: str  # what ended it short ("" if nothing)
+    ended: float  # when it ended (monotonic)
+
+
+def timed_stream(
+    client: openai.OpenAI, request: dict, going: threading.Semaphore, after: int
+) -> Streamed:
+    """A streamed chat `request`, piece by piece; `going` released at its `after`-th piece. An
+    error that ends it (an error event) is its `error`, not raised."""
+    text, times, error = [], [], ""
+    try:
+        for chunk in client.chat.completions.create(**request, stream=True):
+            if chunk.choices and chunk.choices[0].delta.content:
+                text.append(chunk.choices[0].delta.content)
+                times.append(time.monotonic())
+                if len(times) == after:
+                    going.release()
+    except openai.APIError as e:
+        error = str(e)
+    return Streamed("".join(text), times, error, time.monotonic())

@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 import pytest
 
-from .stack import free_fleet_base, health, serve
+from .stack import free_fleet_base, health, serve, timed_stream
 
 TOKENS = 128
 
@@ -30,19 +30,6 @@ def ask(index: int) -> dict:
         "seed": 1000 + index if sampled else None,
         "extra_body": {"ignore_eos": True},
     }
-
-
-def streamed(api: openai.OpenAI, index: int, going: threading.Semaphore) -> tuple[str, list[float]]:
-    """The stream's text and when each of its pieces came; `going` released at its 10th."""
-    chunks = api.chat.completions.create(**ask(index), stream=True)
-    text, times = [], []
-    for chunk in chunks:
-        if chunk.choices and chunk.choices[0].delta.content:
-            text.append(chunk.choices[0].delta.content)
-            times.append(time.monotonic())
-            if len(times) == 10:
-                going.release()
-    return "".join(text), times
 
 
 def migrated(port: int) -> float:
@@ -64,20 +51,18 @@ def test_streams_of_a_killed_decoder_go_on_on_the_other_token_for_token(tiny_che
         ]
         going = threading.Semaphore(0)
         with ThreadPoolExecutor(8) as pool:
-            streams = [pool.submit(streamed, api, i, going) for i in range(8)]
+            streams = [pool.submit(timed_stream, api, ask(i), going, 10) for i in range(8)]
             for _ in streams:
                 assert going.acquire(timeout=60), "a stream did not get under way"
             _, decoder = health(base + 12)
             killed_at = time.monotonic()
             os.kill(decoder["pid"], signal.SIGKILL)
             results = [s.result(timeout=120) for s in streams]
-        for i, (text, _) in enumerate(results):
+        for i, text in enumerate(r.text for r in results):
             assert text == undisturbed[i], f"stream {i} differs from its undisturbed run"
         moved = migrated(base + 20)
         assert moved >= 1, "no stream was on the killed decoder"
-        gaps = [
-            b - a for _, times in results for a, b in itertools.pairwise(times) if b > killed_at
-        ]
+        gaps = [b - a for r in results for a, b in itertools.pairwise(r.times) if b > killed_at]
         print(f"{moved:.0f} of 8 streams moved; longest gap after the kill: {max(gaps):.2f} s")
         assert max(gaps) < 10.0
     finally:

@@ -13,8 +13,15 @@ from pathlib import Path
 
 import openai
 
-from .stack import DRAINED, free_fleet_base, health, serve
+from .stack import DRAINED, free_fleet_base, health, serve, timed_stream
 
+# A long greedy stream (still under way when its prefill is killed).
+LONG = {
+    "model": "tiny",
+    "messages": [{"role": "user", "content": "count"}],
+    "max_tokens": DRAINED,
+    "extra_body": {"ignore_eos": True},
+}
 FLEET = ("--prefills", "2", "--decoders", "2", "--encoders", "2", "--served-model-name", "tiny")
 
 
@@ -27,27 +34,6 @@ def routed(base: int) -> dict[tuple[str, str], float]:
     text = urllib.request.urlopen(f"http://127.0.0.1:{base + 20}/metrics").read().decode()
     pattern = r'^epd:router_requests_total\{[^}]*prefill="([^"]+)",reason="([^"]+)"[^}]*\} (\S+)'
     return {(m[1], m[2]): float(m[3]) for m in re.finditer(pattern, text, re.M)}
-
-
-def stream_until_it_ends(api: openai.OpenAI, started: threading.Semaphore) -> tuple[str, float]:
-    """A long greedy stream: how it ended ("done" or the error's text) and when (monotonic)."""
-    try:
-        chunks = api.chat.completions.create(
-            model="tiny",
-            messages=[{"role": "user", "content": "count"}],
-            max_tokens=DRAINED,
-            stream=True,
-            extra_body={"ignore_eos": True},
-        )
-        texts = 0
-        for chunk in chunks:
-            if chunk.choices and chunk.choices[0].delta.content:
-                texts += 1
-                if texts == 2:
-                    started.release()
-        return "done", time.monotonic()
-    except openai.APIError as e:
-        return str(e), time.monotonic()
 
 
 def test_a_fleet_keeps_conversations_where_their_blocks_are_and_outlives_a_prefill(
@@ -98,14 +84,14 @@ def test_a_fleet_keeps_conversations_where_their_blocks_are_and_outlives_a_prefi
         assert "libtorch" not in maps, "the router loaded torch"
         started = threading.Semaphore(0)
         with ThreadPoolExecutor(4) as pool:
-            streams = [pool.submit(stream_until_it_ends, api, started) for _ in range(4)]
+            streams = [pool.submit(timed_stream, api, LONG, started, 2) for _ in range(4)]
             for _ in streams:
                 assert started.acquire(timeout=60), "a stream did not get under way"
             _, prefill = health(base + 21)
             killed_at = time.monotonic()
             os.kill(prefill["pid"], signal.SIGKILL)
             ended = [s.result(timeout=120) for s in streams]
-        cut = [(how, at - killed_at) for how, at in ended if how != "done"]
+        cut = [(s.error, s.ended - killed_at) for s in ended if s.error]
         assert cut, "no stream was on the killed prefill (4 streams, two prefills, by load)"
         assert all(seconds < 2.0 for _, seconds in cut), cut
         assert all("prefill serving this stream failed" in how for how, _ in cut), cut

@@ -8,23 +8,12 @@ from PIL import Image
 
 from epd.api.prepare import PromptBuilder
 from epd.api.schema import parse_completion, parse_request
-from epd.checkpoint.config import load_generation_config, load_model_config
 from epd.checkpoint.tokenizer import load_tokenizer
-from epd.checkpoint.weights import load_model
 from epd.kv.hashing import image_digests, image_spans, salt_digest
-from epd.prefill.engine import PrefillEngine
 from epd.route.index import external
 from epd.route.prompts import CHAT, COMPLETIONS, PromptNamer
 
 LONG = "the quick brown fox jumps over the lazy dog " * 12
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_checkpoint):
-    lm = load_model(tiny_checkpoint, role="language").language_model
-    placeholder = load_model_config(tiny_checkpoint).media_placeholder_token_id
-    eos = load_generation_config(tiny_checkpoint).eos_token_ids
-    return PrefillEngine(lm, load_tokenizer(tiny_checkpoint), placeholder, eos)
 
 
 @pytest.fixture(scope="module")
