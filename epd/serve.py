@@ -25,6 +25,7 @@ from typing import Any
 
 from epd.checkpoint.hub import on_disk
 from epd.config.roles import ROLES, DecodeConfig, EncodeConfig, PrefillConfig, ServeConfig
+from epd.config.settings import peer_endpoint
 from epd.config.sources import (
     SHARED,
     build,
@@ -247,11 +248,19 @@ def plan(args: argparse.Namespace) -> tuple[ServeConfig, dict[str, Any]]:
         (n for n, c in children.items() if isinstance(c, PrefillConfig | DecodeConfig)),
         key=lambda n: (int(n.rpartition("-")[2] or 0) if "-" in n else 0, n.startswith("decode")),
     )
+    # In a fleet every prefill follows every decoder's KV events, unless decode's are set.
+    fleet = config.decoders > 1 or config.prefills > 1
+    fleet = fleet and not decode.kv_events_config
+    for name, child in children.items():
+        if fleet and isinstance(child, PrefillConfig) and not child.decoder_kv_events:
+            children[name] = dataclasses.replace(child, decoder_kv_events=DECODER_EVENTS)
     for offset, name in enumerate(publishing):  # each its own ports, as vLLM's DP ranks
         child = children[name]
         events = offset_kv_events(child.kv_events_config, offset)
         if config.count("route") and isinstance(child, PrefillConfig) and not events:
             events = router_kv_events(config, name)  # the router follows its blocks
+        if fleet and isinstance(child, DecodeConfig) and not events:
+            events = json.dumps({"enable_kv_cache_events": True, "endpoint": decoder_events(child)})
         children[name] = dataclasses.replace(child, kv_events_config=events)
         if config.count("route") and isinstance(child, PrefillConfig):
             # Every request comes from the router's address: one client's bound would be all.
@@ -269,6 +278,17 @@ def plan(args: argparse.Namespace) -> tuple[ServeConfig, dict[str, Any]]:
 def child_name(role: str, i: int) -> str:
     """A child's name in serve's output: its role, then `prefill-1`, `prefill-2`, ..."""
     return f"{role}-{i}" if i else role
+
+
+# A decoder's KV events in a fleet on one machine: a Linux abstract socket named by the decoder's
+# port (no file to clean up, no port to take); prefill finds it by the same template.
+DECODER_EVENTS = "ipc://@epd-kv-events-{port}"
+
+
+def decoder_events(decode: DecodeConfig) -> str:
+    endpoint = peer_endpoint(DECODER_EVENTS, decode.bind)
+    assert endpoint is not None, "serve binds its decoders on tcp://127.0.0.1"
+    return endpoint
 
 
 def router_kv_events(config: ServeConfig, name: str) -> str:

@@ -223,6 +223,13 @@ class PrefillConfig(ModelOptions):
     advertise: str = option("", "address peers reply to (default: the bind address)")
     encoders: tuple[str, ...] = option(("tcp://127.0.0.1:7101",), "encode addresses")
     decoders: tuple[str, ...] = option(("tcp://127.0.0.1:7103",), "decode addresses")
+    decoder_kv_events: str = option(
+        "",
+        "where each decoder publishes its KV events (its --kv-events-config endpoint, bound), "
+        "as a ZeroMQ address where {host} is the decoder's host, {port} its port and {port+N} "
+        "that plus N, e.g. tcp://{host}:5557: every prefill then knows what every decoder holds, "
+        "not only what it handed it (default: none; epd serve sets it for a fleet)",
+    )
     peer_metrics: tuple[str, ...] = option(
         (),
         "other roles' GET /metrics URLs whose series this API's /metrics serves too, so one "

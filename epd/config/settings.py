@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -83,6 +84,8 @@ def _check_value(name: str, value: Any) -> str | None:
         return generation_overrides_problem(value)
     if name == "kv_events_config" and value:
         return json_object_problem(value, KV_EVENTS_FIELDS)
+    if name == "decoder_kv_events" and value:
+        return peer_endpoint_problem(value)
     if name == "seed" and not -1 <= value < 2**63:
         return "must be -1 (fresh draws) or from 0 to 2**63 - 1"
     if name == "min_chunk_tokens" and value < 0:
@@ -122,6 +125,36 @@ def json_object_problem(text: str, known: tuple[str, ...]) -> str | None:
         return f"must be a JSON object of {', '.join(known)}"
     unknown = sorted(set(given) - set(known))
     return f"has unknown keys {', '.join(unknown)}; known: {', '.join(known)}" if unknown else None
+
+
+PEER_FIELD = re.compile(r"\{(host|port(?:[+-]\d{1,5})?)\}")
+
+
+def peer_endpoint(template: str, address: str) -> str | None:
+    """A peer's endpoint by `template`, from its ZeroMQ address: `{host}` its host, `{port}` its
+    port, `{port+N}` that plus N (tcp://10.0.0.5:7103 by tcp://{host}:5557 is
+    tcp://10.0.0.5:5557). None where the address is not tcp:// and the template needs a field."""
+    host, _, port = address.removeprefix("tcp://").rpartition(":")
+    tcp = address.startswith("tcp://") and host and port.isdigit()
+
+    def field(match: re.Match[str]) -> str:
+        name = match.group(1)
+        if name == "host":
+            return host
+        return str(int(port) + int(name[4:] or 0))
+
+    if not tcp and PEER_FIELD.search(template):
+        return None
+    return PEER_FIELD.sub(field, template)
+
+
+def peer_endpoint_problem(template: str) -> str | None:
+    if not template.startswith(ADDRESS_SCHEMES):
+        return "must be a ZeroMQ address such as tcp://{host}:5557"
+    rest = PEER_FIELD.sub("", template)
+    if "{" in rest or "}" in rest:
+        return "may hold only {host}, {port} and {port+N} (a peer's host, its port, that plus N)"
+    return None
 
 
 def generation_overrides_problem(text: str) -> str | None:

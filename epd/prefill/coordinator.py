@@ -119,7 +119,10 @@ class Coordinator:
             others_running=lambda: self.in_flight_count() > len(self.batcher.forward),
         )
         self.encoding = Encoding(config, engine, self.router, self.metrics)
-        self.decoder_blocks = DecoderBlocks()  # what each decoder holds, as prefill believes
+        # What each decoder holds, as prefill believes; its events followed from the start.
+        self.decoder_blocks = DecoderBlocks(events=config.decoder_kv_events)
+        self.decoder_blocks.keep_only(self.router.decoders.current)
+        self.router.lost = self.decoder_blocks.lost
         self.bound: Counter[str] = Counter()  # requests in prefill, by the decoder chosen
         self.tasks: list[asyncio.Task[None]] = []
         self.ending = asyncio.Event()  # set by `end_all`
@@ -134,6 +137,7 @@ class Coordinator:
         await asyncio.gather(*self.tasks, return_exceptions=True)
         self.batcher.close()
         self.router.close()
+        self.decoder_blocks.close()
 
     def end_all(self, error: PrefillError) -> None:
         """Fail every request in flight with `error` now, and those that go on from now on,

@@ -4,17 +4,20 @@ Prefill's prompts live in a `BlockPool` (`epd/kv/`) from their first chunk to th
 and their full blocks stay cached there after it (the prefix cache), within
 `prefix_cache_bytes`. A hand-off carries only the rows of the blocks its decoder lacks:
 `DecoderBlocks` remembers which blocks prefill handed to each decoder (decode keeps them
-cached), and forgets those a decoder says it no longer holds (`KVMissing`). A wrong belief
+cached), learns from the decoders' KV events what every prefill handed them and what they
+evicted, and forgets those a decoder says it no longer holds (`KVMissing`). A wrong belief
 costs one round trip, never a wrong token: decode checks every block it is told it has.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Collection, Sequence
 
 from epd.config.roles import PrefillConfig
+from epd.config.settings import peer_endpoint
 from epd.kv.events import open_kv_events
+from epd.kv.index import BlockIndex, external
+from epd.kv.listener import KVEventListener
 from epd.kv.pool import BlockPool
 from epd.model.deepseek import DeepseekV3ForCausalLM
 
@@ -41,52 +44,53 @@ def prefill_pool(config: PrefillConfig, lm: DeepseekV3ForCausalLM) -> BlockPool:
 
 
 class DecoderBlocks:
-    """The blocks prefill believes each decoder holds, by hash: those it handed to it, less
-    those the decoder said it lacked."""
+    """The blocks prefill believes each decoder holds: those handed to it, and, where prefill
+    follows the decoders' KV events (`decoder_kv_events`), what each stored by any prefill's
+    hand-off, less what it evicted; less, either way, what it said it lacked (`KVMissing`)."""
 
-    def __init__(self, per_decoder: int = REMEMBERED_BLOCKS) -> None:
-        self.per_decoder = per_decoder
-        self.held: dict[str, OrderedDict[bytes, None]] = {}
+    def __init__(self, per_decoder: int = REMEMBERED_BLOCKS, events: str = "") -> None:
+        """`events`: the decoders' KV events endpoint template (`settings.peer_endpoint`)."""
+        self.index = BlockIndex(limit=per_decoder)
+        self.events = events
+        self.listener = KVEventListener(self.index) if events else None
         self.keep_nothing: set[str] = set()  # decoders whose prefix cache is off
 
     def blocks(self, decoder: str, hashes: Sequence[bytes]) -> int:
         """How many of the leading blocks the decoder holds, by what prefill knows (asked of
-        every candidate decoder: only `sent` makes a block recent)."""
-        held = self.held.get(decoder)
-        if held is None:
+        every candidate decoder: only `sent` and its events make a block recent)."""
+        if decoder in self.keep_nothing:
             return 0
-        count = 0
-        for content in hashes:
-            if content not in held:
-                break
-            count += 1
-        return count
+        return self.index.matched(decoder, [external(h) for h in hashes])
 
     def sent(self, decoder: str, hashes: Sequence[bytes]) -> None:
-        """The decoder was handed these blocks (it keeps them, unless it keeps nothing)."""
-        if decoder in self.keep_nothing or not hashes:
-            return
-        held = self.held.setdefault(decoder, OrderedDict())
-        for content in hashes:
-            held[content] = None
-            held.move_to_end(content)
-        while len(held) > self.per_decoder:
-            held.popitem(last=False)
+        """The decoder was handed these blocks (it keeps them, unless it keeps nothing): held
+        from now, before its events of them come."""
+        if decoder not in self.keep_nothing and hashes:
+            self.index.sent(decoder, [external(h) for h in hashes], fed_too=True)
 
     def missing(self, decoder: str, hashes: Sequence[bytes], held: int, keeps: bool) -> None:
         """The decoder holds only the first `held` of these blocks (`keeps` false: no block
         at all, ever: its prefix cache is off)."""
         if not keeps:
             self.keep_nothing.add(decoder)
-            self.held.pop(decoder, None)
+            self.index.forget(decoder)
             return
-        known = self.held.get(decoder, OrderedDict())
-        for content in hashes[held:]:
-            known.pop(content, None)
+        self.index.removed(decoder, hashes[held:])
 
     def keep_only(self, decoders: Collection[str]) -> None:
-        """Forget the decoders not among these: gone (a pod replaced under a headless Service
-        comes back at another address, and empty)."""
-        for gone in [d for d in self.held if d not in decoders]:
-            del self.held[gone]
+        """Forget the decoders not among these (gone: a pod replaced under a headless Service
+        comes back at another address, and empty), and follow the events of those that are."""
+        for gone in [d for d in self.index.peers() if d not in decoders]:
+            self.index.forget(gone)
         self.keep_nothing &= set(decoders)
+        if self.listener is not None:
+            endpoints = {d: peer_endpoint(self.events, d) for d in decoders}
+            self.listener.follow({d: e for d, e in endpoints.items() if e is not None})
+
+    def lost(self, decoder: str) -> None:
+        """The decoder's connection dropped: it may come back restarted, holding nothing."""
+        self.index.forget(decoder)
+
+    def close(self) -> None:
+        if self.listener is not None:
+            self.listener.close()

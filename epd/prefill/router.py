@@ -78,6 +78,7 @@ class Router:
         self.waits: dict[tuple[str, int], EncodeWait] = {}  # images being encoded
         self.streams: dict[str, Request] = {}  # requests handed to decode, not finished
         self.kv_usage: dict[str, float] = {}  # each decoder's KV cache use, as it last said
+        self.lost: Callable[[str], None] = lambda address: None  # told of each peer lost
         self.disowned: OrderedDict[str, None] = OrderedDict()  # unknown requests aborted (LRU)
         self.disowning = PerSecond(DISOWNED_PER_S)
         self.ended: PrefillError | None = None  # set by `end_all`: the error of every request
@@ -209,6 +210,7 @@ class Router:
             losses = self.outbox.poll()
             for address in losses.peers:
                 log.warning("lost the connection to %s", address)
+                self.lost(address)
                 self.fail_held_by(address)
             for address, request_id in losses.requests:
                 self.load.failed(request_id, address)  # never reached it: not in its queue

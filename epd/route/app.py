@@ -40,8 +40,8 @@ from epd.api.middleware import (
     until_disconnected,
 )
 from epd.config.roles import RouteConfig
+from epd.kv.index import BlockIndex
 from epd.route.choice import Candidate, order
-from epd.route.index import PrefixIndex
 from epd.route.metrics import RouterMetrics
 from epd.route.prefills import Prefill, PrefillSet
 from epd.route.prompts import PromptNamer
@@ -74,7 +74,7 @@ class Router:
     config: RouteConfig
     namer: PromptNamer
     prefills: PrefillSet
-    index: PrefixIndex
+    index: BlockIndex
     metrics: RouterMetrics
     client: httpx.AsyncClient = field(
         default_factory=lambda: httpx.AsyncClient(

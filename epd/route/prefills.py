@@ -18,8 +18,8 @@ from typing import Any
 
 import httpx
 
+from epd.kv.index import BlockIndex
 from epd.prefill.peers import PeerSet
-from epd.route.index import PrefixIndex
 
 log = logging.getLogger(__name__)
 HEALTH_TIMEOUT_S = 2.0
@@ -41,7 +41,7 @@ class Prefill:
 
 
 class PrefillSet:
-    def __init__(self, urls: tuple[str, ...], index: PrefixIndex, api_key: str = "") -> None:
+    def __init__(self, urls: tuple[str, ...], index: BlockIndex, api_key: str = "") -> None:
         self.peers = PeerSet("prefill", urls)
         self.index = index
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}

@@ -29,7 +29,7 @@ from epd.kv.hashing import (
     image_spans,
     salt_digest,
 )
-from epd.route.index import external
+from epd.kv.index import external
 
 log = logging.getLogger(__name__)
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"

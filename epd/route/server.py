@@ -12,9 +12,9 @@ from epd.api.middleware import api_key
 from epd.api.prepare import PromptBuilder
 from epd.checkpoint.tokenizer import load_tokenizer
 from epd.config.roles import RouteConfig
+from epd.kv.index import BlockIndex
+from epd.kv.listener import KVEventListener
 from epd.route.app import Router, create_app
-from epd.route.events import KVEventListener
-from epd.route.index import PrefixIndex
 from epd.route.metrics import RouterMetrics
 from epd.route.prefills import PrefillSet
 from epd.route.prompts import PromptNamer
@@ -36,11 +36,11 @@ def build_router(config: RouteConfig) -> tuple[Router, KVEventListener | None]:
     builder = PromptBuilder.from_checkpoint(
         config.model, tokenizer, default_max_tokens=1, max_model_len=config.max_model_len
     )
-    index = PrefixIndex()
+    index = BlockIndex()
     prefills = PrefillSet(config.prefill_urls, index, api_key(config.api_key))
     events = None
     if config.kv_events_bind:
-        events = KVEventListener(config.kv_events_bind, index, prefills.owner)
+        events = KVEventListener(index, config.kv_events_bind, prefills.owner)
     namer = PromptNamer(builder, config.max_image_bytes)
     return Router(config, namer, prefills, index, RouterMetrics(config.model_name)), events
 

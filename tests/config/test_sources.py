@@ -12,6 +12,7 @@ import pytest
 from epd.bench.config import BenchConfig
 from epd.cli import parser
 from epd.config.roles import ROLES, DecodeConfig, EncodeConfig, PrefillConfig
+from epd.config.settings import peer_endpoint
 from epd.config.sources import (
     build,
     flag_values,
@@ -307,9 +308,28 @@ def test_serve_puts_several_prefills_behind_a_router_on_the_api_port():
         assert events["topic"] == name
         assert children[name].max_arriving_bodies_per_client == children[name].max_arriving_bodies
     assert config.count("route") == 1
+    # Every prefill follows every decoder's KV events, each decoder's socket its own.
+    for name, address in (("decode", decoders[0]), ("decode-1", decoders[1])):
+        events = json.loads(children[name].kv_events_config)
+        template = children["prefill-1"].decoder_kv_events
+        assert events["endpoint"] == peer_endpoint(template, address)
+    assert len({children[d].kv_events_config for d in ("decode", "decode-1")}) == 2
+
+
+def test_decoders_events_set_by_the_user_are_not_followed_by_a_guess():
+    _, children = plan(
+        args(
+            *("serve", "--model", "/m", "--decoders", "2"),
+            *("--kv-events-config", '{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557"}'),
+        )
+    )
+    assert children["prefill"].decoder_kv_events == ""
+    ports = [json.loads(children[d].kv_events_config)["endpoint"] for d in ("decode", "decode-1")]
+    assert len(set(ports)) == 2  # offset, as before
 
 
 def test_one_prefill_needs_no_router():
     _, children = plan(args("serve", "--model", "/m", "--decoders", "3"))
     assert "route" not in children and len(children["prefill"].decoders) == 3
     assert children["prefill"].kv_events_config == ""  # off, as asked
+    assert children["prefill"].decoder_kv_events  # but it follows its three decoders'

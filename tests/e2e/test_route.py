@@ -1,5 +1,6 @@
 """`epd serve --prefills 2`: the router in front, as real processes. Each conversation's turns
-go to the prefill that holds its blocks (its KV events say so), the router imports no torch, and
+go to the prefill that holds its blocks (its KV events say so), every prefill knows what every
+decoder holds (the decoders' KV events say so), the router imports no torch, and
 a prefill killed mid-stream costs only its own streams, each ended by an error event at once."""
 
 import os
@@ -27,6 +28,17 @@ FLEET = ("--prefills", "2", "--decoders", "2", "--encoders", "2", "--served-mode
 
 def client(base: int) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"http://127.0.0.1:{base + 20}/v1", api_key="-", max_retries=0)
+
+
+def prefill_client(port: int) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="-", max_retries=0)
+
+
+def reused(port: int) -> float:
+    """Prompt tokens a prefill's hand-offs left out as held by their decoder (its /metrics)."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode()
+    found = re.search(r"^epd:kv_handoff_reused_tokens_total\{[^}]*\} (\S+)", text, re.M)
+    return float(found[1]) if found else 0.0
 
 
 def routed(base: int) -> dict[tuple[str, str], float]:
@@ -79,6 +91,17 @@ def test_a_fleet_keeps_conversations_where_their_blocks_are_and_outlives_a_prefi
         status, body = health(base + 20)
         assert status == 200
         assert {p["followed"] for p in body["prefills"].values()} == {"events"}
+        # A prompt handed to a decoder by one prefill is known to the other from that decoder's
+        # KV events: its hand-off of a longer prompt carries only the rows after it.
+        shared = [{"role": "user", "content": "Shared words for both prefills. " * 30}]
+        prefills = [prefill_client(base + 21), prefill_client(base + 121)]
+        kept = {"model": "tiny", "max_tokens": 2, "extra_body": {"ignore_eos": True}}  # handed off
+        prefills[0].chat.completions.create(messages=shared, **kept)
+        before = reused(base + 121)
+        time.sleep(1.0)  # the events come within a decode step and a poll (0.2 s)
+        longer = [{"role": "user", "content": shared[0]["content"] + "And more."}]
+        prefills[1].chat.completions.create(messages=longer, **kept)
+        assert reused(base + 121) - before >= 8 * 16  # its blocks of the shared words, at least
         route = stack.role_pids()["route"]
         maps = Path(f"/proc/{route}/maps").read_text()
         assert "libtorch" not in maps, "the router loaded torch"

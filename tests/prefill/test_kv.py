@@ -1,7 +1,12 @@
 """What prefill believes each decoder holds: what it handed it, less what the decoder said it
 lacks, within a bound, and nothing of a decoder that left."""
 
+import os
+
+from epd.config.settings import peer_endpoint
+from epd.kv.events import KVEventsConfig, ZmqKVEvents
 from epd.prefill.kv import DecoderBlocks
+from tests.kv.test_listener import free_port, until
 
 HASHES = [bytes([i]) * 32 for i in range(6)]
 
@@ -39,4 +44,45 @@ def test_decoders_that_left_are_forgotten():
     held.sent("b", HASHES)
     held.missing("c", HASHES, held=0, keeps=False)
     held.keep_only(["b"])
-    assert held.held.keys() == {"b"} and not held.keep_nothing
+    assert held.index.peers() == ["b"] and not held.keep_nothing
+
+
+def test_a_decoder_lost_is_believed_to_hold_nothing():
+    held = DecoderBlocks()
+    held.sent("a", HASHES)
+    held.lost("a")  # it may come back restarted
+    assert held.blocks("a", HASHES) == 0
+
+
+def test_a_decoders_events_tell_every_prefill_what_it_stored_and_evicted():
+    """A decoder publishes on a socket of its own, found from its address by the template: a
+    prefill learns of blocks another prefill handed it, and of those it evicted."""
+    decoders = [f"tcp://127.0.0.1:{port}" for port in (free_port(), free_port())]
+    template = f"ipc://@epd-test-kv-{os.getpid()}-{{port}}"
+    endpoints = [peer_endpoint(template, d) or "" for d in decoders]
+    publishers = [ZmqKVEvents(KVEventsConfig(True, endpoint=e)) for e in endpoints]
+    held = DecoderBlocks(events=template)
+    try:
+        held.keep_only(decoders)
+
+        def store() -> None:
+            publishers[0].stored(HASHES[:3], None, list(range(48)), 16)
+            publishers[0].flush()
+
+        assert until(lambda: held.blocks(decoders[0], HASHES) == 3, store)
+        assert held.blocks(decoders[1], HASHES) == 0  # the other's socket said nothing
+
+        def evict() -> None:
+            publishers[0].removed(HASHES[1:2])
+            publishers[0].flush()
+
+        assert until(lambda: held.blocks(decoders[0], HASHES) == 1, evict)
+        held.sent(decoders[1], HASHES[:2])  # held at once, before its events come
+        assert held.blocks(decoders[1], HASHES) == 2
+        held.keep_only(decoders[1:])  # the first left: forgotten, its socket closed
+        assert held.blocks(decoders[0], HASHES) == 0
+        assert until(lambda: decoders[0] not in held.listener.followed, lambda: None)
+    finally:
+        for publisher in publishers:
+            publisher.close()
+        held.close()

@@ -10,8 +10,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from epd.config.roles import RouteConfig
+from epd.kv.index import BlockIndex
 from epd.route.app import Router, create_app
-from epd.route.index import PrefixIndex
 from epd.route.metrics import RouterMetrics
 from epd.route.prefills import PrefillSet
 
@@ -45,7 +45,7 @@ def router_for(answers: dict, key: str = "", routing: str = "round-robin") -> tu
         return answers[url](request)
 
     config = RouteConfig(model="m", prefill_urls=(A, B), routing=routing, api_key=key)
-    index = PrefixIndex()
+    index = BlockIndex()
     client = httpx.AsyncClient(transport=httpx.MockTransport(handle))
     prefills = PrefillSet(config.prefill_urls, index, key)
     router = Router(config, Unnamed(), prefills, index, RouterMetrics("m"), client=client)

@@ -10,7 +10,7 @@ from epd.api.prepare import PromptBuilder
 from epd.api.schema import parse_completion, parse_request
 from epd.checkpoint.tokenizer import load_tokenizer
 from epd.kv.hashing import image_digests, image_spans, salt_digest
-from epd.route.index import external
+from epd.kv.index import external
 from epd.route.prompts import CHAT, COMPLETIONS, PromptNamer
 
 LONG = "the quick brown fox jumps over the lazy dog " * 12

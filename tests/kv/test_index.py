@@ -1,10 +1,10 @@
 """What the router believes each prefill holds: from its KV events, or from what it sent."""
 
-from epd.route.index import PrefixIndex, external
+from epd.kv.index import BlockIndex, external
 
 
 def test_a_prefill_holds_what_it_stored_less_what_it_removed_or_cleared():
-    index = PrefixIndex()
+    index = BlockIndex()
     index.stored("a", [1, 2, 3, 4])
     assert index.matched("a", [1, 2, 3, 4, 5]) == 4
     index.removed("a", [3])
@@ -16,14 +16,14 @@ def test_a_prefill_holds_what_it_stored_less_what_it_removed_or_cleared():
 
 def test_digests_and_ints_name_a_block_alike():
     digest = bytes(range(32))
-    index = PrefixIndex()
+    index = BlockIndex()
     index.stored("a", [digest])
     assert index.matched("a", [external(digest)]) == 1
     assert external(digest) == int.from_bytes(digest, "big") & (2**64 - 1)  # vLLM's int form
 
 
 def test_requests_sent_count_only_for_a_prefill_without_events():
-    index = PrefixIndex(limit=3)
+    index = BlockIndex(limit=3)
     index.sent("quiet", [1, 2, 3, 4])  # the oldest goes past the limit
     assert index.matched("quiet", [2, 3, 4]) == 3 and index.matched("quiet", [1]) == 0
     index.stored("loud", [7])
@@ -32,7 +32,7 @@ def test_requests_sent_count_only_for_a_prefill_without_events():
 
 
 def test_a_forgotten_prefill_holds_nothing():
-    index = PrefixIndex()
+    index = BlockIndex()
     index.stored("a", [1])
     index.forget("a")
     index.sent("a", [2])  # followed by requests again until its events come
@@ -40,6 +40,6 @@ def test_a_forgotten_prefill_holds_nothing():
 
 
 def test_a_fed_prefill_keeps_at_most_the_limit_newest_first():
-    index = PrefixIndex(limit=2)
+    index = BlockIndex(limit=2)
     index.stored("a", [1, 2, 3])
     assert index.held("a") == 2 and index.matched("a", [2, 3]) == 2

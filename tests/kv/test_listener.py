@@ -6,8 +6,8 @@ import time
 import zmq
 
 from epd.kv.events import KVEventsConfig, ZmqKVEvents
-from epd.route.events import KVEventListener
-from epd.route.index import PrefixIndex, external
+from epd.kv.index import BlockIndex, external
+from epd.kv.listener import KVEventListener
 
 BLOCKS = [bytes([i]) * 32 for i in range(3)]
 
@@ -35,9 +35,9 @@ def until(condition, publish, seconds=10.0) -> bool:
 
 
 def test_stored_and_removed_blocks_reach_the_index_under_their_prefills_topic():
-    port, index = free_port(), PrefixIndex()
+    port, index = free_port(), BlockIndex()
     owners = {"prefill-0": "http://a", "prefill-1": "http://b"}
-    listener = KVEventListener(f"tcp://127.0.0.1:{port}", index, owners.get)
+    listener = KVEventListener(index, f"tcp://127.0.0.1:{port}", owners.get)
     a, stranger = publisher(port, "prefill-0"), publisher(port, "someone-else")
     hashes = [external(b) for b in BLOCKS]
     try:
@@ -63,8 +63,8 @@ def test_stored_and_removed_blocks_reach_the_index_under_their_prefills_topic():
 
 
 def test_a_message_that_is_no_event_batch_is_counted_and_dropped():
-    port, index = free_port(), PrefixIndex()
-    listener = KVEventListener(f"tcp://127.0.0.1:{port}", index, lambda topic: "http://a")
+    port, index = free_port(), BlockIndex()
+    listener = KVEventListener(index, f"tcp://127.0.0.1:{port}", lambda topic: "http://a")
     push = zmq.Context.instance().socket(zmq.PUB)
     push.connect(f"tcp://127.0.0.1:{port}")
     try:
