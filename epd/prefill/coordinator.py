@@ -42,7 +42,7 @@ from epd.prefill.router import Router
 from epd.runtime.process import torch_threads
 from epd.runtime.watchdog import Watchdog
 from epd.wire.codec import WireError
-from epd.wire.messages import Abort, KVHandoff, KVMissing, TokenDelta
+from epd.wire.messages import KVHandoff, KVMissing, TokenDelta
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -328,17 +328,21 @@ class Coordinator:
             if request.migrations >= self.config.migration_limit:
                 raise lost
             await self.router.pick(self.router.decoders, "decode")  # none: fail now, not later
-            request.migrations += 1
             log.warning(
                 "%s: %s; moving it to another decoder after %d tokens",
                 request.request_id,
                 lost,
                 len(emitted),
             )
-            self.router.outbox.send(request.decoder, Abort(request.request_id))  # if it is back
+            self.router.release(request)  # aborted there, if it is back; its words refused
             request.decoder = ""  # it has left that one: a late word of its loss is stale
+            request.migrations += 1  # a new wire id (`Request.wire_id`)
             self.decoded(request)
-            moved = replace(prepared, prompt_ids=[*prepared.prompt_ids, *emitted[:-1]])
+            moved = replace(
+                prepared,
+                request_id=request.wire_id,
+                prompt_ids=[*prepared.prompt_ids, *emitted[:-1]],
+            )
             state = advanced(request.rng_state, prepared.sampling, len(emitted) - 1)
             images = await self.encoding.embed(moved)
             await self.prefill(moved, images, request, Resume(len(emitted) - 1, emitted[-1], state))

@@ -63,3 +63,10 @@ class Request:
     rng_state: torch.Tensor | None = None
     emitted: list[int] = field(default_factory=list)
     migrations: int = 0
+
+    @property
+    def wire_id(self) -> str:
+        """The request's id on the wire: one of its own for each decoder it moves to, so that
+        what a decoder it has left still sends (one that stalled and came back) is refused as
+        no request of this prefill's, never taken as this stream's."""
+        return f"{self.request_id}.m{self.migrations}" if self.migrations else self.request_id

@@ -76,7 +76,7 @@ class Router:
         self.inbox = Inbox(async_context(), config.bind, largest_message, curve=keys)
         self.load = EncodeLoad(config.encode_timeout_s)  # what each encoder has to do
         self.waits: dict[tuple[str, int], EncodeWait] = {}  # images being encoded
-        self.streams: dict[str, Request] = {}  # requests handed to decode, not finished
+        self.streams: dict[str, Request] = {}  # requests handed to decode, by wire id
         self.kv_usage: dict[str, float] = {}  # each decoder's KV cache use, as it last said
         self.lost: Callable[[str], None] = lambda address: None  # told of each peer lost
         self.disowned: OrderedDict[str, None] = OrderedDict()  # unknown requests aborted (LRU)
@@ -112,17 +112,17 @@ class Router:
 
     def open(self, stream: Request) -> None:
         """Deltas for the stream's request go to its queue from now on (`release` after)."""
-        self.streams[stream.request_id] = stream
+        self.streams[stream.wire_id] = stream
         if self.ended is not None:
             stream.queue.put_nowait(self.ended)
 
     def release(self, stream: Request, finished: bool = False) -> None:
         """The stream is over: forgotten, and aborted in decode unless it finished there (once,
         whichever of its ends comes first)."""
-        if self.streams.get(stream.request_id) is stream:
-            del self.streams[stream.request_id]
+        if self.streams.get(stream.wire_id) is stream:
+            del self.streams[stream.wire_id]
             if not finished and stream.decoder:  # none while it moves between decoders
-                self.outbox.send(stream.decoder, Abort(stream.request_id))
+                self.outbox.send(stream.decoder, Abort(stream.wire_id))
 
     # Receiving.
     async def read(self) -> None:
@@ -252,7 +252,7 @@ class Router:
                     future.set_exception(EncoderLost(error))
             for stream in streams:
                 # not released yet, nor moved to another decoder since (`Coordinator.migrate`)
-                if self.streams.get(stream.request_id) is stream and stream.decoder == address:
+                if self.streams.get(stream.wire_id) is stream and stream.decoder == address:
                     stream.queue.put_nowait(DecoderLost(error, address))
 
         loop.call_later(LAST_WORDS_S, fail)  # harmless if the router has stopped by then

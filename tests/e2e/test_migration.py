@@ -1,6 +1,6 @@
-"""A decoder killed under load: its streams move to the other decoder and go on token for token
-(request migration), with the prefix cache on or off. With no decoder left they end with an
-error event at once: tests/e2e/test_failures.py."""
+"""A decoder killed or stopped under load: its streams move to the other decoder and go on token
+for token (request migration), with the prefix cache on or off. With no decoder left they end
+with an error event at once: tests/e2e/test_failures.py."""
 
 import itertools
 import os
@@ -38,12 +38,26 @@ def migrated(port: int) -> float:
     return float(found[1]) if found else 0.0
 
 
-@pytest.mark.parametrize("caching", ["--enable-prefix-caching", "--no-enable-prefix-caching"])
-def test_streams_of_a_killed_decoder_go_on_on_the_other_token_for_token(tiny_checkpoint, caching):
-    """Without a prefix cache the reply so far is prefilled with its whole prompt again."""
+@pytest.mark.parametrize(
+    ("how", "caching"),
+    [
+        (signal.SIGKILL, "--enable-prefix-caching"),
+        (signal.SIGKILL, "--no-enable-prefix-caching"),
+        (signal.SIGSTOP, "--enable-prefix-caching"),
+    ],
+    ids=["killed", "killed-no-cache", "stopped"],
+)
+def test_streams_of_a_lost_decoder_go_on_on_the_other_token_for_token(
+    tiny_checkpoint, how, caching
+):
+    """A decoder killed, or stopped (it answers no heartbeat: lost after the heartbeat
+    timeout) and woken once its streams have moved: what it sends then is for requests it no
+    longer holds, and changes no stream. Without a prefix cache the reply so far is prefilled
+    with its whole prompt again."""
     base = free_fleet_base()
     flags = ("--decoders", "2", "--served-model-name", "tiny", caching)
     stack = serve(tiny_checkpoint, base, *flags)
+    pid = 0
     try:
         api = openai.OpenAI(base_url=f"http://127.0.0.1:{base + 20}/v1", api_key="-")
         undisturbed = [
@@ -55,15 +69,23 @@ def test_streams_of_a_killed_decoder_go_on_on_the_other_token_for_token(tiny_che
             for _ in streams:
                 assert going.acquire(timeout=60), "a stream did not get under way"
             _, decoder = health(base + 12)
-            killed_at = time.monotonic()
-            os.kill(decoder["pid"], signal.SIGKILL)
+            pid, lost_at = decoder["pid"], time.monotonic()
+            os.kill(pid, how)
+            if how == signal.SIGSTOP:
+                deadline = time.monotonic() + 30
+                while not migrated(base + 20):
+                    assert time.monotonic() < deadline, "no stream left the stopped decoder"
+                    time.sleep(0.05)
+                os.kill(pid, signal.SIGCONT)  # while the moved streams run on the other
             results = [s.result(timeout=120) for s in streams]
         for i, text in enumerate(r.text for r in results):
             assert text == undisturbed[i], f"stream {i} differs from its undisturbed run"
         moved = migrated(base + 20)
-        assert moved >= 1, "no stream was on the killed decoder"
-        gaps = [b - a for r in results for a, b in itertools.pairwise(r.times) if b > killed_at]
-        print(f"{moved:.0f} of 8 streams moved; longest gap after the kill: {max(gaps):.2f} s")
-        assert max(gaps) < 10.0
+        assert moved >= 1, "no stream was on the lost decoder"
+        gaps = [b - a for r in results for a, b in itertools.pairwise(r.times) if b > lost_at]
+        print(f"{moved:.0f} of 8 streams moved; longest gap after the loss: {max(gaps):.2f} s")
+        assert max(gaps) < (10.0 if how == signal.SIGKILL else 15.0)
     finally:
+        if pid and how == signal.SIGSTOP:
+            os.kill(pid, signal.SIGCONT)
         assert stack.stop() == 0, stack.output

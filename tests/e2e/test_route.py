@@ -117,11 +117,15 @@ def test_a_fleet_keeps_conversations_where_their_blocks_are_and_outlives_a_prefi
         cut = [(s.error, s.ended - killed_at) for s in ended if s.error]
         assert cut, "no stream was on the killed prefill (4 streams, two prefills, by load)"
         assert all(seconds < 2.0 for _, seconds in cut), cut
-        assert all("prefill serving this stream failed" in how for how, _ in cut), cut
+        strange = [how for how, _ in cut if "prefill serving this stream failed" not in how]
+        assert not strange, strange
         assert len(cut) < len(ended), "the other prefill's streams should have finished"
         replies = [
             api.chat.completions.create(
-                model="tiny", messages=[{"role": "user", "content": f"hi {i}"}], max_tokens=2
+                model="tiny",
+                messages=[{"role": "user", "content": f"hi {i}"}],
+                max_tokens=2,
+                extra_body={"ignore_eos": True},  # each its 2 tokens: none ends at its first
             )
             for i in range(20)
         ]

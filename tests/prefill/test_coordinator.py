@@ -424,7 +424,7 @@ def route_deltas(
         coordinator = Coordinator(config, service.engine, 64, service.watchdog, metrics)
         sent = []
         coordinator.router.outbox.send = lambda peer, message: sent.append((peer, message)) or True
-        coordinator.router.streams |= {stream.request_id: stream for stream in streams}
+        coordinator.router.streams |= {stream.wire_id: stream for stream in streams}
         refused = coordinator.router.inbox.refusals.total
         for delta in deltas:
             coordinator.router.route(delta)
@@ -444,6 +444,19 @@ def test_tokens_for_a_request_prefill_does_not_hold_make_decode_drop_it(tiny_che
     deltas = [*ghost, TokenDelta("ours", (7,), "a", completion_tokens=1)]
     decoders, sent, _ = route_deltas(tiny_checkpoint, tmp_path, deltas, (ours,))
     assert sent == [(d, Abort("ghost")) for d in decoders] and ours.queue.qsize() == 1
+
+
+def test_what_a_decoder_a_stream_has_left_still_sends_never_reaches_the_stream(
+    tiny_checkpoint, tmp_path
+):
+    """A stream moved to another decoder has a wire id of its own there: the decoder it left
+    (stopped, then woken) still sends under the old one, and is asked to drop it."""
+    moved = Request("ours", "decoder-b", choices=1, migrations=1)
+    late = TokenDelta("ours", (7,), "stale", completion_tokens=9)
+    fresh = TokenDelta("ours.m1", (8,), "b", completion_tokens=10)
+    decoders, sent, _ = route_deltas(tiny_checkpoint, tmp_path, [late, fresh], (moved,))
+    assert sent == [(d, Abort("ours")) for d in decoders]
+    assert moved.queue.qsize() == 1 and moved.queue.get_nowait() is fresh
 
 
 def test_decoders_report_their_kv_cache_with_the_deltas_of_requests_prefill_holds(
