@@ -13,10 +13,12 @@ import collections
 import dataclasses
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -248,11 +250,12 @@ def plan(args: argparse.Namespace) -> tuple[ServeConfig, dict[str, Any]]:
         (n for n, c in children.items() if isinstance(c, PrefillConfig | DecodeConfig)),
         key=lambda n: (int(n.rpartition("-")[2] or 0) if "-" in n else 0, n.startswith("decode")),
     )
-    # In a fleet every prefill follows every decoder's KV events, unless decode's are set.
+    # In a fleet every prefill follows every decoder's KV events, unless either side is set.
+    prefills = [c for c in children.values() if isinstance(c, PrefillConfig)]
     fleet = config.decoders > 1 or config.prefills > 1
-    fleet = fleet and not decode.kv_events_config
+    fleet = fleet and not decode.kv_events_config and not prefills[0].decoder_kv_events
     for name, child in children.items():
-        if fleet and isinstance(child, PrefillConfig) and not child.decoder_kv_events:
+        if fleet and isinstance(child, PrefillConfig):
             children[name] = dataclasses.replace(child, decoder_kv_events=DECODER_EVENTS)
     for offset, name in enumerate(publishing):  # each its own ports, as vLLM's DP ranks
         child = children[name]
@@ -280,9 +283,25 @@ def child_name(role: str, i: int) -> str:
     return f"{role}-{i}" if i else role
 
 
-# A decoder's KV events in a fleet on one machine: a Linux abstract socket named by the decoder's
-# port (no file to clean up, no port to take); prefill finds it by the same template.
-DECODER_EVENTS = "ipc://@epd-kv-events-{port}"
+# A decoder's KV events in a fleet on one machine: a socket named by the decoder's port, which
+# prefill finds by the same template, in a directory `run` makes for this serve alone (mode 0700:
+# the events carry prompts' token ids; no other user may read them, or take the name first).
+PRIVATE = "ipc://@epd-serve-private/"  # plan's stand-in for that directory
+DECODER_EVENTS = PRIVATE + "kv-events-{port}"
+
+
+def in_private_dir(children: dict[str, Any], directory: str) -> dict[str, Any]:
+    """The children's configs with `PRIVATE` in their KV events' addresses made `directory`."""
+    here = f"ipc://{directory}/"
+    moved = {}
+    for name, child in children.items():
+        changes = {
+            key: getattr(child, key).replace(PRIVATE, here)
+            for key in ("kv_events_config", "decoder_kv_events")
+            if PRIVATE in getattr(child, key, "")
+        }
+        moved[name] = dataclasses.replace(child, **changes) if changes else child
+    return moved
 
 
 def decoder_events(decode: DecodeConfig) -> str:
@@ -399,6 +418,15 @@ def run(config: ServeConfig, child_configs: dict[str, Any]) -> None:
     # Each child's model as a directory, looked up (or downloaded) once, after the ports: a
     # download may take long.
     child_configs = {role: on_disk(c) for role, c in child_configs.items()}
+    private = tempfile.mkdtemp(prefix="epd-serve-")  # 0700, this user's alone
+    try:
+        supervise_all(config, in_private_dir(child_configs, private))
+    finally:
+        shutil.rmtree(private, ignore_errors=True)
+
+
+def supervise_all(config: ServeConfig, child_configs: dict[str, Any]) -> None:
+    """Start every child, restart those that die, and stop them all in order when asked."""
     drain_s = child_configs["prefill"].drain_timeout_s
     stop = stop_event(grace_s=drain_s + 3 * STOP_TIMEOUT_S)  # the stop below, and a margin
     base = [sys.executable, "-m", "epd.cli"]

@@ -2,7 +2,7 @@
 and what the router costs.
 
     .venv/bin/python scripts/bench_fleet.py [--checkpoint DIR] [--rounds 2] [--out bench-fleet]
-        [--only trace,overhead]
+        [--only trace,turns,overhead]
 
 - trace: 16 conversations of 4 turns, interleaved (16 at once), a 900-word system prompt they
   share and an image each, through `epd serve` three ways, each started fresh (cold caches)
@@ -11,6 +11,11 @@ and what the router costs.
   round-robin. For each: the share of prompt tokens the replies' usage says came from cache,
   each prefill's share of the requests, the KV rows handed to decoders against the prompt
   tokens prefilled (not cached), TTFT p50 and output tokens/s.
+- turns: the KV rows handed to decoders in each turn against the turn's new tokens (prompt
+  tokens not served from cache), turn by turn: the same 16 conversations sent one turn at a
+  time (all 16 at once, then the next turn once all are back), so prefill's counters, read
+  between turns, tell the turns apart; through two prefills and two decoders, cache-aware, a
+  fresh stack each round.
 - overhead: one `epd serve` (one prefill, no prefix cache) and an `epd route` in front of it,
   given it under two names so that it names and weighs every request as in a fleet; `epd
   bench` at 1 and 16 streams straight to the prefill and through the router, alternately (the
@@ -125,6 +130,71 @@ def trace(checkpoint: Path, rounds: int, out: Path) -> None:
         )
 
 
+def lockstep_round(checkpoint: Path, seed: int, out: Path) -> list[dict[str, float]]:
+    """One fresh fleet; each turn of the 16 conversations at once: its new tokens and the KV
+    rows its hand-offs carried."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from epd.bench.config import BenchConfig
+    from epd.bench.workload import conversations
+
+    settings = {k: v for k, v in TRACE.items() if k not in ("concurrency", "warmup")}
+    config = BenchConfig(seed=seed, ignore_eos=True, **settings)
+    chats = conversations(config, "epd", TRACE["requests"])
+    process = serve(checkpoint, SETUPS["cache-aware"], out / f"turns-{seed}.log")
+    rows = []
+    try:
+        models = urllib.request.urlopen(f"http://127.0.0.1:{PORT}/v1/models").read()
+        model = json.loads(models)["data"][0]["id"]
+        for turn in range(TRACE["turns"]):
+            before = prefill_counters(2)
+            bodies = [chat[turn] | {"stream": False, "model": model} for chat in chats]
+            for body in bodies:
+                body.pop("stream_options", None)
+            with ThreadPoolExecutor(len(bodies)) as pool:
+                usages = list(pool.map(ask, bodies))
+            after = prefill_counters(2)
+            new = sum(u["prompt_tokens"] - cached(u) for u in usages)
+            sent = after["kv_handoff_tokens_total"] - before["kv_handoff_tokens_total"]
+            reused = after["kv_handoff_reused_tokens_total"]
+            reused -= before["kv_handoff_reused_tokens_total"]
+            rows.append({"turn": turn + 1, "new": new, "sent": sent, "reused": reused})
+            print(seed, rows[-1], flush=True)
+    finally:
+        stop(process)
+    return rows
+
+
+def ask(body: dict[str, Any]) -> dict[str, Any]:
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{PORT}/v1/chat/completions",
+        json.dumps(body).encode(),
+        {"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=600) as response:
+        return json.loads(response.read())["usage"]
+
+
+def cached(usage: dict[str, Any]) -> int:
+    return (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+
+
+def turns(checkpoint: Path, rounds: int, out: Path) -> None:
+    runs = [lockstep_round(checkpoint, seed, out) for seed in range(rounds)]
+    print("\n| turn | new tokens (per round) | KV rows handed | ÷ new tokens | rows decode held |")
+    print("|---|---|---|---|---|")
+    for turn in range(TRACE["turns"]):
+        got = [run[turn] for run in runs]
+
+        def cells(key: str, got: list[dict[str, float]] = got) -> str:
+            return ", ".join(f"{g[key]:.0f}" for g in got)
+
+        ratios = ", ".join(f"{g['sent'] / g['new']:.2f}" for g in got)
+        print(f"| {turn + 1} | {cells('new')} | {cells('sent')} | {ratios} | {cells('reused')} |")
+    later = [sum(r["sent"] for r in run[1:]) / sum(r["new"] for r in run[1:]) for run in runs]
+    print(f"\nlater turns, KV rows handed ÷ new tokens: {', '.join(f'{x:.2f}' for x in later)}")
+
+
 def overhead(checkpoint: Path, rounds: int, out: Path) -> None:
     # No prefix cache: the side that runs second must not find the first one's prompts cached.
     # Every loopback address: the router reaches it as 127.0.0.1 and as 127.0.0.2 (below).
@@ -173,11 +243,13 @@ def main() -> None:
     parser.add_argument("--checkpoint", type=Path, default=demo)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--out", type=Path, default=Path("bench-fleet"))
-    parser.add_argument("--only", default="trace,overhead")
+    parser.add_argument("--only", default="trace,turns,overhead")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if "trace" in args.only:
         trace(args.checkpoint.resolve(), args.rounds, args.out.resolve())
+    if "turns" in args.only:
+        turns(args.checkpoint.resolve(), args.rounds, args.out.resolve())
     if "overhead" in args.only:
         overhead(args.checkpoint.resolve(), args.rounds, args.out.resolve())
 

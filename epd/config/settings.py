@@ -145,7 +145,11 @@ def peer_endpoint(template: str, address: str) -> str | None:
 
     if not tcp and PEER_FIELD.search(template):
         return None
-    return PEER_FIELD.sub(field, template)
+    endpoint = PEER_FIELD.sub(field, template)
+    port = endpoint.rpartition(":")[2]
+    if endpoint.startswith("tcp://") and not (port.isdigit() and 0 < int(port) < 65536):
+        return None  # {port+N} past the last port: that decoder cannot be followed
+    return endpoint
 
 
 def peer_endpoint_problem(template: str) -> str | None:
@@ -154,6 +158,10 @@ def peer_endpoint_problem(template: str) -> str | None:
     rest = PEER_FIELD.sub("", template)
     if "{" in rest or "}" in rest:
         return "may hold only {host}, {port} and {port+N} (a peer's host, its port, that plus N)"
+    if rest == template:  # one endpoint for every peer: each credited with all the others' blocks
+        return "must name each peer's own endpoint, by {host}, {port} or {port+N}"
+    if "*" in template or "::" in template:
+        return "is where to connect to each peer's publisher: a host, not a wildcard"
     return None
 
 

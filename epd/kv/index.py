@@ -36,21 +36,23 @@ class BlockIndex:
         self.limit = limit
         self.lock = threading.Lock()
 
-    def stored(self, peer: str, hashes: Iterable[bytes | int]) -> None:
+    def stored(self, peer: str, hashes: Sequence[bytes | int]) -> None:
+        named = [external(h) for h in hashes[-self.limit :]]  # past the limit: out at once
         with self.lock:
             self.fed.add(peer)
             held = self.blocks.setdefault(peer, OrderedDict())
-            for h in hashes:
-                held[external(h)] = None
-                held.move_to_end(external(h))
+            for h in named:
+                held[h] = None
+                held.move_to_end(h)
             self.trim(held)
 
     def removed(self, peer: str, hashes: Iterable[bytes | int]) -> None:
+        named = [external(h) for h in hashes]
         with self.lock:
             self.fed.add(peer)
             held = self.blocks.get(peer, OrderedDict())
-            for h in hashes:
-                held.pop(external(h), None)
+            for h in named:
+                held.pop(h, None)
 
     def cleared(self, peer: str) -> None:
         with self.lock:

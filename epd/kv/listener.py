@@ -28,6 +28,9 @@ from epd.kv.index import BlockIndex
 log = logging.getLogger(__name__)
 MAX_BATCH_BYTES = 16 << 20  # a larger message is dropped by ZeroMQ before it is read
 QUEUED_BATCHES = 1000  # past these unread, ZeroMQ drops batches: at most this × the size above
+# A followed peer's socket: a step's batch names a few blocks a sequence (a 128k-token hand-off,
+# 8k blocks with their tokens, is ~1 MB), and a few seconds' worth wait at most.
+PEER_BATCH_BYTES, PEER_QUEUED_BATCHES = 4 << 20, 64
 POLL_MS = 200
 
 
@@ -47,6 +50,7 @@ class KVEventListener:
             self.sockets[_subscriber(bind, bound=True)] = None
         self.wanted: dict[str, str] = {}  # peer → its endpoint, to follow (read by the thread)
         self.followed: dict[str, tuple[str, zmq.Socket[bytes]]] = {}  # the thread's own
+        self.failed: set[tuple[str, str]] = set()  # (peer, endpoint) that could not be followed
         self.batches = self.refused = 0
         self.lock = threading.Lock()
         self.closed = threading.Event()
@@ -91,9 +95,11 @@ class KVEventListener:
             if peer in self.followed:
                 continue
             try:
-                socket = _subscriber(endpoint, bound=False)
+                socket = _subscriber(endpoint, bound=False, small=True)
             except zmq.ZMQError as e:
-                log.warning("cannot follow %s's KV events at %s: %s", peer, endpoint, e)
+                if (peer, endpoint) not in self.failed:  # tried again each poll, said once
+                    self.failed.add((peer, endpoint))
+                    log.warning("cannot follow %s's KV events at %s: %s", peer, endpoint, e)
                 continue
             self.followed[peer] = (endpoint, socket)
             self.sockets[socket] = peer
@@ -126,10 +132,12 @@ class KVEventListener:
         self.thread.join(timeout=1.0)
 
 
-def _subscriber(endpoint: str, bound: bool) -> zmq.Socket[bytes]:
+def _subscriber(endpoint: str, bound: bool, small: bool = False) -> zmq.Socket[bytes]:
+    """A SUB socket for every topic; `small`: one of a socket per peer (tighter bounds: many
+    of them may be open, and one peer's batches are small)."""
     socket: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.SUB)
-    socket.setsockopt(zmq.MAXMSGSIZE, MAX_BATCH_BYTES)
-    socket.setsockopt(zmq.RCVHWM, QUEUED_BATCHES)
+    socket.setsockopt(zmq.MAXMSGSIZE, PEER_BATCH_BYTES if small else MAX_BATCH_BYTES)
+    socket.setsockopt(zmq.RCVHWM, PEER_QUEUED_BATCHES if small else QUEUED_BATCHES)
     socket.setsockopt(zmq.LINGER, 0)
     socket.subscribe(b"")
     try:

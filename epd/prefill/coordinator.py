@@ -402,6 +402,8 @@ class Coordinator:
                 item = await within(
                     request.queue.get(), limit, TimedOut(f"decode sent nothing for {limit}s")
                 )
+                if isinstance(item, TokenDelta | KVMissing) and item.request_id != request.wire_id:
+                    continue  # queued by a decoder it left, between its loss and the move
                 if isinstance(item, KVMissing):
                     await self.resend(request, item)
                     continue

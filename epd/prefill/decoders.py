@@ -24,7 +24,7 @@ from dataclasses import dataclass
 PREFIX_WEIGHT = 2.0
 FREE_KV_WEIGHT = 1.0
 IDLE_WEIGHT = 1.0
-BALANCE_ABS, BALANCE_REL = 2, 1.5  # streams; a ratio
+BALANCE_ABS, BALANCE_REL = 4, 1.5  # streams; a ratio
 
 
 @dataclass(frozen=True)

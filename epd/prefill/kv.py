@@ -88,8 +88,10 @@ class DecoderBlocks:
             self.listener.follow({d: e for d, e in endpoints.items() if e is not None})
 
     def lost(self, decoder: str) -> None:
-        """The decoder's connection dropped: it may come back restarted, holding nothing."""
+        """The decoder's connection dropped: it may come back restarted, holding nothing (and
+        with its prefix cache on again)."""
         self.index.forget(decoder)
+        self.keep_nothing.discard(decoder)
 
     def close(self) -> None:
         if self.listener is not None:

@@ -23,7 +23,15 @@ from epd.config.sources import (
     to_flags,
 )
 from epd.runtime.process import available_cores
-from epd.serve import BRIEF_SPIN, OPENMP_WAITING, busy_threads, core_shares, openmp_env, plan
+from epd.serve import (
+    BRIEF_SPIN,
+    OPENMP_WAITING,
+    busy_threads,
+    core_shares,
+    in_private_dir,
+    openmp_env,
+    plan,
+)
 
 CONFIGS = Path(__file__).parents[2] / "configs"
 
@@ -314,6 +322,12 @@ def test_serve_puts_several_prefills_behind_a_router_on_the_api_port():
         template = children["prefill-1"].decoder_kv_events
         assert events["endpoint"] == peer_endpoint(template, address)
     assert len({children[d].kv_events_config for d in ("decode", "decode-1")}) == 2
+    private = in_private_dir(children, "/run/epd-x")  # where `run` puts them: its own directory
+    assert json.loads(private["decode"].kv_events_config)["endpoint"].startswith(
+        "ipc:///run/epd-x/"
+    )
+    assert private["prefill"].decoder_kv_events.startswith("ipc:///run/epd-x/")
+    assert private["route"] == children["route"]
 
 
 def test_decoders_events_set_by_the_user_are_not_followed_by_a_guess():

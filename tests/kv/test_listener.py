@@ -49,7 +49,7 @@ def test_stored_and_removed_blocks_reach_the_index_under_their_prefills_topic():
 
         assert until(lambda: index.matched("http://a", hashes) == 3, store)
         assert index.matched("http://b", hashes) == 0  # nothing came under its topic
-        assert "someone-else" not in index.blocks  # a topic no prefill named: dropped
+        assert index.peers() == ["http://a"]  # a topic no prefill named: filed nowhere
 
         def remove() -> None:
             a.removed(BLOCKS[1:2])

@@ -2,12 +2,16 @@
 
 import base64
 import io
+import json
+import subprocess
+import sys
 
 import pytest
 from PIL import Image
 
 from epd.api.prepare import PromptBuilder
 from epd.api.schema import parse_completion, parse_request
+from epd.checkpoint.synthetic import make_checkpoint
 from epd.checkpoint.tokenizer import load_tokenizer
 from epd.kv.hashing import image_digests, image_spans, salt_digest
 from epd.kv.index import external
@@ -93,3 +97,37 @@ def test_a_legacy_completion_is_named_from_its_tokens(engine, builder):
 )
 def test_what_prefill_would_not_cache_or_would_refuse_names_no_blocks(builder, path, body):
     assert PromptNamer(builder, 1 << 20).name(path, body) is None
+
+
+NAMED_WITHOUT_TORCH = """
+import json, sys
+from epd.route import keep_torch_out
+keep_torch_out()
+from epd.api.prepare import PromptBuilder
+from epd.checkpoint.tokenizer import load_tokenizer
+from epd.route.prompts import CHAT, PromptNamer
+path, body = sys.argv[1], json.loads(sys.argv[2])
+builder = PromptBuilder.from_checkpoint(path, load_tokenizer(path), 16)
+named = PromptNamer(builder, 1 << 20).name(CHAT, body)
+assert "torch" not in {m.split(".")[0] for m in sys.modules if sys.modules[m] is not None}
+print(json.dumps(named.hashes(b"key")))
+"""
+
+
+@pytest.mark.parametrize("layout", ["inside", "tiktoken"])
+def test_the_router_names_blocks_of_every_tokenizer_layout_without_torch(tmp_path, layout):
+    """The router's process has no torch (`keep_torch_out`): Kimi's tiktoken files and a
+    tokenizer.json with the specials inside the vocabulary are read there as prefill reads
+    them, and a chat is named alike."""
+    checkpoint = make_checkpoint(tmp_path, "tiny", tokenizer=layout)
+    body = chat({"type": "text", "text": "中文English naïve " * 8})
+    builder = PromptBuilder.from_checkpoint(checkpoint, load_tokenizer(checkpoint), 16)
+    here = PromptNamer(builder, 1 << 20).name(CHAT, body).hashes(b"key")
+    run = subprocess.run(
+        [sys.executable, "-c", NAMED_WITHOUT_TORCH, str(checkpoint), json.dumps(body)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr
+    assert len(here) >= 4 and json.loads(run.stdout) == here
