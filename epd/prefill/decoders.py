@@ -14,7 +14,10 @@ The idle part is bounded, so a decoder that held a prompt outscored an idle one 
 streams it ran: eight concurrent repeats of earlier prompts all went to one of two decoders.
 So, as SGLang's router guards its cache-aware choice, where the loads are out of balance (the
 busiest runs over BALANCE_ABS more than the least busy, and over BALANCE_REL times as many) the
-least busy decoders are the only candidates; the score picks among them.
+least busy decoders are the only candidates; the score picks among them. At 2 streams apart
+the guard moved conversations' later turns off the decoder that held them, whose KV then went
+whole again (hand-offs of later turns 1.35× their new tokens in one round); at 4, a decode
+batch a few streams larger costs little beside that.
 """
 
 from __future__ import annotations
