@@ -2,7 +2,7 @@
 and what the router costs.
 
     .venv/bin/python scripts/bench_fleet.py [--checkpoint DIR] [--rounds 2] [--out bench-fleet]
-        [--only trace,turns,overhead]
+        [--only trace,turns,overhead] [--vllm-venv /work/vllm/venv]
 
 - trace: 16 conversations of 4 turns, interleaved (16 at once), a 900-word system prompt they
   share and an image each, through `epd serve` three ways, each started fresh (cold caches)
@@ -10,7 +10,9 @@ and what the router costs.
   sees every turn), then two prefills and two decoders behind the router, cache-aware, then
   round-robin. For each: the share of prompt tokens the replies' usage says came from cache,
   each prefill's share of the requests, the KV rows handed to decoders against the prompt
-  tokens prefilled (not cached), TTFT p50 and output tokens/s.
+  tokens prefilled (not cached), TTFT p50 and output tokens/s. Beside them, where its venv is
+  (`scripts/vllm/setup.sh`), the same trace through one vLLM (its CPU build): what a user would
+  run instead, its prefix cache's share by its own usage report.
 - turns: the KV rows handed to decoders in each turn against the turn's new tokens (prompt
   tokens not served from cache), turn by turn: the same 16 conversations sent one turn at a
   time (all 16 at once, then the next turn once all are back), so prefill's counters, read
@@ -37,7 +39,7 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from bench_serving import bench, start, stop  # noqa: E402
+from bench_serving import VLLM_ENV, bench, start, stop, vllm_copy  # noqa: E402
 
 PORT, INTERNAL = 8320, 7700
 TRACE = {
@@ -102,16 +104,46 @@ def trace_run(checkpoint: Path, name: str, flags: list[str], out: Path, seed: in
     }
 
 
+VLLM = "vLLM, one instance"
+
+
+def vllm_trace_run(checkpoint: Path, venv: Path, out: Path, seed: int) -> dict:
+    """The same trace through one vLLM (its CPU build, prefix caching on, as by default), what a
+    user would run instead of one prefill: its usage reports the cached prompt tokens."""
+    copy = vllm_copy(checkpoint, venv)
+    command = [str(venv / "bin" / "vllm"), "serve", str(copy), "--dtype", "float32"]
+    command += ["--trust-remote-code", "--port", str(PORT), "--enable-prompt-tokens-details"]
+    url = f"http://127.0.0.1:{PORT}/v1"
+    process = start(command, url, out / f"vllm-{seed}.log", VLLM_ENV)
+    try:
+        summary = bench(url, out / f"vllm-{seed}.json", seed, **TRACE)
+    finally:
+        stop(process)
+    return {
+        "cached": summary["cached_prompt_share"],
+        "shares": {},
+        "kv_per_new": 0.0,
+        "ttft": summary["ttft_ms"].get("p50", 0.0),
+        "tok_s": summary["output_throughput"],
+        "failed": summary["failed"],
+    }
+
+
 def slug(name: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
 
 
-def trace(checkpoint: Path, rounds: int, out: Path) -> None:
+def trace(checkpoint: Path, rounds: int, out: Path, venv: Path | None) -> None:
     results: dict[str, list[dict]] = {name: [] for name in SETUPS}
+    if venv is not None:
+        results[VLLM] = []
     for seed in range(rounds):
         for name, flags in SETUPS.items():
             results[name].append(trace_run(checkpoint, name, flags, out, seed))
             print(name, seed, results[name][-1], flush=True)
+        if venv is not None:
+            results[VLLM].append(vllm_trace_run(checkpoint, venv, out, seed))
+            print(VLLM, seed, results[VLLM][-1], flush=True)
     ideal = statistics.median(r["cached"] for r in results["one prefill (ideal)"])
     print(
         "\n| setup | prompt tokens from cache | ÷ ideal | requests per prefill | "
@@ -244,10 +276,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--out", type=Path, default=Path("bench-fleet"))
     parser.add_argument("--only", default="trace,turns,overhead")
+    parser.add_argument(
+        "--vllm-venv", type=Path, default=Path("/work/vllm/venv"), help="where it is: a trace row"
+    )
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if "trace" in args.only:
-        trace(args.checkpoint.resolve(), args.rounds, args.out.resolve())
+        venv = args.vllm_venv if args.vllm_venv.exists() else None
+        trace(args.checkpoint.resolve(), args.rounds, args.out.resolve(), venv)
     if "turns" in args.only:
         turns(args.checkpoint.resolve(), args.rounds, args.out.resolve())
     if "overhead" in args.only:
