@@ -53,6 +53,13 @@ def released(done: Future[None]) -> None:
         log.error("letting go of a prompt's KV blocks failed: %s: %s", type(error).__name__, error)
 
 
+def next_block(job: Job) -> bytes | None:
+    """The hash of the first block of the job's prompt it has not computed (None: unnamed)."""
+    index = job.request.num_computed_tokens // BLOCK_TOKENS
+    hashes = job.prompt.block_hashes
+    return hashes[index] if index < len(hashes) else None
+
+
 def token_budget(configured: int, device: torch.device) -> int:
     return configured or (GPU_BUDGET if device.type == "cuda" else CPU_BUDGET)
 
@@ -150,6 +157,35 @@ class PrefillBatcher:
         self.hits += table.length
         self.metrics.prefix_cache_hits.inc(table.length)
 
+    async def take_matched(self) -> list[tuple[Job, Chunk]]:
+        """`take`, once the jobs that have not started are matched against the prefix cache
+        again (`rematch`)."""
+        if self.kv.caching and any(not job.started for job in self.waiting):
+            await asyncio.get_running_loop().run_in_executor(self.executor, self.rematch)
+        return self.take()
+
+    def rematch(self) -> None:
+        """Jobs yet to start, matched again: a forward since they came may have cached more of
+        their prompt (prompts that come together, sharing a system prompt, wait for the first of
+        them instead of computing it each; see `take`). On the engine's thread."""
+        for job in list(self.waiting):  # a copy: the loop may append meanwhile
+            hashes, have = job.prompt.block_hashes, job.request.num_computed_tokens
+            usable = (len(job.prompt.prompt_ids) - 1) // BLOCK_TOKENS
+            if job.started or job.future.done() or have // BLOCK_TOKENS >= usable:
+                continue
+            if hashes[have // BLOCK_TOKENS] not in self.kv.blocks.by_hash:  # nothing more
+                continue
+            table = self.kv.match(hashes[:usable])
+            if table.length <= have:
+                self.kv.release(table)
+                continue
+            if job.past is not None:
+                self.kv.release(job.past.cache)
+            job.past = Partial(table)
+            job.request.num_computed_tokens = job.request.cached_tokens = table.length
+            self.hits += table.length - have
+            self.metrics.prefix_cache_hits.inc(table.length - have)
+
     def let_go(self, job: Job, result: object = None) -> None:
         """Let go of a job's blocks that nobody will use: its chunks so far, or the prompt's
         whole table where its caller left; on the engine's thread."""
@@ -181,7 +217,7 @@ class PrefillBatcher:
             while True:
                 await self.arrived.wait()
                 self.arrived.clear()
-                while batch := self.take():
+                while batch := await self.take_matched():
                     await self.prefill_batch(batch)
         finally:
             for job in [*self.forward, *self.waiting]:  # in the forward it left, or waiting
@@ -282,18 +318,25 @@ class PrefillBatcher:
     def take(self) -> list[tuple[Job, Chunk]]:
         """Chunks of the waiting jobs, oldest first, filling the token budget.
 
-        The first job that does not fit whole gives a chunk of the room left and stays first in
-        line. With `min_chunk`, jobs behind it that fit whole may pass it into that room while
-        its chunk keeps at least `min_chunk` tokens (vLLM's partial-prefill limits serve the
-        same end); without, they wait for its last chunk (first come, first served)."""
+        A job yet to start whose next block another job in the forward computes waits for the
+        next forward, where it finds that block cached (`rematch`): prompts that come together
+        and share a system prompt compute it once, as vLLM's scheduler shares blocks within a
+        step. The first job that does not fit whole gives a chunk of the room left and stays
+        first in line. With `min_chunk`, jobs behind it that fit whole may pass it into that
+        room while its chunk keeps at least `min_chunk` tokens (vLLM's partial-prefill limits
+        serve the same end); without, they wait for its last chunk (first come, first
+        served)."""
         batch: list[tuple[Job, Chunk]] = []
         room, owed = self.max_tokens, 0
         chunked: Job | None = None  # the first job that does not fit whole
+        computing: set[bytes] = set()  # the blocks the forward computes
         for job in self.waiting:
             if room == owed:
                 break
             if job.future.done():
                 continue
+            if not job.started and next_block(job) in computing:
+                continue  # another prompt computes its next block: it waits for the cache
             if job.left <= room - owed:
                 start = job.request.num_computed_tokens
                 batch.append((job, Chunk(job.prompt, start, start + job.left, job.past)))
@@ -302,6 +345,8 @@ class PrefillBatcher:
                 chunked, owed = job, min(room, self.min_chunk or room)
             else:  # only the chunked prompt is passed: the others keep their order
                 break
+            done = job.request.num_computed_tokens // BLOCK_TOKENS
+            computing.update(job.prompt.block_hashes[done:])
         taken = {job for job, _ in batch}
         for job in self.waiting:
             if job.future.done() and job not in taken:  # its caller left: its chunks go too

@@ -95,6 +95,38 @@ def test_the_next_turn_prefills_only_what_follows_the_cached_blocks(engine, kept
     assert_as_alone(engine, second, handoffs[1])
 
 
+def served_together(engine, prompts, kept, max_tokens=512):
+    """The prompts submitted at once, as concurrent requests are: each one's hand-off, and
+    the prompts each forward ran."""
+
+    async def main():
+        batcher = PrefillBatcher(engine, max_tokens, reply_to="")
+        runner = asyncio.create_task(batcher.run())
+        results = await asyncio.gather(*(batcher.prefill(p) for p in prompts))
+        for result in results:
+            if result.table is not None:
+                batcher.on_engine(engine.kv.release, result.table)
+        runner.cancel()
+        batcher.close()
+        kept.queries += batcher.queries
+        kept.hits += batcher.hits
+        return [r.handoff for r in results], list(batcher.sizes)
+
+    return asyncio.run(main())
+
+
+def test_prompts_that_come_together_compute_their_shared_prefix_once(engine, kept):
+    """Three prompts of one system prompt, at once: the first computes it, the others wait a
+    forward and find it cached; one of another prefix runs beside the first."""
+    shared = [text(engine, r, [*SYSTEM, 50 + i, 60 + i, 70 + i]) for i, r in enumerate("abc")]
+    other = text(engine, "d", [*range(200, 240), 1, 2])
+    handoffs, sizes = served_together(engine, [*shared, other], kept)
+    assert sizes == [2, 2]  # a and d; then b and c, from the cache
+    assert kept.hits == 2 * 2 * BLOCK_TOKENS  # the system prompt's 2 whole blocks, twice
+    for prompt, handoff in zip([*shared, other], handoffs, strict=True):
+        assert_as_alone(engine, prompt, handoff)
+
+
 def test_only_prompts_of_the_same_cache_salt_share_blocks(engine, kept):
     """A tenant that salts its requests cannot time whether another sent a prompt."""
     ids = [*SYSTEM, 11, 12, 13]
