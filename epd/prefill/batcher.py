@@ -161,7 +161,10 @@ class PrefillBatcher:
         """`take`, once the jobs that have not started are matched against the prefix cache
         again (`rematch`)."""
         if self.kv.caching and any(not job.started for job in self.waiting):
-            await asyncio.get_running_loop().run_in_executor(self.executor, self.rematch)
+            try:
+                await asyncio.get_running_loop().run_in_executor(self.executor, self.rematch)
+            except Exception:  # a missed hit costs a forward; prefill must go on
+                log.exception("matching waiting prompts against the prefix cache again failed")
         return self.take()
 
     def rematch(self) -> None:
@@ -170,9 +173,9 @@ class PrefillBatcher:
         them instead of computing it each; see `take`). On the engine's thread."""
         for job in list(self.waiting):  # a copy: the loop may append meanwhile
             hashes, have = job.prompt.block_hashes, job.request.num_computed_tokens
-            usable = (len(job.prompt.prompt_ids) - 1) // BLOCK_TOKENS
+            usable = min((len(job.prompt.prompt_ids) - 1) // BLOCK_TOKENS, len(hashes))
             if job.started or job.future.done() or have // BLOCK_TOKENS >= usable:
-                continue
+                continue  # under way, gone, or with no more blocks to find (or none named)
             if hashes[have // BLOCK_TOKENS] not in self.kv.blocks.by_hash:  # nothing more
                 continue
             table = self.kv.match(hashes[:usable])

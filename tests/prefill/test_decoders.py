@@ -1,5 +1,7 @@
 """A decoder is chosen by what it holds of the prompt, how full it is and how busy."""
 
+from dataclasses import replace
+
 from epd.prefill.decoders import Candidate, choose
 
 
@@ -33,9 +35,12 @@ def test_equals_go_to_the_first_so_a_rotated_list_takes_turns():
 def test_a_decoder_far_busier_than_another_is_passed_over_whatever_it_holds():
     """Eight streams of repeated prompts went to one of two decoders: the idle part of the score
     could not outweigh the prefix it held. Out of balance, the least busy decide."""
-    holder = Candidate("a", held=8, kv_usage=0.1, running=3)
+    holder = Candidate("a", held=8, kv_usage=0.1, running=5)
     idle = Candidate("b", held=0, kv_usage=0.1, running=0)
     assert choose([holder, idle], blocks=8) is idle
     calm = Candidate("c", held=2, kv_usage=0.5, running=0)
     assert choose([holder, idle, calm], blocks=8) is calm  # among the least busy: the prefix
-    assert choose([holder, Candidate("d", 0, 0.1, 1)], blocks=8) is holder  # 3 to 1: in balance
+    assert choose([holder, Candidate("d", 0, 0.1, 1)], blocks=8) is holder  # 5 to 1: in balance
+    # 4 apart is in balance: a later turn stays where its KV is (moving it costs a hand-off of
+    # its whole prompt; a decode batch a few streams larger costs little)
+    assert choose([replace(holder, running=4), idle], blocks=8).address == "a"

@@ -127,6 +127,17 @@ def test_prompts_that_come_together_compute_their_shared_prefix_once(engine, kep
         assert_as_alone(engine, prompt, handoff)
 
 
+def test_a_prompt_never_cached_waits_beside_cached_ones_unharmed(engine, kept, caplog):
+    """A prompt with no named blocks (scored ones are never cached) waiting while the others
+    are matched again: it is served, as are they, and the matching had nothing to complain of."""
+    plain = Prompt("p", [*SYSTEM, 1, 2, 3], None, GREEDY)  # no block hashes
+    long = text(engine, "l", [*SYSTEM, *range(100, 140)])
+    handoffs, sizes = served_together(engine, [long, plain], kept, max_tokens=32)
+    assert len(sizes) > 2 and all(h is not None for h in handoffs)
+    assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
+    assert_as_alone(engine, plain, handoffs[1])
+
+
 def test_only_prompts_of_the_same_cache_salt_share_blocks(engine, kept):
     """A tenant that salts its requests cannot time whether another sent a prompt."""
     ids = [*SYSTEM, 11, 12, 13]
