@@ -4,7 +4,10 @@ full and how busy each one is.
 A decoder that holds a prompt's leading blocks is handed only the rows after them
 (`DecoderBlocks`), so the choice saves wire time and decode's copy; a full or busy decoder
 slows every sequence it runs. Each live decoder gets a score from three parts in [0, 1], as
-llm-d's scheduler weighs its scorers: the share of the prompt's blocks it holds (weight 2), its
+llm-d's scheduler weighs its scorers: the share of the prompt's blocks it holds (weight 2; of
+the blocks some candidate lacks, since those every one holds are sent to none: once every
+decoder held a shared system prompt, a later turn's own history weighed too little against
+idleness, and moved, its KV sent whole again), its
 KV cache left free as it last reported it (1), and how few of this prefill's requests stream
 from it against the busiest (1). The highest score wins; among equals the first, and callers
 pass the live decoders rotated, so that equal decoders take turns (round-robin where nothing
@@ -45,8 +48,10 @@ def choose(candidates: list[Candidate], blocks: int) -> Candidate:
     if busiest - calmest > BALANCE_ABS and busiest > BALANCE_REL * calmest:
         candidates = [c for c in candidates if c.running == calmest]
 
+    least = min(c.held for c in candidates)  # held by every candidate: sent to none of them
+
     def score(c: Candidate) -> float:
-        prefix = c.held / blocks if blocks else 0.0
+        prefix = (c.held - least) / (blocks - least) if blocks > least else 0.0
         idle = 1.0 - c.running / busiest if busiest else 1.0
         return PREFIX_WEIGHT * prefix + FREE_KV_WEIGHT * (1.0 - c.kv_usage) + IDLE_WEIGHT * idle
 

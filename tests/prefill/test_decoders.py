@@ -44,3 +44,12 @@ def test_a_decoder_far_busier_than_another_is_passed_over_whatever_it_holds():
     # 4 apart is in balance: a later turn stays where its KV is (moving it costs a hand-off of
     # its whole prompt; a decode batch a few streams larger costs little)
     assert choose([replace(holder, running=4), idle], blocks=8).address == "a"
+
+
+def test_blocks_every_decoder_holds_do_not_tell_them_apart():
+    """Both hold the shared system prompt (6 of 10 blocks); one holds the conversation's
+    earlier turns too: it keeps the next turn, though it runs more streams (in balance)."""
+    holder = Candidate("a", held=9, kv_usage=0.1, running=4)
+    other = Candidate("b", held=6, kv_usage=0.1, running=0)
+    assert choose([other, holder], blocks=10) is holder
+    assert choose([other, replace(holder, held=6)], blocks=10) is other  # nothing apart: idle
