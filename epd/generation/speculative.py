@@ -131,7 +131,8 @@ def accept_sampled(
             continue
         rest = probs[i].clone()
         rest[draft] = 0.0
-        out.append(draw(rest, generator))
+        # Nothing left: the draft held all the mass, refused only by rounding (p a hair under 1).
+        out.append(draw(rest, generator) if rest.sum() > 0 else draft)
         return out
     out.append(draw(probs[len(drafts)], generator))
     return out

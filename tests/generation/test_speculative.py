@@ -116,6 +116,15 @@ def test_a_draft_the_target_never_gives_is_never_kept_and_a_certain_one_always_i
         assert accept_sampled([2], always, torch.Generator().manual_seed(seed))[0] == 2
 
 
+def test_a_draft_refused_only_by_rounding_is_still_the_token(monkeypatch):
+    """A row whose every other token has no mass, the draft's a hair under 1 (float32 sums),
+    and a uniform above it: the draft is refused, and nothing else can be drawn."""
+    almost = torch.tensor([[0.0, 0.0, 0.99999994], [0.2, 0.3, 0.5]])
+    assert almost[0, 2].item() < 1.0
+    monkeypatch.setattr(torch, "rand", lambda *a, **k: torch.tensor([0.99999997]))
+    assert accept_sampled([2], almost, torch.Generator().manual_seed(0)) == [2]
+
+
 def test_the_same_generator_state_gives_the_same_tokens():
     rows = torch.stack([target(()), target((1,)), target((1, 2))])
     runs = [accept_sampled([1, 2], rows, torch.Generator().manual_seed(9)) for _ in range(2)]
