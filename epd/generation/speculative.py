@@ -123,7 +123,9 @@ def accept_sampled(
     (renormalised); all kept, one more is drawn from the last row. Each token is then
     distributed exactly as the target's own sampling would give it. `probs`: (len(drafts) + 1,
     vocab), each row the request's processed distribution (temperature, top-k/p, min-p);
-    `generator`: the request's own."""
+    `generator`: the request's own (on the CPU, as the rows are made to be: one copy, not a
+    device sync per draft)."""
+    probs = probs.cpu()
     out = []
     for i, draft in enumerate(drafts):
         if torch.rand(1, generator=generator).item() < probs[i, draft].item():

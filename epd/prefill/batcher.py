@@ -54,10 +54,13 @@ def released(done: Future[None]) -> None:
 
 
 def next_block(job: Job) -> bytes | None:
-    """The hash of the first block of the job's prompt it has not computed (None: unnamed)."""
+    """The hash of the next block of the job's prompt that the cache could give it (None:
+    none: unnamed, or no more it could take from the cache)."""
     index = job.request.num_computed_tokens // BLOCK_TOKENS
     hashes = job.prompt.block_hashes
-    return hashes[index] if index < len(hashes) else None
+    # Only blocks before the last token's may come from the cache (`begin_cached`).
+    usable = min((len(job.prompt.prompt_ids) - 1) // BLOCK_TOKENS, len(hashes))
+    return hashes[index] if index < usable else None
 
 
 def token_budget(configured: int, device: torch.device) -> int:
@@ -338,18 +341,19 @@ class PrefillBatcher:
                 break
             if job.future.done():
                 continue
-            if not job.started and next_block(job) in computing:
+            if self.kv.caching and not job.started and next_block(job) in computing:
                 continue  # another prompt computes its next block: it waits for the cache
             if job.left <= room - owed:
                 start = job.request.num_computed_tokens
                 batch.append((job, Chunk(job.prompt, start, start + job.left, job.past)))
                 room -= job.left
+                # Its blocks are cached as this forward ends (a chunked prompt's only at its
+                # last chunk: nothing to wait for before).
+                computing.update(job.prompt.block_hashes[start // BLOCK_TOKENS :])
             elif chunked is None:
                 chunked, owed = job, min(room, self.min_chunk or room)
             else:  # only the chunked prompt is passed: the others keep their order
                 break
-            done = job.request.num_computed_tokens // BLOCK_TOKENS
-            computing.update(job.prompt.block_hashes[done:])
         taken = {job for job, _ in batch}
         for job in self.waiting:
             if job.future.done() and job not in taken:  # its caller left: its chunks go too

@@ -31,6 +31,9 @@ PREFIX_WEIGHT = 2.0
 FREE_KV_WEIGHT = 1.0
 IDLE_WEIGHT = 1.0
 BALANCE_ABS, BALANCE_REL = 4, 1.5  # streams; a ratio
+# Blocks apart below which the prefix share is counted against this many: one block of
+# difference must not outweigh a decoder nearly full and busier (16 tokens saved).
+PREFIX_FLOOR = 8
 
 
 @dataclass(frozen=True)
@@ -51,7 +54,7 @@ def choose(candidates: list[Candidate], blocks: int) -> Candidate:
     least = min(c.held for c in candidates)  # held by every candidate: sent to none of them
 
     def score(c: Candidate) -> float:
-        prefix = (c.held - least) / (blocks - least) if blocks > least else 0.0
+        prefix = (c.held - least) / max(blocks - least, PREFIX_FLOOR) if blocks > least else 0.0
         idle = 1.0 - c.running / busiest if busiest else 1.0
         return PREFIX_WEIGHT * prefix + FREE_KV_WEIGHT * (1.0 - c.kv_usage) + IDLE_WEIGHT * idle
 

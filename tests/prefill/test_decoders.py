@@ -47,9 +47,17 @@ def test_a_decoder_far_busier_than_another_is_passed_over_whatever_it_holds():
 
 
 def test_blocks_every_decoder_holds_do_not_tell_them_apart():
-    """Both hold the shared system prompt (6 of 10 blocks); one holds the conversation's
-    earlier turns too: it keeps the next turn, though it runs more streams (in balance)."""
-    holder = Candidate("a", held=9, kv_usage=0.1, running=4)
-    other = Candidate("b", held=6, kv_usage=0.1, running=0)
-    assert choose([other, holder], blocks=10) is holder
-    assert choose([other, replace(holder, held=6)], blocks=10) is other  # nothing apart: idle
+    """Both hold the shared system prompt (56 of 100 blocks); one holds the conversation's
+    earlier turns too (95): it keeps the next turn, though it runs more streams (in balance)."""
+    holder = Candidate("a", held=95, kv_usage=0.1, running=4)
+    other = Candidate("b", held=56, kv_usage=0.1, running=0)
+    assert choose([other, holder], blocks=100) is holder
+    assert choose([other, replace(holder, held=56)], blocks=100) is other  # nothing apart: idle
+
+
+def test_a_block_or_two_held_does_not_outweigh_a_full_busy_decoder():
+    """The share is of the blocks some candidate lacks, but counted against at least
+    PREFIX_FLOOR: one block apart saves 16 tokens, not worth a nearly full, busier decoder."""
+    full = Candidate("a", held=61, kv_usage=0.97, running=4)
+    free = Candidate("b", held=60, kv_usage=0.05, running=0)
+    assert choose([full, free], blocks=61) is free

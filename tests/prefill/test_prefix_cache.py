@@ -95,12 +95,12 @@ def test_the_next_turn_prefills_only_what_follows_the_cached_blocks(engine, kept
     assert_as_alone(engine, second, handoffs[1])
 
 
-def served_together(engine, prompts, kept, max_tokens=512):
+def served_together(engine, prompts, kept, max_tokens=512, min_chunk=0):
     """The prompts submitted at once, as concurrent requests are: each one's hand-off, and
     the prompts each forward ran."""
 
     async def main():
-        batcher = PrefillBatcher(engine, max_tokens, reply_to="")
+        batcher = PrefillBatcher(engine, max_tokens, reply_to="", min_chunk=min_chunk)
         runner = asyncio.create_task(batcher.run())
         results = await asyncio.gather(*(batcher.prefill(p) for p in prompts))
         for result in results:
@@ -125,6 +125,19 @@ def test_prompts_that_come_together_compute_their_shared_prefix_once(engine, kep
     assert kept.hits == 2 * 2 * BLOCK_TOKENS  # the system prompt's 2 whole blocks, twice
     for prompt, handoff in zip([*shared, other], handoffs, strict=True):
         assert_as_alone(engine, prompt, handoff)
+
+
+def test_a_prompt_waits_only_for_blocks_this_forward_caches(engine, kept):
+    """A chunked prompt caches its blocks at its last chunk only: one that shares them and may
+    pass it (`min_chunk`) runs now; and with the cache off nothing waits at all."""
+    long = text(engine, "l", [*SYSTEM, *range(100, 300)])
+    short = text(engine, "s", [*SYSTEM, 7, 8, 9])
+    _, sizes = served_together(engine, [long, short], kept, max_tokens=64, min_chunk=16)
+    assert sizes[0] == 2  # the long prompt's first chunk, and the short one beside it
+    engine.kv = caching_pool(engine, 0)  # no prefix cache (the fixture puts the pool back)
+    shared = [text(engine, r, [*SYSTEM, 50 + i, 60 + i]) for i, r in enumerate("ab")]
+    _, sizes = served_together(engine, shared, kept)
+    assert sizes == [2]
 
 
 def test_a_prompt_never_cached_waits_beside_cached_ones_unharmed(engine, kept, caplog):
