@@ -69,9 +69,29 @@ def serve(checkpoint: Path, flags: list[str], log: Path) -> Any:
     return start(command, f"http://127.0.0.1:{PORT}/v1", log)
 
 
+def prefill_ports(prefills: int) -> list[int]:
+    return [PORT] if prefills == 1 else [INTERNAL + 100 * i + 21 for i in range(prefills)]
+
+
+def wait_for_prefills(prefills: int, seconds: float = 180.0) -> None:
+    """Until every prefill's /health answers 200."""
+    import time
+
+    deadline = time.monotonic() + seconds
+    for port in prefill_ports(prefills):
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5):
+                    break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
+
+
 def prefill_counters(prefills: int) -> dict[str, float]:
     """Each prefill's own hand-off counters, summed (its /metrics: role="prefill" series)."""
-    ports = [PORT] if prefills == 1 else [INTERNAL + 100 * i + 21 for i in range(prefills)]
+    ports = prefill_ports(prefills)
     totals: dict[str, float] = {}
     for port in ports:
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode()
@@ -85,6 +105,7 @@ def trace_run(checkpoint: Path, name: str, flags: list[str], out: Path, seed: in
     process = serve(checkpoint, flags, out / f"{slug(name)}-{seed}.log")
     try:
         path = out / f"{slug(name)}-{seed}.json"
+        wait_for_prefills(int(flags[1]))
         summary = bench(f"http://127.0.0.1:{PORT}/v1", path, seed, **TRACE)
         counters = prefill_counters(int(flags[1]))
     finally:
@@ -176,6 +197,7 @@ def lockstep_round(checkpoint: Path, seed: int, out: Path) -> list[dict[str, flo
     process = serve(checkpoint, SETUPS["cache-aware"], out / f"turns-{seed}.log")
     rows = []
     try:
+        wait_for_prefills(2)  # the router is up once one is; the counters need both
         models = urllib.request.urlopen(f"http://127.0.0.1:{PORT}/v1/models").read()
         model = json.loads(models)["data"][0]["id"]
         for turn in range(TRACE["turns"]):
