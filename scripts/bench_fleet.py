@@ -33,7 +33,9 @@ import json
 import re
 import statistics
 import sys
+import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -75,8 +77,6 @@ def prefill_ports(prefills: int) -> list[int]:
 
 def wait_for_prefills(prefills: int, seconds: float = 180.0) -> None:
     """Until every prefill's /health answers 200."""
-    import time
-
     deadline = time.monotonic() + seconds
     for port in prefill_ports(prefills):
         while True:
@@ -186,8 +186,6 @@ def trace(checkpoint: Path, rounds: int, out: Path, venv: Path | None) -> None:
 def lockstep_round(checkpoint: Path, seed: int, out: Path) -> list[dict[str, float]]:
     """One fresh fleet; each turn of the 16 conversations at once: its new tokens and the KV
     rows its hand-offs carried."""
-    from concurrent.futures import ThreadPoolExecutor
-
     from epd.bench.config import BenchConfig
     from epd.bench.workload import conversations
 

@@ -54,6 +54,7 @@ class DecoderBlocks:
         self.events = events
         self.listener = KVEventListener(self.index) if events else None
         self.keep_nothing: set[str] = set()  # decoders whose prefix cache is off
+        self.following: set[str] = set()  # the decoders whose events the listener was given
 
     def blocks(self, decoder: str, hashes: Sequence[bytes]) -> int:
         """How many of the leading blocks the decoder holds, by what prefill knows (asked of
@@ -83,7 +84,8 @@ class DecoderBlocks:
         for gone in [d for d in self.index.peers() if d not in decoders]:
             self.index.forget(gone)
         self.keep_nothing &= set(decoders)
-        if self.listener is not None:
+        if self.listener is not None and set(decoders) != self.following:  # asked every request
+            self.following = set(decoders)
             endpoints = {d: peer_endpoint(self.events, d) for d in decoders}
             self.listener.follow({d: e for d, e in endpoints.items() if e is not None})
 

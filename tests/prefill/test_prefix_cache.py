@@ -48,11 +48,20 @@ def caching_pool(engine, max_bytes):
 def served(engine, prompts, kept, max_tokens=512):
     """Each prompt through a batcher on the engine's pool, one after another; the blocks of
     each let go once it is prefilled, as its hand-off would be taken."""
+    return run_batcher(engine, prompts, kept, max_tokens, together=False)[0]
+
+
+def run_batcher(engine, prompts, kept, max_tokens, together, min_chunk=0):
+    """The prompts through a batcher on the engine's pool, one after another or all at once:
+    each one's hand-off (its blocks let go once prefilled), and the prompts each forward ran."""
 
     async def main():
-        batcher = PrefillBatcher(engine, max_tokens, reply_to="")
+        batcher = PrefillBatcher(engine, max_tokens, reply_to="", min_chunk=min_chunk)
         runner = asyncio.create_task(batcher.run())
-        results = [await batcher.prefill(p) for p in prompts]
+        if together:
+            results = await asyncio.gather(*(batcher.prefill(p) for p in prompts))
+        else:
+            results = [await batcher.prefill(p) for p in prompts]
         for result in results:
             if result.table is not None:
                 batcher.on_engine(engine.kv.release, result.table)
@@ -60,7 +69,7 @@ def served(engine, prompts, kept, max_tokens=512):
         batcher.close()
         kept.queries += batcher.queries
         kept.hits += batcher.hits
-        return [r.handoff for r in results]
+        return [r.handoff for r in results], list(batcher.sizes)
 
     return asyncio.run(main())
 
@@ -98,21 +107,7 @@ def test_the_next_turn_prefills_only_what_follows_the_cached_blocks(engine, kept
 def served_together(engine, prompts, kept, max_tokens=512, min_chunk=0):
     """The prompts submitted at once, as concurrent requests are: each one's hand-off, and
     the prompts each forward ran."""
-
-    async def main():
-        batcher = PrefillBatcher(engine, max_tokens, reply_to="", min_chunk=min_chunk)
-        runner = asyncio.create_task(batcher.run())
-        results = await asyncio.gather(*(batcher.prefill(p) for p in prompts))
-        for result in results:
-            if result.table is not None:
-                batcher.on_engine(engine.kv.release, result.table)
-        runner.cancel()
-        batcher.close()
-        kept.queries += batcher.queries
-        kept.hits += batcher.hits
-        return [r.handoff for r in results], list(batcher.sizes)
-
-    return asyncio.run(main())
+    return run_batcher(engine, prompts, kept, max_tokens, together=True, min_chunk=min_chunk)
 
 
 def test_prompts_that_come_together_compute_their_shared_prefix_once(engine, kept):
