@@ -202,6 +202,14 @@ class DecodeConfig(ModelOptions):
         vllm="--gpu-memory-utilization",
     )
     kv_events_config: str = kv_events_option()
+    speculative_config: str = option(
+        "",
+        'speculative decoding, in vLLM\'s JSON: \'{"method": "ngram", '
+        '"num_speculative_tokens": 5, "prompt_lookup_max": 5, "prompt_lookup_min": 2}\' '
+        "(n-gram prompt lookup: each step verifies up to that many drafted tokens at once; "
+        "outputs are distributed as without; default: off)",
+        vllm="--speculative-config",
+    )
     drain_timeout_s: float = option(
         30.0,
         "on SIGTERM, how long the sequences under way may take to finish (new hand-offs "

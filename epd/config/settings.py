@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from epd.config.speculative import SpeculativeConfig
 from epd.config.vllm import VllmFlag
 from epd.dtypes import MODEL_DTYPES
 
@@ -86,6 +87,8 @@ def _check_value(name: str, value: Any) -> str | None:
         return json_object_problem(value, KV_EVENTS_FIELDS)
     if name == "decoder_kv_events" and value:
         return peer_endpoint_problem(value)
+    if name == "speculative_config" and value:
+        return speculative_problem(value)
     if name == "seed" and not -1 <= value < 2**63:
         return "must be -1 (fresh draws) or from 0 to 2**63 - 1"
     if name == "min_chunk_tokens" and value < 0:
@@ -162,6 +165,15 @@ def peer_endpoint_problem(template: str) -> str | None:
         return "must name each peer's own endpoint, by {host}, {port} or {port+N}"
     if "*" in template or "::" in template:
         return "is where to connect to each peer's publisher: a host, not a wildcard"
+    return None
+
+
+def speculative_problem(text: str) -> str | None:
+    """What is wrong with a --speculative-config, or None."""
+    try:
+        SpeculativeConfig.from_json(text)
+    except ValueError as e:
+        return str(e)
     return None
 
 

@@ -151,7 +151,6 @@ REFUSED = (
         ("--enable-lora", "--lora-modules"),
         "epd serves no LoRA adapters: merge one into the checkpoint and serve that",
     ),
-    Refused(("--speculative-config",), "epd has no speculative decoding yet"),
     Refused(
         ("--kv-transfer-config",),
         "epd hands KV from prefill to decode itself: run its "

@@ -85,6 +85,22 @@ def draw(
     filtered: bool,
 ) -> torch.Tensor:
     """Sampled token ids (n,) from logits (n, vocab) under temperature, top-k, top-p, min-p."""
+    probs, order = processed(logits, params, filtered)
+    cdf = probs.cumsum(-1)  # (n, vocab)
+    uniform = torch.cat([torch.rand(1, generator=g) for g in generators]).to(logits.device)
+    chosen = torch.searchsorted(cdf, uniform[:, None] * cdf[:, -1:], right=True)  # (n, 1)
+    # Rounding can put u·total at the total; stay on the last token that has any probability.
+    last_kept = (probs > 0).cumsum(-1).argmax(-1, keepdim=True)
+    chosen = torch.minimum(chosen, last_kept)
+    return chosen[:, 0] if order is None else order.gather(1, chosen)[:, 0]
+
+
+def processed(
+    logits: torch.Tensor, params: list[SamplingParams], filtered: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The distributions sampling draws from, (n, vocab), unnormalised where top-p or min-p
+    cut them: with `filtered` (top-k or top-p) in descending order, with that order (n, vocab)
+    of token ids; otherwise in vocabulary order, and None."""
     vocab = logits.shape[-1]
     device = logits.device
 
@@ -106,13 +122,24 @@ def draw(
     if any(p.min_p > 0 for p in params):
         floor = column([p.min_p for p in params]) * probs.amax(-1, keepdim=True)
         probs = probs.masked_fill(probs < floor, 0.0)  # the likeliest token always stays
-    cdf = probs.cumsum(-1)  # (n, vocab)
-    uniform = torch.cat([torch.rand(1, generator=g) for g in generators]).to(device)[:, None]
-    chosen = torch.searchsorted(cdf, uniform * cdf[:, -1:], right=True)  # (n, 1)
-    # Rounding can put u·total at the total; stay on the last token that has any probability.
-    last_kept = (probs > 0).cumsum(-1).argmax(-1, keepdim=True)
-    chosen = torch.minimum(chosen, last_kept)
-    return chosen[:, 0] if order is None else order.gather(1, chosen)[:, 0]
+    return probs, order
+
+
+def probabilities(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Each sampled row's distribution as `sample_batch` draws from it, normalised, in
+    vocabulary order: logits (n, vocab) → (n, vocab) float32 (what speculative decoding
+    accepts drafts by)."""
+    out = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
+    for filtered in (False, True):
+        rows = [i for i, p in enumerate(params) if (p.top_k > 0 or p.top_p < 1.0) == filtered]
+        if not rows:
+            continue
+        index = torch.tensor(rows, device=logits.device)
+        probs, order = processed(logits[index], [params[i] for i in rows], filtered)
+        if order is not None:
+            probs = torch.empty_like(probs).scatter_(1, order, probs)
+        out[index] = probs / probs.sum(-1, keepdim=True)
+    return out
 
 
 def token_logprob(

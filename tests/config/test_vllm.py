@@ -192,7 +192,6 @@ def test_flags_asking_for_what_epd_does_anyway_are_accepted(role):
     [
         (("--quantization", "fp8"), "-q/--quantization: epd runs the checkpoint's weights"),
         (("--enable-lora",), "--enable-lora/--lora-modules: epd serves no LoRA adapters"),
-        (("--speculative-config", "{}"), "no speculative decoding"),
         (("--kv-transfer-config", "{}"), "epd hands KV from prefill to decode itself"),
         (("--tokenizer", "x/y"), "reads the tokenizer from the checkpoint directory"),
         (("--kv-cache-dtype", "fp8"), "fp8: accepted as auto only"),

@@ -1,4 +1,4 @@
-"""Speculative decoding's model-free parts: vLLM's config, n-gram drafts as vLLM proposes them,
+"""Speculative decoding's model-free parts: n-gram drafts as vLLM proposes them,
 and acceptance that leaves the output distributed exactly as the target model's sampling."""
 
 import itertools
@@ -7,42 +7,7 @@ import math
 import pytest
 import torch
 
-from epd.generation.speculative import (
-    NgramProposer,
-    SpeculativeConfig,
-    accept_greedy,
-    accept_sampled,
-)
-
-
-def test_the_config_reads_vllms_json_and_its_defaults():
-    assert SpeculativeConfig.from_json("") is None  # off unless configured
-    given = '{"method": "ngram", "num_speculative_tokens": 4}'
-    assert SpeculativeConfig.from_json(given) == SpeculativeConfig("ngram", 4, 5, 5)
-    one = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2}'
-    assert SpeculativeConfig.from_json(one) == SpeculativeConfig("ngram", 3, 2, 2)
-
-
-@pytest.mark.parametrize(
-    ("text", "problem"),
-    [
-        ('{"method": "eagle", "num_speculative_tokens": 2}', "drafts by ngram"),
-        ('{"method": "ngram"}', "num_speculative_tokens is required"),
-        ('{"method": "ngram", "num_speculative_tokens": 0}', "≥ 1"),
-        ('{"method": "ngram", "num_speculative_tokens": true}', "≥ 1"),
-        ('{"method": "ngram", "num_speculative_tokens": 2, "model": "x"}', "does not take model"),
-        (
-            '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, '
-            '"prompt_lookup_max": 2}',
-            "must be ≤",
-        ),
-        ("[1]", "JSON object"),
-        ("{", "not JSON"),
-    ],
-)
-def test_a_config_epd_cannot_run_is_a_clear_error(text, problem):
-    with pytest.raises(ValueError, match=problem):
-        SpeculativeConfig.from_json(text)
+from epd.generation.speculative import NgramProposer, accept_sampled
 
 
 def test_ngram_drafts_follow_the_longest_earlier_match_at_its_first_place():
@@ -56,13 +21,6 @@ def test_ngram_drafts_follow_the_longest_earlier_match_at_its_first_place():
     assert NgramProposer(3, 1).propose(tokens, 2) == [0, 1]  # [4, 2, 6] not before: [2, 6]
     assert NgramProposer(2, 2).propose([4, 4, 4, 4], 3) == [4, 4]  # overlapping matches count
     assert NgramProposer(3, 2).propose([1, 2, 1, 2], 0) == []
-
-
-def test_greedy_keeps_the_drafts_the_argmax_agrees_with_and_adds_its_next():
-    assert accept_greedy([5, 6, 7], [5, 6, 7, 8]) == [5, 6, 7, 8]  # all, and a bonus
-    assert accept_greedy([5, 6, 7], [5, 9, 7, 8]) == [5, 9]  # the first disagreement ends it
-    assert accept_greedy([5], [4, 8]) == [4]
-    assert accept_greedy([], [3]) == [3]  # no drafts: a plain step
 
 
 VOCAB = 5
@@ -118,11 +76,11 @@ def test_a_draft_the_target_never_gives_is_never_kept_and_a_certain_one_always_i
 
 def test_a_draft_refused_only_by_rounding_is_still_the_token(monkeypatch):
     """A row whose every other token has no mass, the draft's a hair under 1 (float32 sums),
-    and a uniform above it: the draft is refused, and nothing else can be drawn."""
+    and a uniform above it: the draft is refused, and nothing else can be drawn: it stays."""
     almost = torch.tensor([[0.0, 0.0, 0.99999994], [0.2, 0.3, 0.5]])
     assert almost[0, 2].item() < 1.0
     monkeypatch.setattr(torch, "rand", lambda *a, **k: torch.tensor([0.99999997]))
-    assert accept_sampled([2], almost, torch.Generator().manual_seed(0)) == [2]
+    assert accept_sampled([2], almost, torch.Generator().manual_seed(0))[0] == 2
 
 
 def test_the_same_generator_state_gives_the_same_tokens():
