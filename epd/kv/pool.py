@@ -166,10 +166,23 @@ class BlockPool:
         self.storage[:, where[0], where[1]] = rows.to(self.storage)  # (layers, n, latent_dim)
         table.length = total
 
-    def make_room(self, table: BlockTable) -> None:
-        """A block for the table's next row, if its blocks are full. Raises PoolFull."""
-        if blocks_for(table.length + 1) > len(table.blocks):
-            table.blocks += self.take(1)
+    def make_room(self, table: BlockTable, rows: int = 1) -> None:
+        """Blocks for the table's next `rows` rows, where its own are full. Raises PoolFull."""
+        if (needed := blocks_for(table.length + rows) - len(table.blocks)) > 0:
+            table.blocks += self.take(needed)
+
+    @torch.inference_mode()
+    def truncate(self, table: BlockTable, length: int) -> None:
+        """Roll a table back to its first `length` rows (speculative decoding's refused drafts):
+        the rows after them zeroed in the block they share, the blocks past it let go. Only a
+        reply's own rows go: they are never published, so no other table holds their blocks."""
+        assert table.published * BLOCK_TOKENS <= length <= table.length, "rows to roll back"
+        keep = blocks_for(length)
+        if length % BLOCK_TOKENS:
+            self.storage[:, table.blocks[keep - 1], length % BLOCK_TOKENS :] = 0
+        self.blocks.release(table.blocks[keep:])
+        del table.blocks[keep:]
+        table.length = length
 
     def publish(self, table: BlockTable, hashes: Sequence[bytes], token_ids: Sequence[int]) -> None:
         """Make the table's full blocks with these hashes (its first len(hashes), all filled)

@@ -171,9 +171,14 @@ def latent_attention(
 ) -> torch.Tensor:
     """Multi-query attention of q (N, H, L) over latent rows (N, K, L), each query n its own,
     or (K, L), shared, where visible (N, K), as two batched products: scores (N, H, K), then
-    values → (N, H, L)."""
+    values → (N, H, L). With visible (N, m, K), q's H rows are m groups of H / m (a request's
+    m query rows, each with every head: speculative decoding), each seeing its own."""
     scores = torch.matmul(q * scale, cache.mT)  # (N, H, K)
-    scores.masked_fill_(~visible[:, None, :], float("-inf"))
+    if visible.dim() == 3:
+        grouped = scores.view(scores.shape[0], visible.shape[1], -1, scores.shape[-1])
+        grouped.masked_fill_(~visible[:, :, None, :], float("-inf"))  # (N, m, H / m, K)
+    else:
+        scores.masked_fill_(~visible[:, None, :], float("-inf"))
     weights = scores.softmax(-1, dtype=torch.float32).to(cache.dtype)
     return torch.matmul(weights, cache)
 

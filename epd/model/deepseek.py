@@ -125,8 +125,10 @@ class DeepseekV3ForCausalLM(nn.Module):
         return GatherEachStep()
 
     def decode(self, input_ids: torch.Tensor, batch: PagedBatch) -> torch.Tensor:
-        """One token per request (B,) → final hidden states (B, D); each cache grows by one
-        row, written into its blocks (`BlockReader.batch` makes the batch over a pool)."""
+        """The step's tokens (R,): one per request, or several (its last and its drafts, each
+        request's together) → final hidden states (R, D); each cache grows by its rows, written
+        into its blocks (`BlockReader.batch` makes the batch over a pool; `PagedBatch.keep`
+        rolls back the rows refused)."""
         angles = self.angles(batch.positions)
         x = self.embed(input_ids)
         for layer in self.model.decoder_layers():

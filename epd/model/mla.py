@@ -25,7 +25,7 @@ from epd.model.attention import (
 )
 from epd.model.config import TextConfig
 from epd.model.norm import RMSNorm
-from epd.model.paged import PagedBatch
+from epd.model.paged import PagedBatch, Part
 from epd.model.rope import rotate
 
 
@@ -173,13 +173,17 @@ class MLAttention(nn.Module):
         return out[0].transpose(0, 1)[..., : self.v_dim]
 
     def decode(self, x: torch.Tensor, angles: torch.Tensor, batch: PagedBatch) -> torch.Tensor:
-        """One new token per request, x (B, D) → (B, D), attending through the latent cache.
+        """The step's new tokens, x (R, D) → (R, D), attending through the latent cache: one per
+        request, or several (speculative decoding, `PagedBatch`), each seeing its request's
+        rows up to its own.
 
         Every head scores the same latent rows, so attention is two batched matrix multiplies
         over the cache as it is (multi-query attention), never a per-head copy of it.
         """
         q_nope, q_pe = self.queries(x, angles)
         parts = batch.append_and_gather(self.layer, self.latent(x, angles))
+        if batch.several:
+            return self.o_proj(self.several(q_nope, q_pe, parts).flatten(1))
         if len(parts) == 1:  # every request in one call: (B, T, rank + rope) caches
             out = self.through_latent(q_nope, q_pe, parts[0].cache, parts[0].visible)
         else:  # requests of similar lengths together, so a long one pads only its own part
@@ -188,19 +192,42 @@ class MLAttention(nn.Module):
                 out[rows] = self.through_latent(q_nope[rows], q_pe[rows], cache, visible)
         return self.o_proj(out.flatten(1))
 
+    def several(self, q_nope: torch.Tensor, q_pe: torch.Tensor, parts: list[Part]) -> torch.Tensor:
+        """Queries (R, H, ·), several rows per request, over their parts' caches → (R, H, v).
+
+        A request's m rows attend together as m · H query rows over its cache (n, K, L): the
+        cache is read once for all of them, never copied per row (as FlashMLA folds a
+        speculative step's rows into its heads)."""
+        rows, heads = q_nope.shape[:2]
+        q = self.absorbed(q_nope, q_pe)  # (R, H, L)
+        q = torch.cat((q, q[:1]))  # row R: the scratch row that padding slots read and write
+        out = q.new_empty(rows + 1, heads, self.rank)
+        for slots, cache, visible in parts:  # slots (n, m)
+            attended = latent_attention(q[slots].flatten(1, 2), cache, visible, self.scale)
+            out[slots] = attended[..., : self.rank].unflatten(1, (slots.shape[1], heads))
+        return self.unabsorbed(out[:rows])
+
     def through_latent(
         self, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, visible: torch.Tensor
     ) -> torch.Tensor:
         """Queries (N, H, ·) scored against latent cache rows, never expanded: the rows are
         (N, K, rank + rope), each query its own, or (K, rank + rope), shared by all; query n
         sees the rows where visible (N, K) holds → (N, H, v)."""
-        w_uk, w_uv_t = self.absorbing()
-        # Absorb the key up-projection: q_nope·(W_uk c) = (q_nope W_uk)·c, batched over heads.
+        q = self.absorbed(q_nope, q_pe)  # (N, H, L)
+        return self.unabsorbed(self.attend_latent(q, cache, visible)[..., : self.rank])
+
+    def absorbed(self, q_nope: torch.Tensor, q_pe: torch.Tensor) -> torch.Tensor:
+        """Queries (N, H, ·) with the key up-projection absorbed, q_nope·(W_uk c) =
+        (q_nope W_uk)·c, batched over heads → (N, H, rank + rope), scored against c directly."""
+        w_uk, _ = self.absorbing()
         q_latent = torch.bmm(q_nope.transpose(0, 1).to(w_uk.dtype), w_uk)  # (H, N, rank)
-        q = torch.cat((q_latent.transpose(0, 1).to(q_pe.dtype), q_pe), dim=-1)  # (N, H, L)
-        out = self.attend_latent(q, cache, visible)[..., : self.rank]  # W_uv applied after
+        return torch.cat((q_latent.transpose(0, 1).to(q_pe.dtype), q_pe), dim=-1)
+
+    def unabsorbed(self, out: torch.Tensor) -> torch.Tensor:
+        """Attention over the latent, (N, H, rank) → values (N, H, v): W_uv applied after."""
+        _, w_uv_t = self.absorbing()
         out = torch.bmm(out.transpose(0, 1).to(w_uv_t.dtype), w_uv_t)  # (H, N, v)
-        return out.transpose(0, 1).to(q_pe.dtype)
+        return out.transpose(0, 1).to(self.o_proj.weight.dtype)
 
     def absorbing(self) -> tuple[torch.Tensor, torch.Tensor]:
         """kv_b_proj's key half W_uk (H, nope, rank) and its value half transposed, W_uvᵀ

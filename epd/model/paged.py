@@ -13,6 +13,7 @@ model chooses its reader (`DeepseekV3ForCausalLM.block_reader`), the pool does n
 
 from __future__ import annotations
 
+import itertools
 from typing import NamedTuple, Protocol
 
 import torch
@@ -24,9 +25,11 @@ from epd.kv.pool import BlockTable
 class Part(NamedTuple):
     """Some of a decode step's requests, for one attention call."""
 
-    rows: torch.Tensor | None  # (n,) which rows of the batch; None: all of them, in order
+    # Which of the step's query rows: None, all of them, in order; (n,) one per request; or
+    # (n, m) a request's several (speculative decoding), padded with the scratch row, R.
+    rows: torch.Tensor | None
     cache: torch.Tensor  # (n, T, latent_dim): their caches padded to the longest of them
-    visible: torch.Tensor  # (n, T): the real rows
+    visible: torch.Tensor  # (n, T), or (n, m, T) for several rows each: what each row sees
 
 
 def by_length(lengths: list[int]) -> list[list[int]]:
@@ -44,41 +47,78 @@ def by_length(lengths: list[int]) -> list[list[int]]:
 
 
 class PagedBatch:
-    """A decode step over pooled caches: each writes its row into its own block, and the step
+    """A decode step over pooled caches: each writes its rows into its own blocks, and the step
     attends over their blocks gathered by table, in parts of similar lengths (`by_length`), so
     that one long cache does not pad every short one to its length. Layers call
-    `append_and_gather` with the step's latent rows; `advance` ends the step."""
+    `append_and_gather` with the step's latent rows; `advance` ends the step.
 
-    def __init__(self, storage: torch.Tensor, caches: list[BlockTable]) -> None:
-        for cache in caches:
-            cache.reserve(1)
+    A cache takes one row a step, or `counts` of them (speculative decoding: its last token and
+    its drafts, R rows in all, each cache's together, in order); row j of a cache sees its rows
+    before the step and its own up to j. After the step, `keep` rolls back the rows refused."""
+
+    def __init__(
+        self, storage: torch.Tensor, caches: list[BlockTable], counts: list[int] | None = None
+    ) -> None:
+        self.counts = counts or [1] * len(caches)
+        for cache, count in zip(caches, self.counts, strict=True):
+            cache.reserve(count)
         self.storage, self.paged = storage, caches
-        # (B,) the positions of the tokens decoded, after each cache's rows
-        self.positions = torch.tensor([c.length for c in caches], device=storage.device)
-        self.block = torch.tensor(
-            [c.blocks[c.length // BLOCK_TOKENS] for c in caches], device=storage.device
+        self.starts = [c.length for c in caches]  # each cache's rows before the step
+        self.several = any(n > 1 for n in self.counts)
+        spans = list(zip(caches, self.counts, strict=True))
+        device = storage.device
+        # (R,) the positions of the tokens decoded, after each cache's rows
+        self.positions = torch.tensor(
+            [p for c, n in spans for p in range(c.length, c.length + n)], device=device
         )
-        self.offset = self.positions % BLOCK_TOKENS  # (B,) where each writes its row
+        self.block = torch.tensor(
+            [c.blocks[p // BLOCK_TOKENS] for c, n in spans for p in range(c.length, c.length + n)],
+            device=device,
+        )
+        self.offset = self.positions % BLOCK_TOKENS  # (R,) where each writes its row
         self.tables = self.make_tables()
 
+    def ends(self) -> list[int]:
+        """The rows each cache holds once the step wrote its own."""
+        return [start + n for start, n in zip(self.starts, self.counts, strict=True)]
+
     def make_tables(self) -> list[tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]]:
-        return [self.table(part) for part in by_length([c.length + 1 for c in self.paged])]
+        return [self.table(part) for part in by_length(self.ends())]
 
     def table(self, part: list[int]) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
-        """Of some of the caches (by position in the batch): the rows (None: all, in order),
-        their blocks, padded with the zero block, flat (n · width,), and their visible rows."""
-        device, caches = self.storage.device, [self.paged[i] for i in part]
-        lengths = torch.tensor([c.length + 1 for c in caches])
-        width = blocks_for(int(lengths.max()))
+        """Of some of the caches (by position in the batch): their query rows (`Part.rows`),
+        their blocks, padded with the zero block, flat (n · width,), and what each row sees."""
+        caches = [self.paged[i] for i in part]
+        width = blocks_for(max(self.ends()[i] for i in part))
         # Whole blocks, the rows past each length masked: attention's products then meet a new
         # length once every BLOCK_TOKENS steps, not every step (oneDNN, which runs bfloat16
         # ones on a CPU, builds a kernel for each shape it meets).
-        visible = (torch.arange(width * BLOCK_TOKENS)[None, :] < lengths[:, None]).to(device)
-        rows = None if len(part) == len(self.paged) else torch.tensor(part, device=device)
-        return rows, table_of(caches, width, device), visible
+        rows, visible = self.queries(part, width * BLOCK_TOKENS)
+        return rows, table_of(caches, width, self.storage.device), visible
+
+    def queries(self, part: list[int], seen: int) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """Some caches' query rows (`Part.rows`) and what each sees of `seen` rows: (n, seen),
+        or with several rows a cache, (n, m, seen), a padding row seeing as its cache's last."""
+        device = self.storage.device
+        if not self.several:
+            lengths = torch.tensor([self.starts[i] + 1 for i in part])
+            visible = (torch.arange(seen)[None, :] < lengths[:, None]).to(device)
+            rows = None if len(part) == len(self.paged) else torch.tensor(part, device=device)
+            return rows, visible
+        first = [0, *itertools.accumulate(self.counts)]  # each cache's first row in the step
+        width = max(self.counts[i] for i in part)
+        scratch = first[-1]  # R: the row a padding slot reads and writes
+        rows = torch.tensor(
+            [[first[i] + j if j < self.counts[i] else scratch for j in range(width)] for i in part]
+        )
+        last = torch.tensor(  # the last row each sees: a padding row, its cache's last
+            [[self.starts[i] + min(j, self.counts[i] - 1) for j in range(width)] for i in part]
+        )
+        visible = torch.arange(seen)[None, None, :] <= last[:, :, None]  # (n, m, seen)
+        return rows.to(device), visible.to(device)
 
     def append_and_gather(self, layer: int, latent: torch.Tensor) -> list[Part]:
-        """latent (B, latent_dim) → the caches including it, in parts, copies."""
+        """latent (R, latent_dim) → the caches including it, in parts, copies."""
         blocks = self.storage[layer]  # (blocks, BLOCK_TOKENS, latent_dim)
         blocks[self.block, self.offset] = latent
         parts = []
@@ -90,8 +130,16 @@ class PagedBatch:
         return parts
 
     def advance(self) -> None:
-        for cache in self.paged:
-            cache.length += 1
+        for cache, count in zip(self.paged, self.counts, strict=True):
+            cache.length += count
+
+    def keep(self, kept: list[int]) -> None:
+        """After the step: of each cache's rows, its first `kept` stay (the tokens accepted);
+        the pool rolls back the rest (`BlockPool.truncate`)."""
+        spans = zip(self.paged, self.starts, self.counts, kept, strict=True)
+        for cache, start, count, keep in spans:
+            if keep < count:
+                cache.pool.truncate(cache, start + keep)
 
 
 def table_of(caches: list[BlockTable], width: int, device: torch.device) -> torch.Tensor:
@@ -112,8 +160,15 @@ class BlockReader(Protocol):
 
     copies: int
 
-    def batch(self, storage: torch.Tensor, caches: list[BlockTable], budget: int) -> PagedBatch:
-        """A step over these caches, in this order; what it keeps takes at most `budget` bytes."""
+    def batch(
+        self,
+        storage: torch.Tensor,
+        caches: list[BlockTable],
+        budget: int,
+        counts: list[int] | None = None,
+    ) -> PagedBatch:
+        """A step over these caches, in this order, `counts` rows each (default one); what it
+        keeps takes at most `budget` bytes."""
         ...
 
     def forget(self) -> None:
@@ -126,8 +181,14 @@ class GatherEachStep:
 
     copies = 1
 
-    def batch(self, storage: torch.Tensor, caches: list[BlockTable], budget: int) -> PagedBatch:
-        return PagedBatch(storage, caches)
+    def batch(
+        self,
+        storage: torch.Tensor,
+        caches: list[BlockTable],
+        budget: int,
+        counts: list[int] | None = None,
+    ) -> PagedBatch:
+        return PagedBatch(storage, caches, counts)
 
     def forget(self) -> None:
         pass

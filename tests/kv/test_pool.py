@@ -3,6 +3,8 @@ sequence gives, through joins, leaves, growth, evictions and shared prefixes, re
 (gathered every step, or kept gathered as on a CPU), and the pool never holds more blocks than
 its budget: cached blocks are free space, shared, never copied."""
 
+import random
+
 import pytest
 import torch
 
@@ -282,10 +284,10 @@ def test_a_kept_copy_serves_until_the_batch_changes_or_outgrows_it(lm, reference
     assert made == [0, 5, 9, 9 + room - 20], made
     assert all(kept is not None for kept in copies)
     kept, tables = reader.kept, [request.table for request in running]
-    assert kept.serves(tables)  # it took the last step's rows, as the blocks did
-    assert not kept.serves(tables[1:]) and not kept.serves(tables[::-1])
+    assert kept.serves(tables, [1] * len(tables))  # it took the last step's rows, as the blocks did
+    assert not kept.serves(tables[1:], [1] * 2) and not kept.serves(tables[::-1], [1] * 3)
     tables[0].length -= 1  # another length than the copy's
-    assert not kept.serves(tables)
+    assert not kept.serves(tables, [1] * len(tables))
     reader.forget()
     assert reader.kept is None
 
@@ -296,7 +298,7 @@ def test_no_copy_is_kept_that_would_take_more_than_the_budget(lm, reference):
     tables = [loaded(pool, reference.rows(p)) for p in PROMPTS]
     # 5 blocks in use of 8; a copy needs 2 + HEADROOM_BLOCKS for the longest, 1 + HEADROOM_BLOCKS
     # for each of the others (one part)
-    assert Gathered.nbytes_for(tables, pool.storage) > pool.max_bytes
+    assert Gathered.nbytes_for(tables, pool.storage, [1] * len(tables)) > pool.max_bytes
     reader = KeepGathered()
     batch = reader.batch(pool.storage, tables, pool.max_bytes)
     assert not isinstance(batch, KeptBatch) and reader.kept is None  # step by step
@@ -479,3 +481,56 @@ def test_writing_no_rows_into_an_empty_table_changes_nothing(lm):
     table = pool.table()
     pool.write(table, torch.zeros(lm.config.num_hidden_layers, 0, lm.config.latent_dim))
     assert table.blocks == [] and table.length == 0
+
+
+@pytest.mark.parametrize("reader", [GatherEachStep, KeepGathered])
+@torch.inference_mode()
+def test_steps_of_several_rows_equal_prefill_and_roll_back_what_is_refused(lm, reference, reader):
+    """Speculative decoding's steps: each request feeds 1-4 rows at once (its last token and
+    drafts), each row's logits are the whole sequence's at its place, and the rows refused
+    after the step leave the pool: the table ends where its accepted tokens do, its blocks
+    with it, and the refused rows left in its last block are zeros."""
+    reader = reader()
+    pool = pool_for(lm)
+    running = [Request(pool, reference, p) for p in (PROMPTS[0], PROMPTS[2], [9] * 40)]
+    rng = random.Random(0)
+    copies = []
+    for n in range(14):
+        counts = [rng.randint(1, 4) for _ in running]
+        fed = [[(11 * n + 3 * i + j) % 400 + 5 for j in range(c)] for i, c in enumerate(counts)]
+        tables = [request.table for request in running]
+        for table, count in zip(tables, counts, strict=True):
+            pool.make_room(table, count)
+        batch = reader.batch(pool.storage, tables, pool.max_bytes, counts)
+        logits = lm.logits(lm.decode(torch.tensor([t for own in fed for t in own]), batch))
+        kept = [rng.randint(1, c) for c in counts]
+        batch.keep(kept)
+        copies.append(getattr(reader, "kept", None))
+        for request, own, rows, keep in zip(running, fed, logits.split(counts), kept, strict=True):
+            assert_close(rows, reference.logits(request.ids + own)[len(request.ids) :])
+            request.ids += own[:keep]
+    for request in running:
+        table, length = request.table, len(request.ids)
+        assert table.length == length and len(table.blocks) == -(-length // BLOCK_TOKENS)
+        assert_close(table.rows(), reference.rows(request.ids))
+        if length % BLOCK_TOKENS:
+            assert not pool.storage[:, table.blocks[-1], length % BLOCK_TOKENS :].any()
+    if isinstance(reader, KeepGathered):  # the copy took the steps' rows and roll-backs
+        assert len({id(kept) for kept in copies}) < len(copies) / 2
+
+
+def test_a_step_of_several_rows_per_request_sees_each_rows_own_past(lm):
+    """The query rows of a step of 2 and 1 rows (padded to 2: the scratch row R = 3) see
+    their caches' rows up to their own place, a padding row its cache's last."""
+    pool = pool_for(lm)
+    tables = [
+        loaded(pool, torch.zeros(lm.config.num_hidden_layers, n, lm.config.latent_dim))
+        for n in (3, 5)
+    ]
+    for table in tables:
+        pool.make_room(table, 2)
+    batch = GatherEachStep().batch(pool.storage, tables, pool.max_bytes, [2, 1])
+    assert batch.positions.tolist() == [3, 4, 5]
+    ((rows, _, visible),) = batch.tables
+    assert rows.tolist() == [[0, 1], [2, 3]]
+    assert visible.sum(-1).tolist() == [[4, 5], [6, 6]]
