@@ -30,25 +30,34 @@ from collections import deque
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import cast
 
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from epd.config.speculative import SpeculativeConfig
 from epd.dtypes import dtype_name
 from epd.generation.finite import finite_rows, overflows
 from epd.generation.grammar import GrammarError, Grammars
 from epd.generation.logits import NoTokenAllowed, adjust, require_a_token
 from epd.generation.reasoning import gate
-from epd.generation.sampling import restore_generator, sample_batch
+from epd.generation.sampling import (
+    GREEDY_BELOW,
+    probabilities,
+    restore_generator,
+    sample_batch,
+)
 from epd.generation.sequence import Sequence
+from epd.generation.speculative import proposer, verify
 from epd.generation.status import Status
-from epd.generation.transcript import Output
+from epd.generation.transcript import Output, joined
 from epd.kv.events import KVEvents
 from epd.kv.hashing import BLOCK_TOKENS, ImageSpan, block_hashes, chain_seed, model_key
 from epd.kv.pool import BlockPool, PoolFull
 from epd.memory import available_memory
 from epd.model.config import TextConfig
 from epd.model.deepseek import DeepseekV3ForCausalLM
+from epd.model.paged import PagedBatch
 from epd.wire.messages import KVHandoff
 
 log = logging.getLogger(__name__)
@@ -84,6 +93,9 @@ class Step:
     refused: list[tuple[Sequence, str]] = field(default_factory=list)  # the request's own doing
     preempted: int = 0  # sequences sent back to wait for blocks
     batch: int = 0  # sequences the forward ran for
+    drafts: int = 0  # sequences that had drafts to verify (speculative decoding)
+    draft_tokens: int = 0  # drafts verified
+    accepted: list[int] = field(default_factory=list)  # drafts accepted, by position
 
 
 class Scheduler:
@@ -100,12 +112,13 @@ class Scheduler:
         checkpoint: bytes = b"",
         prefix_caching: bool = True,
         events: KVEvents | None = None,
+        speculative: SpeculativeConfig | None = None,
     ) -> None:
         """`context_length`: the most tokens of a sequence (0: the model's); `memory_share`:
         of the device's memory, for an automatic KV budget (`kv_memory`); `checkpoint`: its
         digest, which names the blocks it is handed (`hashing.model_key`); `prefix_caching`:
         keep prompts' blocks after their requests; `events`: told what it caches and evicts
-        (vLLM's KV events)."""
+        (vLLM's KV events); `speculative`: draft tokens and verify them (off: None)."""
         self.lm, self.tokenizer, self.eos_ids = lm, tokenizer, eos_ids
         self.max_batch_size = max_batch_size
         self.context_length = context_length or lm.config.max_position_embeddings
@@ -114,6 +127,9 @@ class Scheduler:
         self.running: dict[tuple[str, int], Sequence] = {}  # by (request id, choice)
         self.waiting: deque[Sequence] = deque()
         self.checkpoint = checkpoint
+        self.speculative = speculative
+        self.proposer = proposer(speculative) if speculative else None
+        self.stepped: list[PagedBatch] = []  # the forwards of the step under way
         config, dtype = lm.config, lm.lm_head.weight.dtype
         self.reader = reader = lm.block_reader()  # how steps read the pool: what it keeps beside
         budget = max_kv_tokens or default_kv_tokens(
@@ -295,32 +311,94 @@ class Scheduler:
 
     @torch.inference_mode()
     def step(self) -> Step:
-        """Advance every running sequence by one token; say what each produced or why it failed."""
+        """Advance every running sequence by one token, or with speculative decoding by the
+        drafts the model agrees with and one token more; say what each produced or why it
+        failed."""
         step = Step()
         self._join(step)
         self._make_room(step)
+        drafts = self._propose(step)
         step.batch = len(self.running)
+        self.stepped = []
         good: list[tuple[Sequence, torch.Tensor]] = []
-        for sequence, row in self._logits(list(self.running.values())):
-            if isinstance(row, Exception):
-                self._fail(step, sequence, row)
+        for sequence, rows in self._logits(list(self.running.values()), drafts):
+            if isinstance(rows, Exception):
+                self._fail(step, sequence, rows)
             else:
-                good.append((sequence, row))
-        if not good:
-            return step
-        logits = torch.stack([row for _, row in good])  # (B, vocab)
-        for (sequence, row), token in zip(good, self._sample(good, logits), strict=True):
-            try:
-                if isinstance(token, Exception):
-                    raise token
-                output = sequence.accept(token, sequence.logprob(row, token))
-            except Exception as e:
-                self._fail(step, sequence, e)
-                continue
-            step.produced.append((sequence, output))
-            if sequence.finish_reason is not None:
-                self._leave(sequence)
+                good.append((sequence, rows))
+        self._accept(step, good, drafts)
         return step
+
+    def _propose(self, step: Step) -> dict[tuple[str, int], list[int]]:
+        """Each running sequence's drafts, with room made in the pool for their rows (fewer
+        where no block is free): none past its max_tokens, as a step gives one token more."""
+        if self.proposer is None or self.speculative is None:
+            return {}
+        most = self.speculative.num_speculative_tokens
+        found = {}
+        for sequence in self.running.values():
+            limit = min(most, sequence.sampling.max_tokens - len(sequence.tokens) - 1)
+            drafts = self.proposer.propose(sequence.history(), limit) if limit > 0 else []
+            table = sequence.table
+            try:
+                self.pool.make_room(table, 1 + len(drafts))
+            except PoolFull:  # only the rows its own blocks hold: drafts never send one back
+                drafts = drafts[: len(table.blocks) * BLOCK_TOKENS - table.length - 1]
+            if drafts:
+                found[sequence.key] = drafts
+                step.drafts += 1
+                step.draft_tokens += len(drafts)
+        step.accepted = [0] * most
+        return found
+
+    def _accept(
+        self,
+        step: Step,
+        batch: list[tuple[Sequence, torch.Tensor]],
+        drafts: dict[tuple[str, int], list[int]],
+    ) -> None:
+        """Each sequence's tokens from its rows of logits (1 + its drafts, vocab): position by
+        position, every sequence still going sampled together under its controls as they are
+        after the tokens before (penalties, grammar, min_tokens), a draft kept while the model
+        agrees with it (greedy: it is the token; sampled: `verify`), until a token that is no
+        draft, the last row, or the end of the reply. The rows after its last token roll back."""
+        outputs: dict[tuple[str, int], list[Output]] = {s.key: [] for s, _ in batch}
+        going = batch
+        for position in range(max((rows.shape[0] for _, rows in batch), default=0)):
+            here = [(s, rows) for s, rows in going if position < rows.shape[0]]
+            if not here:
+                break
+            logits = torch.stack([rows[position] for _, rows in here])  # (n, vocab)
+            wanted = [drafts.get(s.key, [])[position : position + 1] for s, _ in here]
+            guesses = [guess[0] if guess else None for guess in wanted]
+            going = []
+            for (sequence, rows), token, draft in zip(
+                here, self._sample(here, logits, guesses), guesses, strict=True
+            ):
+                try:
+                    if isinstance(token, Exception):
+                        raise token
+                    logprob = sequence.logprob(rows[position], token)
+                    outputs[sequence.key].append(sequence.accept(token, logprob))
+                except Exception as e:
+                    del outputs[sequence.key]
+                    self._fail(step, sequence, e)
+                    continue
+                if token == draft:
+                    step.accepted[position] += 1
+                if sequence.finish_reason is None and token == draft:
+                    going.append((sequence, rows))
+        kept = {}
+        for sequence, _ in batch:
+            if sequence.key in outputs:
+                step.produced.append((sequence, joined(outputs[sequence.key])))
+                if sequence.finish_reason is not None:
+                    self._leave(sequence)  # its blocks go whole
+                else:
+                    kept[sequence.table] = len(outputs[sequence.key])
+        for paged in self.stepped:  # rows after each one's last token go; the gone keep theirs
+            paged.keep([kept.get(c, n) for c, n in zip(paged.paged, paged.counts, strict=True)])
+        self.stepped = []
 
     def _join(self, step: Step) -> None:
         """Waiting sequences join, in order, while there are batch slots and free blocks."""
@@ -411,10 +489,15 @@ class Scheduler:
         self._leave(sequence)
 
     def _sample(
-        self, batch: list[tuple[Sequence, torch.Tensor]], logits: torch.Tensor
+        self,
+        batch: list[tuple[Sequence, torch.Tensor]],
+        logits: torch.Tensor,
+        drafts: list[int | None] | None = None,
     ) -> list[int | Exception]:
-        """Each row's next token, drawn in one batched call; a row that is not finite, or that
-        fails when drawn alone after the batch failed, gets its error instead."""
+        """Each row's token, drawn in one batched call, or where a sampled row has a draft,
+        that draft kept or replaced (`verify`); a row that is not finite, or that fails when
+        drawn alone after the batch failed, gets its error instead."""
+        drafts = drafts or [None] * len(batch)
         finite = finite_rows(logits)
         results: list[int | Exception] = [
             NonFinite("the model's logits for this request are not finite") for _ in batch
@@ -427,9 +510,7 @@ class Scheduler:
             adjusted = adjust(picked, sequences, self.eos_ids)
             if adjusted is not picked:  # controls ran: one row may have no token left
                 require_a_token(adjusted)  # it is then found alone, below
-            tokens = sample_batch(
-                adjusted, [s.sampling for s in sequences], [s.generator for s in sequences]
-            ).tolist()
+            tokens = self._draw(adjusted, sequences, [drafts[i] for i in rows])
         except Exception as e:
             if len(rows) == 1:
                 results[rows[0]] = e
@@ -438,32 +519,67 @@ class Scheduler:
             for sequence, state in zip(sequences, states, strict=True):
                 sequence.generator.set_state(state)  # the failed call may have drawn already
             for i in rows:
-                results[i] = self._sample([batch[i]], logits[i : i + 1])[0]
+                results[i] = self._sample([batch[i]], logits[i : i + 1], [drafts[i]])[0]
             return results
         for i, token in zip(rows, tokens, strict=True):
             results[i] = token
         return results
 
-    def _logits(self, batch: list[Sequence]) -> list[tuple[Sequence, torch.Tensor | Exception]]:
-        """Each sequence's next-token logits (vocab,), or the error that kept it from them."""
+    def _draw(
+        self, logits: torch.Tensor, sequences: list[Sequence], drafts: list[int | None]
+    ) -> list[int]:
+        """Tokens from adjusted logits (n, vocab): `sample_batch`'s, but for a sampled row
+        with a draft, which keeps or replaces it by the row's distribution (`verify`)."""
+        checked = [
+            i
+            for i, (s, d) in enumerate(zip(sequences, drafts, strict=True))
+            if d is not None and s.sampling.temperature >= GREEDY_BELOW
+        ]
+        plain = [i for i in range(len(sequences)) if i not in set(checked)]
+        tokens = [0] * len(sequences)
+        if plain:
+            drawn = sample_batch(
+                logits[plain],
+                [sequences[i].sampling for i in plain],
+                [sequences[i].generator for i in plain],
+            ).tolist()
+            for i, token in zip(plain, drawn, strict=True):
+                tokens[i] = token
+        if checked:
+            probs = probabilities(logits[checked], [sequences[i].sampling for i in checked])
+            for i, row in zip(checked, probs.cpu(), strict=True):
+                tokens[i] = verify(cast(int, drafts[i]), row, sequences[i].generator)
+        return tokens
+
+    def _logits(
+        self, batch: list[Sequence], drafts: dict[tuple[str, int], list[int]]
+    ) -> list[tuple[Sequence, torch.Tensor | Exception]]:
+        """Each sequence's logits (1 + its drafts, vocab): for the token after its last, and
+        after each draft; or the error that kept it from them."""
         if not batch:
             return []
         lengths = [s.table.length for s in batch]
         try:
-            return list(zip(batch, self._forward(batch), strict=True))
+            return list(zip(batch, self._forward(batch, drafts), strict=True))
         except Exception as e:
             for sequence, length in zip(batch, lengths, strict=True):
                 sequence.table.length = length  # a failure after the caches grew must not count
             if len(batch) == 1:
                 return [(batch[0], e)]
             log.exception("a batched decode step failed; running its %d requests alone", len(batch))
-        return [pair for sequence in batch for pair in self._logits([sequence])]
+        return [pair for sequence in batch for pair in self._logits([sequence], drafts)]
 
-    def _forward(self, batch: list[Sequence]) -> torch.Tensor:
-        tokens = torch.tensor([s.last_token for s in batch], device=self.device)
+    def _forward(
+        self, batch: list[Sequence], drafts: dict[tuple[str, int], list[int]]
+    ) -> tuple[torch.Tensor, ...]:
+        fed = [[s.last_token, *drafts.get(s.key, [])] for s in batch]
+        counts = [len(tokens) for tokens in fed]
+        tokens = torch.tensor([t for own in fed for t in own], device=self.device)  # (R,)
         tables = [s.table for s in batch]
-        steps = self.reader.batch(self.pool.storage, tables, self.pool.max_bytes)
-        return self.lm.logits(self.lm.decode(tokens, steps))  # (B, vocab)
+        paged = self.reader.batch(self.pool.storage, tables, self.pool.max_bytes, counts)
+        logits = self.lm.logits(self.lm.decode(tokens, paged))  # (R, vocab)
+        self.stepped.append(paged)
+        return logits.split(counts)
 
 
 def default_kv_tokens(

@@ -39,6 +39,7 @@ class Sequence(Transcript):
         self.block_hashes: tuple[bytes, ...] = ()  # its prompt's full blocks', where named
         self.named_ids = prompt_ids  # the tokens those blocks hold (`KVHandoff.resumed_tokens`)
         self.status = Status.WAITING  # the scheduler's to move on
+        self._prompt_list: list[int] | None = None  # its prompt's ids, once drafts need them
 
     @property
     def key(self) -> tuple[str, int]:
@@ -52,6 +53,12 @@ class Sequence(Transcript):
     @property
     def last_token(self) -> int:
         return self.tokens[-1]
+
+    def history(self) -> list[int]:
+        """Its prompt and reply so far, the tokens drafts are looked up in."""
+        if self._prompt_list is None:
+            self._prompt_list = self.prompt_ids.tolist()
+        return [*self._prompt_list, *self.tokens]
 
     def logprob(self, logits: torch.Tensor, token: int) -> TokenLogprob | None:
         """What the request asked to know of `token`'s probability under logits (vocab,)."""

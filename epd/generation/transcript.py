@@ -44,6 +44,20 @@ class Output:
     stop_reason: StopReason = None  # on the last output: the stop token id or string that ended it
 
 
+def joined(outputs: Sequence[Output]) -> Output:
+    """Several outputs of one choice as one (a speculative step's tokens): the tokens, text and
+    logprobs of all, in order, and where the last one leaves the reply."""
+    last = outputs[-1]
+    return Output(
+        token_ids=tuple(t for o in outputs for t in o.token_ids),
+        text="".join(o.text for o in outputs),
+        completion_tokens=last.completion_tokens,
+        finish_reason=last.finish_reason,
+        logprobs=tuple(lp for o in outputs for lp in o.logprobs),
+        stop_reason=last.stop_reason,
+    )
+
+
 class Transcript:
     def __init__(
         self,

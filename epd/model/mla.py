@@ -203,6 +203,7 @@ class MLAttention(nn.Module):
         q = torch.cat((q, q[:1]))  # row R: the scratch row that padding slots read and write
         out = q.new_empty(rows + 1, heads, self.rank)
         for slots, cache, visible in parts:  # slots (n, m)
+            assert slots is not None  # several rows: always named
             attended = latent_attention(q[slots].flatten(1, 2), cache, visible, self.scale)
             out[slots] = attended[..., : self.rank].unflatten(1, (slots.shape[1], heads))
         return self.unabsorbed(out[:rows])

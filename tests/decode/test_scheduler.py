@@ -90,11 +90,11 @@ def poison(scheduler, request_id, rows):
     """Make the batched forward give `request_id`'s row these logits."""
     forward = scheduler._forward
 
-    def poisoned(batch):
-        logits = forward(batch)
+    def poisoned(batch, drafts):
+        logits = forward(batch, drafts)  # (1 + drafts, vocab) each
         for i, sequence in enumerate(batch):
             if sequence.request_id == request_id:
-                logits[i] = rows
+                logits[i][:] = rows
         return logits
 
     scheduler._forward = poisoned
@@ -124,10 +124,10 @@ def test_a_failing_batched_forward_fails_only_the_request_that_fails_alone(parts
     produced = {f"r{i}": list(scheduler.add(handoff(engine, i))[0][1].token_ids) for i in range(3)}
     forward = scheduler._forward
 
-    def breaks_with_r1(batch):
+    def breaks_with_r1(batch, drafts):
         if any(s.request_id == "r1" for s in batch):
             raise RuntimeError("r1's cache broke the kernel")
-        return forward(batch)
+        return forward(batch, drafts)
 
     scheduler._forward = breaks_with_r1
     while len(scheduler):

@@ -147,10 +147,10 @@ def test_every_admitted_request_ends_exactly_once_whatever_fails(wired):
     chance, calls = random.Random(0), itertools.count()
     forward = server.scheduler._forward
 
-    def flaky(batch):
+    def flaky(batch, drafts):
         if next(calls) % 3 == 2:
             raise RuntimeError("flaky device")
-        return forward(batch)
+        return forward(batch, drafts)
 
     server.scheduler._forward = flaky
     for i in range(6):

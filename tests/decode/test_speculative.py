@@ -1,0 +1,117 @@
+"""Speculative decoding in decode's scheduler: n-gram drafts verified a step at a time give
+the tokens, text, logprobs and ends that decoding without them gives, whatever the request
+asks for; sampled ones leave the model's distribution as it is."""
+
+import pytest
+import torch
+
+from epd.config.speculative import SpeculativeConfig
+from epd.decode.scheduler import Scheduler
+from epd.generation.grammar import choice_grammar
+from epd.generation.params import SamplingParams
+
+NGRAM = SpeculativeConfig("ngram", 4, 3, 1)
+# Prompts that repeat themselves, so that prompt lookup finds drafts from the first step
+BIASES = ((42, 6.0), (99, 5.5), (17, 5.0))
+PROMPTS = [[5, 17, 42, 99] * 5, [7, 300, 12, 64, 128, 3, 250] * 3, [31, 77, 31, 77, 31]]
+
+
+def run(parts, sampling, speculative, prompts=PROMPTS, **options):
+    """Each prompt's reply through one scheduler, all decoded together: per request its
+    outputs, joined (tokens, text, logprobs, finish and stop reasons), and the steps' counts."""
+    lm, tokenizer, engine, eos = parts
+    scheduler = Scheduler(lm, tokenizer, eos, speculative=speculative, **options)
+    replies: dict[tuple[str, int], list] = {}
+    for i, prompt in enumerate(prompts):
+        prefilled = engine.run(f"r{i}", prompt, None, sampling)
+        if prefilled.handoff is None:  # its first token ended it
+            replies |= {(f"r{i}", k): [output] for k, output in enumerate(prefilled.first)}
+            continue
+        for sequence, output in scheduler.add(prefilled.handoff):
+            replies[sequence.key] = [output]
+    steps = []
+    while len(scheduler):
+        step = scheduler.step()
+        assert not step.failed and not step.refused, (step.failed, step.refused)
+        steps.append(step)
+        for sequence, output in step.produced:
+            replies[sequence.key].append(output)
+    assert not scheduler.pool.used_blocks  # every block let go, the rolled-back ones too
+    return {key: summary(outputs) for key, outputs in replies.items()}, steps
+
+
+def summary(outputs):
+    last = outputs[-1]
+    tokens = [t for o in outputs for t in o.token_ids]
+    logprobs = [lp.logprob for o in outputs for lp in o.logprobs]
+    assert last.completion_tokens == len(tokens)
+    return tokens, "".join(o.text for o in outputs), last.finish_reason, last.stop_reason, logprobs
+
+
+def accepted(steps) -> int:
+    return sum(sum(step.accepted) for step in steps)
+
+
+def assert_same(with_drafts, without):
+    assert with_drafts.keys() == without.keys()
+    for key, (tokens, text, finish, stop, logprobs) in without.items():
+        got = with_drafts[key]
+        assert got[:4] == (tokens, text, finish, stop), key
+        torch.testing.assert_close(got[4], logprobs, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        SamplingParams(24, temperature=0, logprobs=True, top_logprobs=2),
+        SamplingParams(23, temperature=0, ignore_eos=True),  # max_tokens exactly, mid-draft
+        # the penalty grows with each repeat: the biased tokens take turns, inside drafts too
+        SamplingParams(24, temperature=0, frequency_penalty=0.5, logit_bias=BIASES),
+        SamplingParams(24, temperature=0, min_tokens=10, logit_bias=((42, 3.0),)),
+        SamplingParams(24, temperature=0, n=2),
+    ],
+    ids=["logprobs", "max_tokens", "penalties", "min_tokens-bias", "n2"],
+)
+def test_greedy_replies_are_the_same_with_drafts_and_without(parts, sampling):
+    without, plain = run(parts, sampling, None)
+    with_drafts, steps = run(parts, sampling, NGRAM)
+    assert_same(with_drafts, without)
+    assert accepted(steps) > 0 and len(steps) < len(plain)  # drafts were taken: fewer steps
+    assert sum(step.draft_tokens for step in steps) >= accepted(steps)
+
+
+def test_stops_inside_a_draft_end_the_reply_where_they_would_without(parts):
+    """Replies that loop over three biased tokens, so that drafts are taken, and stop at the
+    third (by its id, or by its text) once min_tokens allows: each ends at the same token
+    whether it came inside a draft or not, the drafts after it dropped."""
+    _, tokenizer, _, _ = parts
+    biased = {"temperature": 0, "frequency_penalty": 0.5, "logit_bias": BIASES, "min_tokens": 9}
+    stop_text = tokenizer.decode([17])
+    for sampling in (
+        SamplingParams(24, stop_token_ids=(17,), **biased),
+        SamplingParams(24, stop=(stop_text,), include_stop_str=True, **biased),
+    ):
+        without, _ = run(parts, sampling, None)
+        with_drafts, steps = run(parts, sampling, NGRAM)
+        assert_same(with_drafts, without)
+        ends = [o for step in steps for _, o in step.produced if o.finish_reason == "stop"]
+        assert len(ends) == 3 and any(len(o.token_ids) > 1 for o in ends)  # inside a draft
+
+
+def test_a_grammar_refuses_drafts_it_does_not_allow(parts):
+    sampling = SamplingParams(24, temperature=0, grammar=choice_grammar(["yes", "no", "maybe"]))
+    without, _ = run(parts, sampling, None)
+    with_drafts, _ = run(parts, sampling, NGRAM)
+    assert_same(with_drafts, without)
+    assert all(reply[1] in ("yes", "no", "maybe") for reply in with_drafts.values())
+
+
+def test_drafts_in_a_full_pool_take_only_the_room_there_is(parts):
+    """A pool too small for the three replies at once, where sequences wait and are sent
+    back: drafts take no block a sequence needs (cut to the blocks each holds), and the
+    replies are the same."""
+    sampling = SamplingParams(40, temperature=0, ignore_eos=True)
+    without, plain = run(parts, sampling, None, max_kv_tokens=96)
+    with_drafts, steps = run(parts, sampling, NGRAM, max_kv_tokens=96)
+    assert_same(with_drafts, without)
+    assert any(step.preempted for step in plain) and accepted(steps) > 0
