@@ -2,6 +2,7 @@
 the tokens, text, logprobs and ends that decoding without them gives, whatever the request
 asks for; sampled ones leave the model's distribution as it is."""
 
+import msgspec
 import pytest
 import torch
 
@@ -9,8 +10,10 @@ from epd.config.speculative import SpeculativeConfig
 from epd.decode.scheduler import Scheduler
 from epd.generation.grammar import choice_grammar
 from epd.generation.params import SamplingParams
+from epd.generation.sampling import probabilities
 
 NGRAM = SpeculativeConfig("ngram", 4, 3, 1)
+DRAFT_TWO = SpeculativeConfig("ngram", 2, 1, 1)
 # Prompts that repeat themselves, so that prompt lookup finds drafts from the first step
 BIASES = ((42, 6.0), (99, 5.5), (17, 5.0))
 PROMPTS = [[5, 17, 42, 99] * 5, [7, 300, 12, 64, 128, 3, 250] * 3, [31, 77, 31, 77, 31]]
@@ -115,3 +118,64 @@ def test_drafts_in_a_full_pool_take_only_the_room_there_is(parts):
     with_drafts, steps = run(parts, sampling, NGRAM, max_kv_tokens=96)
     assert_same(with_drafts, without)
     assert any(step.preempted for step in plain) and accepted(steps) > 0
+
+
+def chi_square_bound(df: int, z: float = 3.0902) -> float:
+    """The chi-square statistic's 1 - 1e-3 quantile (Wilson-Hilferty; z: the normal's)."""
+    return df * (1 - 2 / (9 * df) + z * (2 / (9 * df)) ** 0.5) ** 3
+
+
+@pytest.mark.parametrize("speculative", [None, DRAFT_TWO], ids=["without", "with-drafts"])
+def test_sampled_replies_keep_the_models_distribution(parts, speculative):
+    """The two tokens decode samples after a given first one, over 2,560 choices (20 requests
+    of n=128, seeded), with drafts of both: their joint distribution is the model's own,
+    p(a) p(b | a) under top_k=3 and the biases (which make the drafts likely but not sure),
+    by a chi-square test whose false-alarm rate is 1 in 1,000 (deterministic: fixed seeds).
+    The first token is fixed by the hand-off so that every choice has the same drafts."""
+    lm, tokenizer, engine, eos = parts
+    prompt, first = [5, 17, 42, 99, 31, 77] * 2, 42  # the drafts: what came after 42, 99 31
+    biases = ((99, 1.5), (31, 1.5))
+    # (a third token, so that the step has room for both drafts; only the first two count)
+    sampling = SamplingParams(
+        4, temperature=1.0, top_k=3, logit_bias=biases, n=128, ignore_eos=True
+    )
+    counts: dict[tuple[int, int], int] = {}
+    taken = 0
+    for seed in range(20):
+        seeded = msgspec.structs.replace(sampling, seed=128 * seed)  # every choice its own
+        handoff = engine.run("r", prompt, None, seeded).handoff
+        handoff = msgspec.structs.replace(
+            handoff, first_tokens=(first,) * 128, first_logprobs=(None,) * 128
+        )
+        scheduler = Scheduler(lm, tokenizer, eos, max_batch_size=128, speculative=speculative)
+        scheduler.add(handoff)
+        replies: dict[int, list[int]] = {}
+        while len(scheduler):
+            step = scheduler.step()
+            taken += sum(step.accepted)
+            for sequence, output in step.produced:
+                replies.setdefault(sequence.index, []).extend(output.token_ids)
+        for reply in replies.values():
+            cell = (reply[0], reply[1])
+            counts[cell] = counts.get(cell, 0) + 1
+    assert (taken > 0) == (speculative is not None)  # drafts were kept, and refused
+    params = [SamplingParams(3, temperature=1.0, top_k=3)]
+
+    def model(ids):  # the distribution of the token after ids, biased as the request asks
+        logits = engine.lm.logits(engine.lm.prefill(engine.lm.embed(torch.tensor(ids)))[0][-1])
+        for token, bias in biases:
+            logits[token] += bias
+        return probabilities(logits[None], params)[0]
+
+    trials = sum(counts.values())
+    with torch.inference_mode():
+        after = model([*prompt, first])
+        expected = {
+            (a, b): float(after[a] * p_b) * trials
+            for a in after.nonzero().flatten().tolist()
+            for b, p_b in enumerate(model([*prompt, first, a]).tolist())
+            if p_b > 0
+        }
+    assert set(counts) <= set(expected)
+    statistic = sum((counts.get(cell, 0) - e) ** 2 / e for cell, e in expected.items())
+    assert statistic < chi_square_bound(len(expected) - 1), (statistic, counts, expected)
