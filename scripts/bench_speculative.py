@@ -33,6 +33,7 @@ import json
 import re
 import sys
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -102,6 +103,32 @@ def acceptance(side: str, before: dict[str, float], after: dict[str, float]) -> 
     return f"| {side} | {drafts:.0f} | {tokens:.0f} | {accepted:.0f} | {rate} | {per_step} |"
 
 
+def start_all(
+    sides: list[str], checkpoint: Path, copy: Path | None, venv: Path, out: Path, stack: ExitStack
+) -> dict[str, tuple[str, Any]]:
+    """The sides' servers, by side: their API's URL and their process, each stopped as `stack`
+    closes. Started at once (vLLM's take minutes each); vLLM speculating is left out, saying
+    why, where it does not start."""
+    with ThreadPoolExecutor(len(sides)) as pool:
+        starting = {side: pool.submit(serve, side, checkpoint, copy, venv, out) for side in sides}
+    running: dict[str, tuple[str, Any]] = {}
+    for side, future in starting.items():
+        if future.exception() is None:
+            stack.callback(stop, future.result())
+            running[side] = (f"http://127.0.0.1:{SIDES[side]}/v1", future.result())
+    for side, future in starting.items():
+        if (error := future.exception()) is None:
+            continue
+        if side != "vllm-on" or not isinstance(error, RuntimeError):
+            raise error
+        print(
+            f"vLLM's CPU build ({venv}) did not start with --speculative-config {SPECULATIVE}; "
+            f"it is left out. The end of {out / 'vllm-on.log'}:\n" + tail(out / "vllm-on.log"),
+            flush=True,
+        )
+    return running
+
+
 def tail(log: Path, lines: int = 4) -> str:
     kept = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
     return "\n".join("    " + line for line in kept[-lines:])
@@ -123,23 +150,8 @@ def main() -> None:
     checkpoint = (args.checkpoint or make_checkpoint(out / "small", "small", seed=3)).resolve()
     copy = vllm_copy(checkpoint, args.vllm_venv) if any("vllm" in s for s in sides) else None
     bench_serving.ROWS.update(ROWS)  # run_rows finds its workloads there, by name
-    with ExitStack() as running_servers:  # every server stopped, however this ends
-        running: dict[str, tuple[str, Any]] = {}
-        for side in sides:
-            try:
-                process = serve(side, checkpoint, copy, args.vllm_venv, out)
-            except RuntimeError:
-                if side != "vllm-on":
-                    raise
-                print(
-                    f"vLLM's CPU build ({args.vllm_venv}) did not start with --speculative-config "
-                    f"{SPECULATIVE}; it is left out. The end of {out / 'vllm-on.log'}:\n"
-                    + tail(out / "vllm-on.log"),
-                    flush=True,
-                )
-                continue
-            running_servers.callback(stop, process)
-            running[side] = (f"http://127.0.0.1:{SIDES[side]}/v1", process)
+    with ExitStack() as stack:  # every server stopped, however this ends
+        running = start_all(sides, checkpoint, copy, args.vllm_venv, out, stack)
         prefixes = {side: side.split("-")[0] for side in running}
         before = {side: counters(url, prefixes[side]) for side, (url, _) in running.items()}
         results = run_rows(running, list(ROWS), args.rounds, out)

@@ -33,3 +33,18 @@ class DecodeMetrics(RoleMetrics):
         self.preemptions = self.counter(
             "num_preemptions", "Running sequences sent back to wait for KV cache blocks."
         )
+        # Speculative decoding, by vLLM's names
+        self.drafts = self.counter(
+            "spec_decode_num_drafts", "Sequences' steps that verified drafts (vLLM's name)."
+        )
+        self.draft_tokens = self.counter(
+            "spec_decode_num_draft_tokens", "Draft tokens verified (vLLM's name)."
+        )
+        self.accepted_tokens = self.counter(
+            "spec_decode_num_accepted_tokens", "Draft tokens accepted (vLLM's name)."
+        )
+        self.accepted_per_position = self.counter(
+            "spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted, by their position in the draft, from 0 (vLLM's name).",
+            ("position",),
+        )

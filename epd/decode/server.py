@@ -22,8 +22,9 @@ from epd.checkpoint.progress import phase
 from epd.checkpoint.tokenizer import load_tokenizer, stop_token_ids
 from epd.checkpoint.weights import load_model
 from epd.config.roles import DecodeConfig
+from epd.config.speculative import SpeculativeConfig
 from epd.decode.metrics import DecodeMetrics
-from epd.decode.scheduler import Busy, Lacking, Scheduler, TooLarge
+from epd.decode.scheduler import Busy, Lacking, Scheduler, Step, TooLarge
 from epd.dtypes import model_dtype
 from epd.generation.reasoning import prepare
 from epd.generation.sequence import Sequence
@@ -74,6 +75,7 @@ class DecodeServer:
         self.taking = True  # False once a stop was asked for: the drain
         self.open_choices: dict[str, int] = {}  # request id → its choices not finished yet
         self.refused_handoffs = Refusals()  # logged a few a second: a peer may send many
+        self.drafted = self.accepted = 0  # speculative decoding's draft tokens, and kept
 
     def take_messages(self) -> None:
         """Take what arrived, for at most INTAKE_S; wait briefly only when there is nothing to do.
@@ -201,14 +203,36 @@ class DecodeServer:
                 why = "tokens of this request could not be delivered in time"
                 self.fail_request(request_id, "unavailable", why)
 
+    def count_drafts(self, step: Step) -> None:
+        """A step's drafts, into the metrics and the totals /health reports."""
+        if not step.drafts:
+            return
+        accepted = sum(step.accepted)
+        self.drafted += step.draft_tokens
+        self.accepted += accepted
+        self.metrics.drafts.inc(step.drafts)
+        self.metrics.draft_tokens.inc(step.draft_tokens)
+        self.metrics.accepted_tokens.inc(accepted)
+        for position, count in enumerate(step.accepted):
+            self.metrics.accepted_per_position.labels(position=str(position)).inc(count)
+
     def status(self) -> dict[str, object]:
-        return {
+        status: dict[str, object] = {
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
             "by_status": self.scheduler.counts(),
             "refused_messages": self.inbox.refusals.total,
             "kv_cache": self.kv_status(),
         }
+        if config := self.scheduler.speculative:
+            status["speculative"] = {
+                "method": config.method,
+                "num_speculative_tokens": config.num_speculative_tokens,
+                "draft_tokens": self.drafted,
+                "accepted_tokens": self.accepted,
+                "acceptance_rate": self.accepted / self.drafted if self.drafted else None,
+            }
+        return status
 
     def kv_status(self) -> dict[str, object]:
         """The pool's blocks: held by requests, cached for later ones, and its memory."""
@@ -258,6 +282,7 @@ class DecodeServer:
             self.fail_all("internal", f"decode failed: {type(e).__name__}: {e}")
             return
         self.metrics.preemptions.inc(step.preempted)
+        self.count_drafts(step)
         if step.batch:
             self.metrics.batch_size.observe(step.batch)
             self.metrics.step_seconds.observe(time.perf_counter() - start)
@@ -301,6 +326,7 @@ def load_scheduler(config: DecodeConfig) -> Scheduler:
         checkpoint=checkpoint_digest(config.model),
         prefix_caching=config.enable_prefix_caching,
         events=open_kv_events(config.kv_events_config),
+        speculative=SpeculativeConfig.from_json(config.speculative_config),
     )
     with phase("warming up: the grammar tables", "warmed up"):
         prepare(scheduler.grammars)  # built now (or found unavailable), not at the first grammar

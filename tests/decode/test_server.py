@@ -10,6 +10,7 @@ import torch
 import zmq
 
 from epd.config.roles import DecodeConfig
+from epd.config.speculative import SpeculativeConfig
 from epd.decode.scheduler import Scheduler
 from epd.decode.server import DecodeServer, load_scheduler
 from epd.generation.params import SamplingParams
@@ -27,38 +28,55 @@ def model(parts):
 
 
 @pytest.fixture
-def wired(model, tmp_path):
+def wiring(model, tmp_path):
+    """Makes a decode server on ipc sockets, its scheduler made with these options, and the
+    prefill end of its wire: the server, send, a hand-off maker and a receiver."""
     lm, tokenizer, engine, eos = model
     here, decoder = f"ipc://{tmp_path}/prefill", f"ipc://{tmp_path}/decode"
     context = zmq.Context()
-    scheduler = Scheduler(lm, tokenizer, eos, max_batch_size=2)
-    server = DecodeServer(
-        scheduler, Inbox(context, decoder), Outbox(context), Prefills.parse((here,)), "tiny"
-    )
-    prefill = context.socket(zmq.PULL)
-    prefill.bind(here)
-    to_decode = Outbox(context, [decoder])
-    deadline = time.monotonic() + 3
-    while not to_decode.is_up(decoder) and time.monotonic() < deadline:
-        time.sleep(0.01)
+    sockets = []
 
-    def handoff(request_id, max_tokens=4, reply_to=here, **changes):
-        sampling = SamplingParams(max_tokens, temperature=0)
-        made = engine.run(request_id, [5, 6, 7], None, sampling, reply_to).handoff
-        return msgspec.structs.replace(made, **changes)
+    def wire(**options):
+        scheduler = Scheduler(lm, tokenizer, eos, **({"max_batch_size": 2} | options))
+        server = DecodeServer(
+            scheduler, Inbox(context, decoder), Outbox(context), Prefills.parse((here,)), "tiny"
+        )
+        prefill = context.socket(zmq.PULL)
+        prefill.bind(here)
+        to_decode = Outbox(context, [decoder])
+        sockets.extend((server.inbox, server.outbox, to_decode))
+        sockets.append(prefill)
+        deadline = time.monotonic() + 3
+        while not to_decode.is_up(decoder) and time.monotonic() < deadline:
+            time.sleep(0.01)
 
-    def received(timeout_ms=3000):
-        server.outbox.poll()  # a first reply waits for the connection to come up
-        deadline = time.monotonic() + timeout_ms / 1000
-        while time.monotonic() < deadline:
-            server.outbox.poll()
-            if prefill.poll(10):
-                return decode(prefill.recv_multipart())
-        return None
+        def handoff(
+            request_id, max_tokens=4, reply_to=here, prompt=(5, 6, 7), params=None, **changes
+        ):
+            params = params or SamplingParams(max_tokens, temperature=0)
+            made = engine.run(request_id, list(prompt), None, params, reply_to).handoff
+            return msgspec.structs.replace(made, **changes)
 
-    yield server, lambda m: to_decode.send(decoder, m), handoff, received
-    server.inbox.close(), server.outbox.close(), to_decode.close(), prefill.close(linger=0)
+        def received(timeout_ms=3000):
+            server.outbox.poll()  # a first reply waits for the connection to come up
+            deadline = time.monotonic() + timeout_ms / 1000
+            while time.monotonic() < deadline:
+                server.outbox.poll()
+                if prefill.poll(10):
+                    return decode(prefill.recv_multipart())
+            return None
+
+        return server, lambda m: to_decode.send(decoder, m), handoff, received
+
+    yield wire
+    for socket in sockets:
+        socket.close(linger=0) if isinstance(socket, zmq.Socket) else socket.close()
     context.destroy(linger=0)
+
+
+@pytest.fixture
+def wired(wiring):
+    return wiring()
 
 
 def step_until(server, done, steps=100):
@@ -261,3 +279,31 @@ def test_a_step_takes_the_idle_cores_only_while_the_others_leave_them(wired):
         assert told == [True, True]
     finally:
         torch.set_num_threads(before)
+
+
+def test_drafts_are_counted_by_vllms_names_and_health_gives_the_acceptance_rate(wiring):
+    server, send, handoff, received = wiring(speculative=SpeculativeConfig("ngram", 3, 2, 1))
+    assert server.status()["speculative"]["acceptance_rate"] is None  # nothing drafted yet
+    biased = SamplingParams(20, temperature=0, logit_bias=((42, 9.0),))  # 42 42 42 …
+    send(handoff("r", params=biased))  # drafts: the 42s before
+    tokens = []
+    step_until(server, lambda: len(server.scheduler) == 1)
+    while len(server.scheduler):
+        server.step()
+    while (delta := received(timeout_ms=200)) is not None:
+        tokens += delta.token_ids
+    assert tokens == [42] * 19  # the first is prefill's
+    status = server.status()["speculative"]
+    metric = server.metrics.unlabelled.get_sample_value
+    drafted, kept = (
+        metric("epd:spec_decode_num_draft_tokens_total"),
+        metric("epd:spec_decode_num_accepted_tokens_total"),
+    )
+    assert (status["draft_tokens"], status["accepted_tokens"]) == (drafted, kept)
+    assert kept == drafted and status["acceptance_rate"] == 1.0  # every draft 42, all kept
+    assert metric("epd:spec_decode_num_drafts_total") < 19 / 2  # 3 drafts + 1 a step, mostly
+    by_position = [
+        metric("epd:spec_decode_num_accepted_tokens_per_pos_total", {"position": str(i)})
+        for i in range(3)
+    ]
+    assert sum(by_position) == kept and by_position[0] >= by_position[2]
