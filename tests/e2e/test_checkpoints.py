@@ -31,7 +31,7 @@ from epd.generation.reasoning import PARSERS, Split, markers_for
 from epd.local import LocalPipeline
 
 from ..checkpoint.test_hub import COMMIT, REPOSITORY, lay_out_cache
-from .stack import cluster, data_url, free_base, image_part, serve, text_part
+from .stack import cluster, data_url, free_base, health, image_part, serve, text_part
 
 TINY = {
     "specials inside the vocabulary": {"tokenizer": "inside"},
@@ -78,6 +78,11 @@ REQUESTS = {
     },
 }
 OPENED = {"continued"}  # the requests whose prompt opens the reasoning
+# n-gram drafts from a single token on: a short random-weight reply still meets some
+SPECULATIVE = (
+    "--speculative-config",
+    json.dumps({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}),
+)
 TOKENIZED = "中文English混合 naïve I'LL 12345 <|im_end|>"
 
 
@@ -109,9 +114,15 @@ def serve_locally(checkpoint, copies):
     return found, local.builder.tokenizer.encode(TOKENIZED, add_special_tokens=False)
 
 
-def served(checkpoint, copies=True):
+def served(checkpoint, copies=True, decode=()):
+    """The requests through the three processes; `decode`: that role's own flags."""
     flags = ("--dtype", "float32", *(() if copies else ("--no-cpu-weight-copies",)))
-    with cluster(checkpoint, flags=flags, one_by_one=not copies) as (processes, client, base):
+    roles = {"decode": decode}
+    with cluster(checkpoint, flags=flags, one_by_one=not copies, role_flags=roles) as (
+        processes,
+        client,
+        base,
+    ):
         replies = {
             name: client.chat.completions.create(model="tiny", temperature=0, **body)
             for name, body in REQUESTS.items()
@@ -124,6 +135,7 @@ def served(checkpoint, copies=True):
         with urllib.request.urlopen(request, timeout=30) as response:
             tokenized = json.loads(response.read())["tokens"]
         output = {name: process.output for name, process in processes.items()}
+        output["decode /health"] = json.dumps(health(base + 12)[1])
     return replies, tokenized, output
 
 
@@ -179,13 +191,16 @@ def test_a_layout_serves_as_the_one_process_path(case, tmp_path):
 # multimodal/image_processor's), and -Instruct in its chat template, which the next test reads.
 def test_the_thinking_2506_likeness_serves_at_real_widths(published):
     """Kimi's own layout at the real vocabulary (special tokens from 163584), no remote code;
-    the replies come through the reasoning parser, on by default for a thinking model."""
+    the replies come through the reasoning parser, on by default for a thinking model. Its
+    decoder verifies n-gram drafts (speculative decoding): the replies are still the
+    one-process path's, which has none."""
     checkpoint = published[PUBLISHED[2]]
     assert (checkpoint / "tokenization_moonshot.py").is_file()
     assert not (checkpoint / "tokenizer.json").exists()
     found, tokens = expected(checkpoint, copies=False)
-    replies, tokenized, output = served(checkpoint, copies=False)
+    replies, tokenized, output = served(checkpoint, copies=False, decode=SPECULATIVE)
     check_equal(replies, tokenized, found, tokens, thinking=True)
+    assert json.loads(output["decode /health"])["speculative"]["draft_tokens"] > 0
     # A reply begun inside its reasoning reasons all the way (random weights).
     continued = replies["continued"].choices[0].message
     assert continued.model_extra["reasoning"] and continued.content is None
