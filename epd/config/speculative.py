@@ -13,12 +13,15 @@ DEFAULT_LOOKUP = 5  # vLLM's n-gram length when neither bound is given
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """vLLM's `--speculative-config` for the methods epd runs: its JSON keys and rules."""
+    """vLLM's `--speculative-config` for the methods epd runs: its JSON keys and rules, and
+    vLLM 0.x's `disable_by_batch_size` (no drafts while that many sequences or more run: where
+    a wider forward costs more than the tokens it saves; 0.32 has no such key)."""
 
     method: str
     num_speculative_tokens: int
     prompt_lookup_max: int = DEFAULT_LOOKUP
     prompt_lookup_min: int = DEFAULT_LOOKUP
+    disable_by_batch_size: int | None = None
 
     @classmethod
     def from_json(cls, text: str) -> SpeculativeConfig | None:
@@ -32,7 +35,13 @@ class SpeculativeConfig:
             raise ValueError(f"not JSON ({e})") from None
         if not isinstance(given, dict):
             raise ValueError("must be a JSON object")
-        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
+        known = {
+            "method",
+            "num_speculative_tokens",
+            "prompt_lookup_max",
+            "prompt_lookup_min",
+            "disable_by_batch_size",
+        }
         if unknown := sorted(set(given) - known):
             raise ValueError(
                 f"epd does not take {', '.join(unknown)} (it takes {', '.join(sorted(known))})"
@@ -52,4 +61,9 @@ class SpeculativeConfig:
         least = least if least is not None else most
         if least > most:
             raise ValueError(f"prompt_lookup_min={least} must be ≤ prompt_lookup_max={most}")
-        return cls(method, given["num_speculative_tokens"], most, least)
+        tokens, off_at = given["num_speculative_tokens"], given.get("disable_by_batch_size")
+        return cls(method, tokens, most, least, off_at)
+
+    def drafts_at(self, running: int) -> bool:
+        """Whether a step of `running` sequences drafts at all."""
+        return self.disable_by_batch_size is None or running < self.disable_by_batch_size

@@ -331,10 +331,14 @@ class Scheduler:
 
     def _propose(self, step: Step) -> dict[tuple[str, int], list[int]]:
         """Each running sequence's drafts, with room made in the pool for their rows (fewer
-        where no block is free): none past its max_tokens, as a step gives one token more."""
+        where no block is free): none past its max_tokens, as a step gives one token more, and
+        none at all in a batch of `disable_by_batch_size` or more."""
         if self.proposer is None or self.speculative is None:
             return {}
         most = self.speculative.num_speculative_tokens
+        step.accepted = [0] * most
+        if not self.speculative.drafts_at(len(self.running)):
+            return {}
         found = {}
         for sequence in self.running.values():
             limit = min(most, sequence.sampling.max_tokens - len(sequence.tokens) - 1)
@@ -348,7 +352,6 @@ class Scheduler:
                 found[sequence.key] = drafts
                 step.drafts += 1
                 step.draft_tokens += len(drafts)
-        step.accepted = [0] * most
         return found
 
     def _accept(

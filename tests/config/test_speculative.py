@@ -12,6 +12,11 @@ def test_the_config_reads_vllms_json_and_its_defaults():
     assert SpeculativeConfig.from_json(given) == SpeculativeConfig("ngram", 4, 5, 5)
     one = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2}'
     assert SpeculativeConfig.from_json(one) == SpeculativeConfig("ngram", 3, 2, 2)
+    capped = '{"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": 8}'
+    config = SpeculativeConfig.from_json(capped)
+    assert config == SpeculativeConfig("ngram", 3, 5, 5, 8)
+    assert config.drafts_at(7) and not config.drafts_at(8)
+    assert SpeculativeConfig("ngram", 3).drafts_at(10_000)
 
 
 @pytest.mark.parametrize(
@@ -20,6 +25,7 @@ def test_the_config_reads_vllms_json_and_its_defaults():
         ('{"method": "eagle", "num_speculative_tokens": 2}', "drafts by ngram"),
         ('{"method": "ngram"}', "num_speculative_tokens is required"),
         ('{"method": "ngram", "num_speculative_tokens": 0}', "≥ 1"),
+        ('{"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 0}', "≥ 1"),
         ('{"method": "ngram", "num_speculative_tokens": true}', "≥ 1"),
         ('{"method": "ngram", "num_speculative_tokens": 2, "model": "x"}', "does not take model"),
         (

@@ -26,7 +26,8 @@ def run(parts, sampling, speculative, prompts=PROMPTS, **options):
     scheduler = Scheduler(lm, tokenizer, eos, speculative=speculative, **options)
     replies: dict[tuple[str, int], list] = {}
     for i, prompt in enumerate(prompts):
-        prefilled = engine.run(f"r{i}", prompt, None, sampling)
+        asked = sampling[i] if isinstance(sampling, list) else sampling  # or one each
+        prefilled = engine.run(f"r{i}", prompt, None, asked)
         if prefilled.handoff is None:  # its first token ended it
             replies |= {(f"r{i}", k): [output] for k, output in enumerate(prefilled.first)}
             continue
@@ -179,3 +180,15 @@ def test_sampled_replies_keep_the_models_distribution(parts, speculative):
     assert set(counts) <= set(expected)
     statistic = sum((counts.get(cell, 0) - e) ** 2 / e for cell, e in expected.items())
     assert statistic < chi_square_bound(len(expected) - 1), (statistic, counts, expected)
+
+
+def test_no_drafts_in_a_batch_as_large_as_disable_by_batch_size(parts):
+    """Three replies together, drafts off from three running: none drafted while all three
+    run, drafts again once the shortest has left."""
+    sampling = [SamplingParams(n, temperature=0, ignore_eos=True) for n in (24, 24, 6)]
+    capped = SpeculativeConfig("ngram", 4, 3, 1, disable_by_batch_size=3)
+    without, _ = run(parts, sampling, None)
+    with_drafts, steps = run(parts, sampling, capped)
+    assert_same(with_drafts, without)
+    assert all(not step.draft_tokens for step in steps if step.batch >= 3)
+    assert any(step.draft_tokens for step in steps if step.batch < 3)
