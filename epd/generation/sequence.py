@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
+import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
@@ -39,7 +40,8 @@ class Sequence(Transcript):
         self.block_hashes: tuple[bytes, ...] = ()  # its prompt's full blocks', where named
         self.named_ids = prompt_ids  # the tokens those blocks hold (`KVHandoff.resumed_tokens`)
         self.status = Status.WAITING  # the scheduler's to move on
-        self._prompt_list: list[int] | None = None  # its prompt's ids, once drafts need them
+        self._history: np.ndarray | None = None  # `history`'s buffer, once drafts need it
+        self._known = 0  # its tokens in that buffer
 
     @property
     def key(self) -> tuple[str, int]:
@@ -54,11 +56,20 @@ class Sequence(Transcript):
     def last_token(self) -> int:
         return self.tokens[-1]
 
-    def history(self) -> list[int]:
-        """Its prompt and reply so far, the tokens drafts are looked up in."""
-        if self._prompt_list is None:
-            self._prompt_list = self.prompt_ids.tolist()
-        return [*self._prompt_list, *self.tokens]
+    def history(self) -> np.ndarray:
+        """Its prompt and reply so far, (tokens,) int64, the tokens drafts are looked up in:
+        kept, the reply's new tokens appended (its buffer doubles as it fills)."""
+        total = self.prompt_ids.shape[0] + len(self.tokens)
+        if self._history is None or total > self._history.shape[0]:
+            grown = np.empty(
+                max(total, 2 * (0 if self._history is None else len(self._history))), np.int64
+            )
+            grown[: self.prompt_ids.shape[0]] = self.prompt_ids.numpy()
+            self._history, self._known = grown, self.prompt_ids.shape[0]
+        new = self.tokens[self._known - self.prompt_ids.shape[0] :]
+        self._history[self._known : total] = new
+        self._known = total
+        return self._history[:total]
 
     def logprob(self, logits: torch.Tensor, token: int) -> TokenLogprob | None:
         """What the request asked to know of `token`'s probability under logits (vocab,)."""

@@ -25,7 +25,7 @@ class Proposer(Protocol):
     """Drafts for one sequence: at most `limit` tokens likely to follow `tokens` (its prompt
     and output so far); none where it has no guess."""
 
-    def propose(self, tokens: Sequence[int], limit: int) -> list[int]: ...
+    def propose(self, tokens: Sequence[int] | np.ndarray, limit: int) -> list[int]: ...
 
 
 class NgramProposer:
@@ -36,16 +36,25 @@ class NgramProposer:
     def __init__(self, most: int, least: int) -> None:
         self.most, self.least = most, least
 
-    def propose(self, tokens: Sequence[int], limit: int) -> list[int]:
+    def propose(self, tokens: Sequence[int] | np.ndarray, limit: int) -> list[int]:
         if limit < 1 or len(tokens) <= self.least:
             return []
         ids = np.asarray(tokens, dtype=np.int64)
-        for n in range(min(self.most, len(ids) - 1), self.least - 1, -1):
-            # Every n-gram that starts before the suffix does: (len - n, n) windows.
-            windows = np.lib.stride_tricks.sliding_window_view(ids[:-1], n)
-            found = np.flatnonzero((windows == ids[-n:]).all(axis=1))
-            if found.size:
-                start = int(found[0]) + n
+        last = len(ids) - 1
+        # The earlier places of the last token: where a suffix may end again (one pass over
+        # the tokens, not one per length: a 128k context is looked up every step).
+        ends = np.flatnonzero(ids[:last] == ids[last])  # ascending
+        longest = min(self.most, last)
+        matched = np.ones(ends.size, dtype=np.int64)  # how far back each match runs
+        going = np.ones(ends.size, dtype=bool)
+        for back in range(1, longest):
+            before = ends - back
+            going &= (before >= 0) & (ids[np.maximum(before, 0)] == ids[last - back])
+            matched += going
+        for n in range(longest, self.least - 1, -1):
+            found = np.flatnonzero(matched >= n)
+            if found.size:  # its earliest place: the first end
+                start = int(ends[found[0]]) + 1
                 return ids[start : start + limit].tolist()
         return []
 

@@ -3,6 +3,7 @@ and acceptance that leaves the output distributed exactly as the target model's 
 
 import itertools
 import math
+import random
 
 import pytest
 import torch
@@ -21,6 +22,28 @@ def test_ngram_drafts_follow_the_longest_earlier_match_at_its_first_place():
     assert NgramProposer(3, 1).propose(tokens, 2) == [0, 1]  # [4, 2, 6] not before: [2, 6]
     assert NgramProposer(2, 2).propose([4, 4, 4, 4], 3) == [4, 4]  # overlapping matches count
     assert NgramProposer(3, 2).propose([1, 2, 1, 2], 0) == []
+
+
+def vllms_rule(tokens, most, least, limit):
+    """vLLM's n-gram proposal, written plainly: for n from the longest down, the first place
+    an earlier n tokens equal the last n; the tokens after them there."""
+    for n in range(min(most, len(tokens) - 1), least - 1, -1):
+        for start in range(len(tokens) - n):
+            if tokens[start : start + n] == tokens[-n:]:
+                return tokens[start + n : start + n + limit]
+    return []
+
+
+def test_ngram_drafts_are_vllms_rule_on_random_sequences():
+    """2,000 sequences over a 4-token alphabet (many matches, overlapping ones too), lengths
+    1 to 60, bounds and limits of every kind."""
+    chance = random.Random(0)
+    for _ in range(2_000):
+        tokens = [chance.randrange(4) for _ in range(chance.randint(1, 60))]
+        least = chance.randint(1, 4)
+        most, limit = chance.randint(least, 6), chance.randint(1, 6)
+        expected = vllms_rule(tokens, most, least, limit) if len(tokens) > least else []
+        assert NgramProposer(most, least).propose(tokens, limit) == expected, tokens
 
 
 VOCAB = 5
