@@ -9,6 +9,7 @@ from typing import Any
 
 METHODS = ("ngram",)
 DEFAULT_LOOKUP = 5  # vLLM's n-gram length when neither bound is given
+MOST_TOKENS = 64  # drafts a step verifies per sequence, at most: each a row of every forward
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,8 @@ class SpeculativeConfig:
                 raise ValueError(f"{key} must be a whole number ≥ 1")
         if given.get("num_speculative_tokens") is None:
             raise ValueError("num_speculative_tokens is required")
+        if given["num_speculative_tokens"] > MOST_TOKENS:
+            raise ValueError(f"num_speculative_tokens must be ≤ {MOST_TOKENS}")
         # vLLM's rule: neither bound given, both 5; one given, the other the same.
         most, least = given.get("prompt_lookup_max"), given.get("prompt_lookup_min")
         most = most if most is not None else least if least is not None else DEFAULT_LOOKUP

@@ -1,4 +1,5 @@
-"""Continuous batching: every step advances all running sequences by one token together.
+"""Continuous batching: every step advances all running sequences together, by one token each,
+or with speculative decoding (`speculative`) by the drafts the model agrees with and one more.
 
 New sequences join between steps (their first token, sampled by prefill, is emitted on
 arrival); finished and aborted ones leave between steps and their blocks are let go. A running
@@ -17,7 +18,8 @@ computed by prefill are named: a reply's own rows, computed step by step, are ne
 outputs are the same with the cache on or off.
 
 A step samples every row in one batched call (one finiteness check, the requests' penalties,
-biases and bans applied batched, one transfer to the host).
+biases and bans applied batched, one transfer to the host); with drafts, one such call per
+position, each sequence's controls as they stand after the tokens before it (`_accept`).
 Its failures are per sequence: a row whose logits are not finite or cannot be sampled fails that
 sequence only, and when the batched forward or the batched sampling fails, each sequence is run
 alone (from its generator's earlier state) so only the ones that fail alone are failed.
@@ -330,9 +332,11 @@ class Scheduler:
         return step
 
     def _propose(self, step: Step) -> dict[tuple[str, int], list[int]]:
-        """Each running sequence's drafts, with room made in the pool for their rows (fewer
-        where no block is free): none past its max_tokens, as a step gives one token more, and
-        none at all in a batch of `disable_by_batch_size` or more."""
+        """Each running sequence's drafts, with room made in the pool for their rows: none past
+        its max_tokens, as a step gives one token more; none at all in a batch of
+        `disable_by_batch_size` or more; only as many rows as blocks nobody holds or caches
+        take (drafts are mostly refused: they never evict a cached prefix nor send a sequence
+        back); and none for a sequence whose drafting fails (it steps on alone, logged)."""
         if self.proposer is None or self.speculative is None:
             return {}
         most = self.speculative.num_speculative_tokens
@@ -341,18 +345,25 @@ class Scheduler:
             return {}
         found = {}
         for sequence in self.running.values():
-            limit = min(most, sequence.sampling.max_tokens - len(sequence.tokens) - 1)
-            drafts = self.proposer.propose(sequence.history(), limit) if limit > 0 else []
-            table = sequence.table
             try:
-                self.pool.make_room(table, 1 + len(drafts))
-            except PoolFull:  # only the rows its own blocks hold: drafts never send one back
-                drafts = drafts[: len(table.blocks) * BLOCK_TOKENS - table.length - 1]
-            if drafts:
-                found[sequence.key] = drafts
-                step.drafts += 1
-                step.draft_tokens += len(drafts)
+                if drafts := self._drafts(sequence, most):
+                    found[sequence.key] = drafts
+            except Exception:
+                log.exception(
+                    "request %s: its drafts failed; it steps without", sequence.request_id
+                )
         return found
+
+    def _drafts(self, sequence: Sequence, most: int) -> list[int]:
+        limit = min(most, sequence.sampling.max_tokens - len(sequence.tokens) - 1)
+        if limit < 1:
+            return []
+        drafts = self.proposer.propose(sequence.history(), limit) if self.proposer else []
+        table = sequence.table
+        room = (len(table.blocks) + self.pool.unused_blocks) * BLOCK_TOKENS - table.length - 1
+        drafts = drafts[: max(0, room)]
+        self.pool.make_room(table, 1 + len(drafts))
+        return drafts
 
     def _accept(
         self,
@@ -387,13 +398,12 @@ class Scheduler:
                     del outputs[sequence.key]
                     self._fail(step, sequence, e)
                     continue
-                if token == draft:
-                    step.accepted[position] += 1
                 if sequence.finish_reason is None and token == draft:
                     going.append((sequence, rows))
         kept = {}
         for sequence, _ in batch:
             if sequence.key in outputs:
+                self._count(step, drafts.get(sequence.key, []), outputs[sequence.key])
                 step.produced.append((sequence, joined(outputs[sequence.key])))
                 if sequence.finish_reason is not None:
                     self._leave(sequence)  # its blocks go whole
@@ -402,6 +412,19 @@ class Scheduler:
         for paged in self.stepped:  # rows after each one's last token go; the gone keep theirs
             paged.keep([kept.get(c, n) for c, n in zip(paged.paged, paged.counts, strict=True)])
         self.stepped = []
+
+    @staticmethod
+    def _count(step: Step, drafts: list[int], outputs: list[Output]) -> None:
+        """A sequence's drafts, and those its step's tokens kept, by position, into the step."""
+        if not drafts:
+            return
+        step.drafts += 1
+        step.draft_tokens += len(drafts)
+        tokens = [t for output in outputs for t in output.token_ids]
+        for position, (draft, token) in enumerate(zip(drafts, tokens, strict=False)):
+            if draft != token:
+                break
+            step.accepted[position] += 1
 
     def _join(self, step: Step) -> None:
         """Waiting sequences join, in order, while there are batch slots and free blocks."""
@@ -538,7 +561,7 @@ class Scheduler:
             for i, (s, d) in enumerate(zip(sequences, drafts, strict=True))
             if d is not None and s.sampling.temperature >= GREEDY_BELOW
         ]
-        plain = [i for i in range(len(sequences)) if i not in set(checked)]
+        plain = sorted(set(range(len(sequences))) - set(checked))
         tokens = [0] * len(sequences)
         if plain:
             drawn = sample_batch(

@@ -40,8 +40,9 @@ def restore_generator(state: torch.Tensor) -> torch.Generator:
 
 def advanced(state: torch.Tensor, params: SamplingParams, steps: int) -> torch.Tensor:
     """A generator's state after `steps` more tokens of a request: `sample_batch` draws one
-    uniform a step for a sampled request, none for a greedy one. A migrated request's generator
-    goes on from where its first decoder's was."""
+    uniform a token for a sampled request, none for a greedy one, and so does speculative
+    decoding (`speculative.verify`). A migrated request's generator goes on from where its
+    first decoder's was."""
     generator = restore_generator(state)
     if params.temperature >= GREEDY_BELOW:
         for _ in range(steps):

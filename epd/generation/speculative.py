@@ -66,16 +66,22 @@ def proposer(config: SpeculativeConfig) -> Proposer:
 
 def verify(draft: int, probs: torch.Tensor, generator: torch.Generator) -> int:
     """The token at a draft's position, by rejection sampling for a deterministic draft (as
-    vLLM's n-gram drafts are): the draft, kept with the target's probability of it, or else a
-    token drawn from the target's distribution without it (renormalised). `probs`: (vocab,),
+    vLLM's n-gram drafts are): the draft, kept with the target's probability p of it, or else
+    a token drawn from the target's distribution without it (renormalised). `probs`: (vocab,),
     the request's processed distribution there (temperature, top-k/p, min-p), on the CPU (one
-    copy for a step, not a device sync per draft); `generator`: the request's own."""
-    if torch.rand(1, generator=generator).item() < probs[draft].item():
+    copy for a step, not a device sync per draft); `generator`: the request's own.
+
+    One float32 uniform u decides both: kept where u < p, else the rest's inverse CDF at
+    (u - p) / (1 - p), itself uniform once u ≥ p. So every token takes one draw, drafted or
+    not, as plain sampling's do, and a moved request's generator is advanced past its reply
+    exactly (`sampling.advanced`)."""
+    u, p = torch.rand(1, generator=generator).item(), probs[draft].item()
+    if u < p:
         return draft
     rest = probs.clone()
     rest[draft] = 0.0
     # Nothing left: the draft held all the mass, refused only by rounding (p a hair under 1).
-    return draw(rest, generator) if rest.sum() > 0 else draft
+    return at(rest, (u - p) / (1 - p)) if rest.sum() > 0 else draft
 
 
 def accept_sampled(
@@ -90,13 +96,13 @@ def accept_sampled(
         out.append(verify(draft, row, generator))
         if out[-1] != draft:
             return out
-    out.append(draw(probs[len(drafts)], generator))
+    out.append(at(probs[len(drafts)], torch.rand(1, generator=generator).item()))
     return out
 
 
-def draw(weights: torch.Tensor, generator: torch.Generator) -> int:
-    """One token by its weight (need not sum to 1): the inverse CDF at one uniform."""
+def at(weights: torch.Tensor, uniform: float) -> int:
+    """The token whose share of the weights (need not sum to 1) holds `uniform` in [0, 1): the
+    inverse CDF, in float64."""
     cdf = weights.double().cumsum(0)
-    u = torch.rand(1, generator=generator, dtype=torch.float64) * cdf[-1]
-    chosen = int(torch.searchsorted(cdf, u, right=True).item())
+    chosen = int(torch.searchsorted(cdf, uniform * cdf[-1], right=True).item())
     return min(chosen, int((weights > 0).nonzero()[-1].item()))  # u·total rounded to the total

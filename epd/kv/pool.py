@@ -111,6 +111,12 @@ class BlockPool:
         return self.blocks.available + self.max_blocks - self.storage.shape[1]
 
     @property
+    def unused_blocks(self) -> int:
+        """Blocks nobody holds nor caches: free in storage, or not allocated yet (taking them
+        evicts nothing)."""
+        return len(self.blocks.free) + self.max_blocks - self.storage.shape[1]
+
+    @property
     def used_blocks(self) -> int:
         """Blocks some request holds (cached ones held by none are free space)."""
         return self.max_blocks - 1 - self.free_blocks

@@ -159,8 +159,9 @@ class KeptBatch(PagedBatch):
         self.kept.advance(self.counts)
 
     def keep(self, kept: list[int]) -> None:
-        super().keep(kept)
-        self.kept.keep([c.length for c in self.paged])
+        if kept != self.counts:  # something to roll back
+            super().keep(kept)
+            self.kept.keep([c.length for c in self.paged])
 
 
 class KeepGathered:

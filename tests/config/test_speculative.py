@@ -25,6 +25,7 @@ def test_the_config_reads_vllms_json_and_its_defaults():
         ('{"method": "eagle", "num_speculative_tokens": 2}', "drafts by ngram"),
         ('{"method": "ngram"}', "num_speculative_tokens is required"),
         ('{"method": "ngram", "num_speculative_tokens": 0}', "≥ 1"),
+        ('{"method": "ngram", "num_speculative_tokens": 65}', "≤ 64"),
         ('{"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 0}', "≥ 1"),
         ('{"method": "ngram", "num_speculative_tokens": true}', "≥ 1"),
         ('{"method": "ngram", "num_speculative_tokens": 2, "model": "x"}', "does not take model"),

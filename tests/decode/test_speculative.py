@@ -10,10 +10,14 @@ from epd.config.speculative import SpeculativeConfig
 from epd.decode.scheduler import Scheduler
 from epd.generation.grammar import choice_grammar
 from epd.generation.params import SamplingParams
-from epd.generation.sampling import probabilities
+from epd.generation.sampling import advanced, probabilities
+from epd.generation.speculative import proposer
+from epd.kv.hashing import BLOCK_TOKENS
+from epd.prefill.engine import Prompt
 
 NGRAM = SpeculativeConfig("ngram", 4, 3, 1)
 DRAFT_TWO = SpeculativeConfig("ngram", 2, 1, 1)
+NGRAM_PROPOSER = proposer(NGRAM)
 # Prompts that repeat themselves, so that prompt lookup finds drafts from the first step
 BIASES = ((42, 6.0), (99, 5.5), (17, 5.0))
 PROMPTS = [[5, 17, 42, 99] * 5, [7, 300, 12, 64, 128, 3, 250] * 3, [31, 77, 31, 77, 31]]
@@ -192,3 +196,58 @@ def test_no_drafts_in_a_batch_as_large_as_disable_by_batch_size(parts):
     assert_same(with_drafts, without)
     assert all(not step.draft_tokens for step in steps if step.batch >= 3)
     assert any(step.draft_tokens for step in steps if step.batch < 3)
+
+
+def test_every_sampled_token_takes_one_draw_drafted_or_not(parts):
+    """A sampled reply with drafts kept and refused leaves its generator where one uniform a
+    token puts it (`advanced`): where a request moved to another decoder goes on from."""
+    lm, tokenizer, engine, eos = parts
+    sampling = SamplingParams(30, temperature=1.0, top_k=3, logit_bias=BIASES, ignore_eos=True)
+    handoff = engine.run("r", PROMPTS[0], None, msgspec.structs.replace(sampling, seed=5)).handoff
+    scheduler = Scheduler(lm, tokenizer, eos, speculative=NGRAM)
+    ((sequence, _),) = scheduler.add(handoff)
+    steps = []
+    while len(scheduler):
+        steps.append(scheduler.step())
+    assert accepted(steps) > 0 and len(steps) < 29  # drafts were kept
+    refused = sum(s.draft_tokens for s in steps) - accepted(steps)
+    assert refused > 0
+    expected = advanced(handoff.rng_states[0], sampling, len(sequence.tokens) - 1)
+    assert torch.equal(sequence.generator.get_state(), expected)
+
+
+def test_drafts_take_no_cached_block_and_a_failing_proposer_fails_no_one(parts, caplog):
+    """A pool of 4 blocks, 2 of them a cached prompt's: a reply whose own rows fit in the other
+    2 keeps both cached while they do, its drafts cut to the room there is (they take only
+    blocks nobody holds nor caches; beyond, its own growth may evict). Where drafting raises,
+    that sequence steps without drafts, unharmed, and the same tokens come."""
+    lm, tokenizer, engine, eos = parts
+    biased = {"frequency_penalty": 0.5, "logit_bias": BIASES}  # loops: drafts every step
+    sampling = SamplingParams(24, temperature=0, ignore_eos=True, **biased)
+    scheduler = Scheduler(lm, tokenizer, eos, max_kv_tokens=64, speculative=NGRAM)
+    ids = PROMPTS[0] * 2  # 40 tokens: 2 full blocks, named
+    named = Prompt("c", ids, None, sampling, block_hashes=engine.hashes(ids, (), b""))
+    scheduler.add(engine.run_batch([named])[0].handoff)
+    while len(scheduler):
+        scheduler.step()
+    assert scheduler.pool.blocks.cached == 2
+    runs, cut = {}, 0
+    for name, broken in (("alone", False), ("broken", True)):
+        scheduler.proposer = NGRAM_PROPOSER if not broken else Broken()
+        scheduler.add(engine.run(name, PROMPTS[1], None, sampling).handoff)
+        tokens, cached = [], scheduler.pool.blocks.cached  # (its own growth took one before)
+        while len(scheduler):
+            step = scheduler.step()
+            assert not step.failed
+            tokens += [t for _, o in step.produced for t in o.token_ids]
+            (table,) = [s.table for s in scheduler.running.values()] or [None]
+            if table is not None and table.length < 2 * BLOCK_TOKENS:  # its own fit in 2
+                assert scheduler.pool.blocks.cached == cached, table.length
+                cut += table.length + 1 + 4 > 2 * BLOCK_TOKENS  # 4 drafts would not have
+        runs[name] = tokens
+    assert cut and runs["alone"] == runs["broken"] and "its drafts failed" in caplog.text
+
+
+class Broken:
+    def propose(self, tokens, limit):
+        raise RuntimeError("a proposer bug")
