@@ -251,3 +251,27 @@ def test_drafts_take_no_cached_block_and_a_failing_proposer_fails_no_one(parts, 
 class Broken:
     def propose(self, tokens, limit):
         raise RuntimeError("a proposer bug")
+
+
+def test_a_request_aborted_between_steps_with_drafts_lets_its_blocks_go(parts):
+    """A client gone mid-reply: its sequence leaves with its blocks, the drafts' rows too,
+    and the other goes on to the same reply as alone."""
+    lm, tokenizer, engine, eos = parts
+    sampling = SamplingParams(
+        24, temperature=0, ignore_eos=True, frequency_penalty=0.5, logit_bias=BIASES
+    )
+    replies, _ = run(parts, sampling, NGRAM, [PROMPTS[1]])
+    alone = replies[("r0", 0)][0]
+    scheduler = Scheduler(lm, tokenizer, eos, speculative=NGRAM)
+    tokens = []
+    for i, prompt in enumerate(PROMPTS[:2]):
+        ((_, first),) = scheduler.add(engine.run(f"r{i}", prompt, None, sampling).handoff)
+        tokens.append(list(first.token_ids))
+    for _ in range(3):
+        for sequence, output in scheduler.step().produced:
+            tokens[int(sequence.request_id[1])] += output.token_ids
+    assert scheduler.abort("r0")
+    while len(scheduler):
+        for sequence, output in scheduler.step().produced:
+            tokens[int(sequence.request_id[1])] += output.token_ids
+    assert tokens[1] == alone and not scheduler.pool.used_blocks
