@@ -94,10 +94,16 @@ def test_greedy_replies_with_drafts_are_the_one_process_paths_without(tiny_check
                     ), name
             assert reply.usage.completion_tokens == sum(len(c.token_ids) for c in local.choices)
         streamed = client.chat.completions.create(
-            model="tiny", temperature=0, stream=True, **REQUESTS["looping"] | {"logprobs": False}
+            model="tiny", temperature=0, stream=True, **REQUESTS["looping"]
         )
-        text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
-        assert text == expected["looping"].choices[0].text
+        chunks = [c.choices[0] for c in streamed if c.choices]
+        looping = expected["looping"].choices[0]
+        assert "".join(c.delta.content or "" for c in chunks) == looping.text
+        tokens = [t.logprob for c in chunks if c.logprobs for t in c.logprobs.content]
+        assert tokens == pytest.approx(
+            [e.logprob for d in looping.deltas for e in d.logprobs], abs=1e-4
+        )
+        assert any(len(c.logprobs.content) > 1 for c in chunks if c.logprobs)  # drafts kept
         assert expected["stopped"].choices[0].finish_reason == "stop"
         _, status = health(base + 12)
         drafts = status["speculative"]
