@@ -199,14 +199,15 @@ class MLAttention(nn.Module):
         cache is read once for all of them, never copied per row (as FlashMLA folds a
         speculative step's rows into its heads)."""
         rows, heads = q_nope.shape[:2]
-        q = self.absorbed(q_nope, q_pe)  # (R, H, L)
+        w_uk, w_uv_t = self.absorbing()
+        q = self.absorbed(q_nope, q_pe, w_uk)  # (R, H, L)
         q = torch.cat((q, q[:1]))  # row R: the scratch row that padding slots read and write
         out = q.new_empty(rows + 1, heads, self.rank)
         for slots, cache, visible in parts:  # slots (n, m)
             assert slots is not None  # several rows: always named
             attended = latent_attention(q[slots].flatten(1, 2), cache, visible, self.scale)
             out[slots] = attended[..., : self.rank].unflatten(1, (slots.shape[1], heads))
-        return self.unabsorbed(out[:rows])
+        return self.unabsorbed(out[:rows], w_uv_t)
 
     def through_latent(
         self, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, visible: torch.Tensor
@@ -214,19 +215,21 @@ class MLAttention(nn.Module):
         """Queries (N, H, ·) scored against latent cache rows, never expanded: the rows are
         (N, K, rank + rope), each query its own, or (K, rank + rope), shared by all; query n
         sees the rows where visible (N, K) holds → (N, H, v)."""
-        q = self.absorbed(q_nope, q_pe)  # (N, H, L)
-        return self.unabsorbed(self.attend_latent(q, cache, visible)[..., : self.rank])
+        w_uk, w_uv_t = self.absorbing()  # looked up once a call: it checks the weight's key
+        q = self.absorbed(q_nope, q_pe, w_uk)  # (N, H, L)
+        return self.unabsorbed(self.attend_latent(q, cache, visible)[..., : self.rank], w_uv_t)
 
-    def absorbed(self, q_nope: torch.Tensor, q_pe: torch.Tensor) -> torch.Tensor:
-        """Queries (N, H, ·) with the key up-projection absorbed, q_nope·(W_uk c) =
-        (q_nope W_uk)·c, batched over heads → (N, H, rank + rope), scored against c directly."""
-        w_uk, _ = self.absorbing()
+    def absorbed(
+        self, q_nope: torch.Tensor, q_pe: torch.Tensor, w_uk: torch.Tensor
+    ) -> torch.Tensor:
+        """Queries (N, H, ·) with the key up-projection W_uk (`absorbing`) absorbed,
+        q_nope·(W_uk c) = (q_nope W_uk)·c, batched over heads → (N, H, rank + rope), scored
+        against c directly."""
         q_latent = torch.bmm(q_nope.transpose(0, 1).to(w_uk.dtype), w_uk)  # (H, N, rank)
         return torch.cat((q_latent.transpose(0, 1).to(q_pe.dtype), q_pe), dim=-1)
 
-    def unabsorbed(self, out: torch.Tensor) -> torch.Tensor:
-        """Attention over the latent, (N, H, rank) → values (N, H, v): W_uv applied after."""
-        _, w_uv_t = self.absorbing()
+    def unabsorbed(self, out: torch.Tensor, w_uv_t: torch.Tensor) -> torch.Tensor:
+        """Attention over the latent, (N, H, rank) → values (N, H, v): W_uvᵀ applied after."""
         out = torch.bmm(out.transpose(0, 1).to(w_uv_t.dtype), w_uv_t)  # (H, N, v)
         return out.transpose(0, 1).to(self.o_proj.weight.dtype)
 

@@ -65,16 +65,15 @@ class PagedBatch:
         self.storage, self.paged = storage, caches
         self.starts = [c.length for c in caches]  # each cache's rows before the step
         self.several = any(n > 1 for n in self.counts)
-        spans = list(zip(caches, self.counts, strict=True))
         device = storage.device
-        # (R,) the positions of the tokens decoded, after each cache's rows
-        self.positions = torch.tensor(
-            [p for c, n in spans for p in range(c.length, c.length + n)], device=device
-        )
-        self.block = torch.tensor(
-            [c.blocks[p // BLOCK_TOKENS] for c, n in spans for p in range(c.length, c.length + n)],
-            device=device,
-        )
+        spans = [
+            (c, p)
+            for c, n in zip(caches, self.counts, strict=True)
+            for p in range(c.length, c.length + n)
+        ]
+        # (R,) the positions of the tokens decoded, after each cache's rows, and their blocks
+        self.positions = torch.tensor([p for _, p in spans], device=device)
+        self.block = torch.tensor([c.blocks[p // BLOCK_TOKENS] for c, p in spans], device=device)
         self.offset = self.positions % BLOCK_TOKENS  # (R,) where each writes its row
         self.tables = self.make_tables()
 
