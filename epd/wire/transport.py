@@ -22,16 +22,19 @@ from epd.wire.messages import Message
 from epd.wire.outbox import STALL_TIMEOUT_S
 
 log = logging.getLogger(__name__)
-QUEUED_MESSAGES = 256  # per connection, so a flood waits in its sender, not in this process
-QUEUED_BYTES = 1 << 30  # ...and fewer where messages may be large: at most ~this per connection
+# libzmq reads every connection as fast as it comes (no receive limit): a limit stops reading a
+# connection once that many messages wait, and libzmq 4.3.5 aborts the process (`Assertion
+# failed: !_io_error`, stream_engine_base.cpp:310; zeromq/libzmq#4841) when a connection so
+# stopped is then reset and it writes to it: a heartbeat of ours, or an answer to a ping read
+# before the stop. A sender that filled the queue and died did it (a pyzmq peer in CI,
+# 2026-12-07), as a killed prefill could. Memory is bounded otherwise: each message by
+# `max_frame_bytes`, an honest peer's backlog by its requests in flight, and a process that
+# stops reading for good by its watchdog, which ends it. A hostile peer's is not (README).
 # A connection that is not a live ZeroMQ peer holds a descriptor until dropped: one that does
 # not finish its handshake (libzmq's default waits 30 s), or one that finished it and then
 # answers no ping (without pings, kept for ever: a host that vanished without closing, or a
-# hostile client holding descriptors). Real peers answer pings from libzmq's own I/O thread.
-# But once this process stops reading (its loop held for seconds by one large request), libzmq
-# stops reading the connection at the queue's limit, answers too: a short timeout here would
-# drop a live sender, with every request in flight on it (a 9 s stall did, 2026-12-03). So
-# the timeout is the longest stall a sender waits out.
+# hostile client holding descriptors). Real peers answer pings from libzmq's own I/O thread,
+# and this side reads their answers however long its own loop is held.
 HANDSHAKE_MS = 5000
 HEARTBEAT_MS, HEARTBEAT_TIMEOUT_MS = 1000, int(STALL_TIMEOUT_S * 1000)
 REFUSALS_LOGGED_PER_S = 10
@@ -58,15 +61,6 @@ class Refusals:
         log.error("refused a message: %s", problem[:MAX_PROBLEM_CHARS])
 
 
-def queued_messages(max_frame_bytes: int) -> int:
-    """Messages a connection may queue here: QUEUED_MESSAGES, or fewer of the largest frames
-    allowed, so that they stay within QUEUED_BYTES (encode's limit, 16 images of 20 MB, let
-    256 × 320 MB wait in this process: 2.6 GB seen from 20 of them). At least 2."""
-    if max_frame_bytes <= 0:
-        return QUEUED_MESSAGES
-    return max(2, min(QUEUED_MESSAGES, QUEUED_BYTES // max_frame_bytes))
-
-
 class Inbox:
     """A bound PULL socket (sync or asyncio, by the context given), a CURVE server if given keys.
 
@@ -89,7 +83,7 @@ class Inbox:
             curve.serve(self.socket)
         for option, value in (
             (zmq.LINGER, 0),
-            (zmq.RCVHWM, queued_messages(max_frame_bytes)),
+            (zmq.RCVHWM, 0),  # unlimited: see above
             (zmq.HANDSHAKE_IVL, HANDSHAKE_MS),
             (zmq.HEARTBEAT_IVL, HEARTBEAT_MS),
             (zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS),

@@ -3,6 +3,8 @@
 import os
 import socket
 import struct
+import subprocess
+import sys
 import threading
 import time
 
@@ -58,16 +60,21 @@ ZMTP_GREETING = b"\xff" + bytes(8) + b"\x7f\x03\x00" + b"NULL".ljust(20, b"\x00"
 READY = b"\x05READY\x0bSocket-Type" + struct.pack(">I", 4) + b"PUSH"
 
 
+def free_port() -> int:
+    probe = socket.socket()
+    probe.bind(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+    probe.close()
+    return port
+
+
 def test_connections_that_are_no_live_peer_are_dropped(context, monkeypatch):
     """One that never finishes its handshake and one that finishes it and then answers no
     ping each hold a descriptor; both are dropped, while a real peer stays connected."""
     monkeypatch.setattr(transport, "HANDSHAKE_MS", 500)
     monkeypatch.setattr(transport, "HEARTBEAT_MS", 100)
     monkeypatch.setattr(transport, "HEARTBEAT_TIMEOUT_MS", 500)
-    probe = socket.socket()
-    probe.bind(("127.0.0.1", 0))
-    port = probe.getsockname()[1]
-    probe.close()
+    port = free_port()
     address = f"tcp://127.0.0.1:{port}"
     inbox, outbox = Inbox(context, address), Outbox(context, [address])
     silent = socket.create_connection(("127.0.0.1", port))
@@ -79,6 +86,78 @@ def test_connections_that_are_no_live_peer_are_dropped(context, monkeypatch):
             pass
     assert outbox.is_up(address) and outbox.send(address, Abort("still-here"))
     assert inbox.recv(timeout_ms=2000) == Abort("still-here")
+
+
+# A process with an inbox for messages up to 1 GiB (a receive limit, as the inbox had, would be
+# 2 of them a connection), that reads nothing for 2.5 s while raw peers flood it and reset
+# their connections, then reads until a message from an
+# honest sender arrives: "alive N" (N raw messages read, each refused) if it got there.
+RECEIVER = """
+import sys, time, zmq
+from epd.wire.codec import encode
+from epd.wire.messages import Abort
+from epd.wire.transport import Inbox
+context = zmq.Context()
+inbox = Inbox(context, sys.argv[1], max_frame_bytes=1 << 30)
+print("bound", flush=True)
+time.sleep(2.5)
+honest = context.socket(zmq.PUSH)
+honest.connect(sys.argv[1])
+honest.send_multipart(encode(Abort("honest")))
+deadline = time.monotonic() + 10
+while inbox.recv(timeout_ms=100) != Abort("honest") and time.monotonic() < deadline:
+    pass
+while inbox.socket.poll(300):  # and whatever the raw peers left
+    inbox.recv(timeout_ms=0)
+print("alive", inbox.refusals.total, flush=True)
+"""
+
+
+def zmtp_frame(body: bytes, command: bool = False) -> bytes:
+    return bytes([0x04 if command else 0x00, len(body)]) + body
+
+
+PING = zmtp_frame(b"\x04PING" + bytes(2), command=True)  # TTL 0, no context
+
+
+def reset_after_filling(port: int, pings: bool) -> None:
+    """A raw ZMTP peer: handshake, 200 messages (a ping after each if `pings`), then a reset."""
+    peer = socket.create_connection(("127.0.0.1", port))
+    peer.sendall(ZMTP_GREETING)
+    greeting = b""
+    while len(greeting) < len(ZMTP_GREETING):  # libzmq reads READY only after its greeting
+        greeting += peer.recv(len(ZMTP_GREETING) - len(greeting))
+    peer.sendall(b"\x04" + bytes([len(READY)]) + READY)
+    message = zmtp_frame(b"x" * 100) + (PING if pings else b"")
+    peer.sendall(message * 200)
+    time.sleep(0.3)
+    peer.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    peer.close()  # an RST, as from a killed process with unread data
+
+
+def survives(pings: bool) -> subprocess.CompletedProcess:
+    port = free_port()
+    receiver = subprocess.Popen(
+        [sys.executable, "-c", RECEIVER, f"tcp://127.0.0.1:{port}"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert receiver.stdout.readline() == "bound\n"
+    for _ in range(4):
+        reset_after_filling(port, pings)
+    out, err = receiver.communicate(timeout=30)
+    return subprocess.CompletedProcess(receiver.args, receiver.returncode, out, err)
+
+
+def test_a_peer_that_floods_and_resets_cannot_abort_the_receiver():
+    """libzmq 4.3.5 aborts on a connection whose reading it stopped at the receive limit, once
+    it is reset and libzmq writes to it: a heartbeat, or the answer to a ping read before the
+    stop. With the limit the inbox had (2 messages of its largest size, here), this test's
+    receiver died of SIGABRT in every run; the inbox now has no limit, so reading never stops."""
+    result = survives(pings=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("alive") and int(result.stdout.split()[1]) == 4 * 200
 
 
 def test_an_inbox_says_whether_a_message_waits_unread(context, address):
@@ -249,7 +328,10 @@ def test_a_frame_over_the_limit_is_never_read(context, address):
 
 
 def test_a_peer_that_does_not_read_makes_messages_wait_then_fail_by_age(context, address):
-    inbox = Inbox(context, address)  # bound, never read: libzmq's queues fill up
+    """A peer whose libzmq takes nothing more (a stopped process: its buffers fill)."""
+    stopped = context.socket(zmq.PULL)
+    stopped.setsockopt(zmq.RCVHWM, 1)
+    stopped.bind(address)
     outbox = Outbox(context, [address], stall_timeout_s=0.5)
     assert wait_until(lambda: outbox.is_up(address))
     rows = torch.zeros(16, 1024)  # 64 KiB a message
@@ -264,13 +346,13 @@ def test_a_peer_that_does_not_read_makes_messages_wait_then_fail_by_age(context,
     lost = [int(request_id[1:]) for _, request_id in losses]
     assert lost[0] >= first and lost == list(range(lost[0], 600))
     assert not outbox.poll().peers  # the peer is not lost
-    inbox.close()
+    stopped.close(linger=0)
 
 
 def test_a_peer_that_stalls_for_seconds_loses_nothing(context, address, monkeypatch):
-    """A receiver that reads nothing for a while (its loop held by one large request) stops
-    libzmq reading its connection, pings included: neither side may take that for a dead peer.
-    Every message arrives, in order, once it reads again. The sender's timeouts shrunk: its
+    """A receiver that reads nothing for a while (its loop held by one large request): its
+    libzmq reads on, and answers pings; neither side may take that for a dead peer. Every
+    message arrives, in order, once it reads again. The sender's timeouts shrunk: its
     heartbeat's to 0.3 s, a message's wait for a connection to 0.2 s."""
     for module in (outbox_module, transport):  # each side pings every 0.1 s
         monkeypatch.setattr(module, "HEARTBEAT_MS", 100)
@@ -286,11 +368,10 @@ def test_a_peer_that_stalls_for_seconds_loses_nothing(context, address, monkeypa
         losses = outbox.poll()
         assert losses.requests == [] and losses.peers == []
         time.sleep(0.01)
-    assert outbox.queued > 0  # libzmq's queues filled: the rest waited here
     received, deadline = [], time.monotonic() + 10
     while len(received) < sent and time.monotonic() < deadline:
         message = inbox.recv(timeout_ms=10)
-        if message is None:  # libzmq's queues are empty: send what waited
+        if message is None:  # send what waited, if anything did
             losses = outbox.poll()
             assert losses.requests == [] and losses.peers == []
         else:
@@ -335,10 +416,3 @@ def test_the_probe_sees_the_io_thread_move_messages(context):
     probe = WireProbe(context, trips.release, interval_s=0.05)
     assert all(trips.acquire(timeout=2) for _ in range(3))
     probe.close()
-
-
-def test_large_messages_queue_fewer_per_connection():
-    assert transport.queued_messages(-1) == transport.QUEUED_MESSAGES  # no frame limit given
-    assert transport.queued_messages(1 << 20) == transport.QUEUED_MESSAGES
-    assert transport.queued_messages(320 << 20) == 3  # encode's default: 16 images of 20 MB
-    assert transport.queued_messages(8 << 30) == 2
