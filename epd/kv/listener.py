@@ -27,10 +27,9 @@ from epd.kv.index import BlockIndex
 
 log = logging.getLogger(__name__)
 MAX_BATCH_BYTES = 16 << 20  # a larger message is dropped by ZeroMQ before it is read
-QUEUED_BATCHES = 1000  # past these unread, ZeroMQ drops batches: at most this × the size above
 # A followed peer's socket: a step's batch names a few blocks a sequence (a 128k-token hand-off,
-# 8k blocks with their tokens, is ~1 MB), and a few seconds' worth wait at most.
-PEER_BATCH_BYTES, PEER_QUEUED_BATCHES = 4 << 20, 64
+# 8k blocks with their tokens, is ~1 MB).
+PEER_BATCH_BYTES = 4 << 20
 POLL_MS = 200
 
 
@@ -137,7 +136,10 @@ def _subscriber(endpoint: str, bound: bool, small: bool = False) -> zmq.Socket[b
     of them may be open, and one peer's batches are small)."""
     socket: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.SUB)
     socket.setsockopt(zmq.MAXMSGSIZE, PEER_BATCH_BYTES if small else MAX_BATCH_BYTES)
-    socket.setsockopt(zmq.RCVHWM, PEER_QUEUED_BATCHES if small else QUEUED_BATCHES)
+    # No receive limit, as an inbox's (wire/transport.py): libzmq 4.3.5 aborts the process
+    # when a connection it stopped reading at the limit is reset by a peer whose ping it holds.
+    # This socket's own thread reads at once, so batches wait only while it is behind.
+    socket.setsockopt(zmq.RCVHWM, 0)
     socket.setsockopt(zmq.LINGER, 0)
     socket.subscribe(b"")
     try:

@@ -1,6 +1,8 @@
 """The prefills' KV events, published as vLLM publishes them, reach the router's index."""
 
 import socket
+import subprocess
+import sys
 import time
 
 import zmq
@@ -8,6 +10,7 @@ import zmq
 from epd.kv.events import KVEventsConfig, ZmqKVEvents
 from epd.kv.index import BlockIndex, external
 from epd.kv.listener import KVEventListener
+from tests.wire import zmtp
 
 BLOCKS = [bytes([i]) * 32 for i in range(3)]
 
@@ -78,3 +81,49 @@ def test_a_message_that_is_no_event_batch_is_counted_and_dropped():
     finally:
         push.close(linger=0)
         listener.close()
+
+
+# A bound listener that waits while raw peers flood it and reset, then files a real batch:
+# "alive N M" (N messages refused, M of the batch's blocks filed) if it got there.
+LISTENER = """
+import sys, time
+from epd.kv.events import KVEventsConfig, ZmqKVEvents
+from epd.kv.index import BlockIndex, external
+from epd.kv.listener import KVEventListener
+index = BlockIndex()
+listener = KVEventListener(index, sys.argv[1], lambda topic: "http://a")
+print("bound", flush=True)
+sys.stdin.readline()  # the raw peers have come and gone
+events = ZmqKVEvents(KVEventsConfig(True, endpoint=sys.argv[1], topic="t"))
+hashes, deadline = [external(bytes(32))], time.monotonic() + 10
+while not index.matched("http://a", hashes) and time.monotonic() < deadline:
+    events.stored([bytes(32)], None, list(range(16)), 16)
+    events.flush()
+    time.sleep(0.05)
+print("alive", listener.refused, index.matched("http://a", hashes), flush=True)
+"""
+
+
+def test_a_publisher_that_floods_and_resets_cannot_abort_the_listener():
+    """libzmq 4.3.5 aborts on a connection whose reading it stopped at the receive limit, once
+    it is reset and libzmq answers a ping read before the stop (tests/wire/test_transport.py).
+    With the limit the listener had (1000 batches), the router's process died of SIGABRT
+    under this flood; the listener now has none."""
+    port = zmtp.free_port()
+    listener = subprocess.Popen(
+        [sys.executable, "-c", LISTENER, f"tcp://127.0.0.1:{port}"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert listener.stdout.readline() == "bound\n"
+    for _ in range(4):
+        try:
+            zmtp.flood_and_reset(port, "PUB", 50_000, pause_s=0.02)
+        except ConnectionError:  # the listener is gone: its stderr says why
+            break
+    out, err = listener.communicate("\n", timeout=60)
+    assert listener.returncode == 0, err
+    _, refused, filed = out.split()
+    assert int(refused) > 0 and int(filed) == 1

@@ -2,7 +2,6 @@
 
 import os
 import socket
-import struct
 import subprocess
 import sys
 import threading
@@ -17,6 +16,8 @@ from epd.wire import transport
 from epd.wire.messages import Abort, ImageEmbeddings
 from epd.wire.outbox import Outbox
 from epd.wire.transport import Inbox, WireProbe
+
+from . import zmtp
 
 
 @pytest.fixture
@@ -56,30 +57,18 @@ def test_messages_arrive_typed(context, address):
     assert isinstance(received, ImageEmbeddings) and torch.equal(received.embeddings, embeddings)
 
 
-ZMTP_GREETING = b"\xff" + bytes(8) + b"\x7f\x03\x00" + b"NULL".ljust(20, b"\x00") + bytes(32)
-READY = b"\x05READY\x0bSocket-Type" + struct.pack(">I", 4) + b"PUSH"
-
-
-def free_port() -> int:
-    probe = socket.socket()
-    probe.bind(("127.0.0.1", 0))
-    port = probe.getsockname()[1]
-    probe.close()
-    return port
-
-
 def test_connections_that_are_no_live_peer_are_dropped(context, monkeypatch):
     """One that never finishes its handshake and one that finishes it and then answers no
     ping each hold a descriptor; both are dropped, while a real peer stays connected."""
     monkeypatch.setattr(transport, "HANDSHAKE_MS", 500)
     monkeypatch.setattr(transport, "HEARTBEAT_MS", 100)
     monkeypatch.setattr(transport, "HEARTBEAT_TIMEOUT_MS", 500)
-    port = free_port()
+    port = zmtp.free_port()
     address = f"tcp://127.0.0.1:{port}"
     inbox, outbox = Inbox(context, address), Outbox(context, [address])
     silent = socket.create_connection(("127.0.0.1", port))
     mute = socket.create_connection(("127.0.0.1", port))
-    mute.sendall(ZMTP_GREETING + b"\x04" + bytes([len(READY)]) + READY)
+    mute.sendall(zmtp.GREETING + zmtp.frame(zmtp.ready("PUSH"), command=True))
     for connection in (silent, mute):
         connection.settimeout(5)
         while connection.recv(4096):  # its greeting, then pings, until the inbox closes it
@@ -113,30 +102,8 @@ print("alive", inbox.refusals.total, flush=True)
 """
 
 
-def zmtp_frame(body: bytes, command: bool = False) -> bytes:
-    return bytes([0x04 if command else 0x00, len(body)]) + body
-
-
-PING = zmtp_frame(b"\x04PING" + bytes(2), command=True)  # TTL 0, no context
-
-
-def reset_after_filling(port: int, pings: bool) -> None:
-    """A raw ZMTP peer: handshake, 200 messages (a ping after each if `pings`), then a reset."""
-    peer = socket.create_connection(("127.0.0.1", port))
-    peer.sendall(ZMTP_GREETING)
-    greeting = b""
-    while len(greeting) < len(ZMTP_GREETING):  # libzmq reads READY only after its greeting
-        greeting += peer.recv(len(ZMTP_GREETING) - len(greeting))
-    peer.sendall(b"\x04" + bytes([len(READY)]) + READY)
-    message = zmtp_frame(b"x" * 100) + (PING if pings else b"")
-    peer.sendall(message * 200)
-    time.sleep(0.3)
-    peer.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-    peer.close()  # an RST, as from a killed process with unread data
-
-
-def survives(pings: bool) -> subprocess.CompletedProcess:
-    port = free_port()
+def survives() -> subprocess.CompletedProcess:
+    port = zmtp.free_port()
     receiver = subprocess.Popen(
         [sys.executable, "-c", RECEIVER, f"tcp://127.0.0.1:{port}"],
         stdout=subprocess.PIPE,
@@ -145,7 +112,7 @@ def survives(pings: bool) -> subprocess.CompletedProcess:
     )
     assert receiver.stdout.readline() == "bound\n"
     for _ in range(4):
-        reset_after_filling(port, pings)
+        zmtp.flood_and_reset(port, "PUSH", 200)
     out, err = receiver.communicate(timeout=30)
     return subprocess.CompletedProcess(receiver.args, receiver.returncode, out, err)
 
@@ -155,7 +122,7 @@ def test_a_peer_that_floods_and_resets_cannot_abort_the_receiver():
     it is reset and libzmq writes to it: a heartbeat, or the answer to a ping read before the
     stop. With the limit the inbox had (2 messages of its largest size, here), this test's
     receiver died of SIGABRT in every run; the inbox now has no limit, so reading never stops."""
-    result = survives(pings=True)
+    result = survives()
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("alive") and int(result.stdout.split()[1]) == 4 * 200
 
