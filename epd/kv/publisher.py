@@ -132,7 +132,11 @@ def _socket(kind: int, endpoint: str, hwm: int, bind: bool = False) -> zmq.Socke
     ::) or is ipc:// or inproc://, else connected (vLLM's rule: bind stable, connect volatile)."""
     socket: zmq.Socket[bytes] = zmq.Context.instance().socket(kind)
     socket.set(zmq.LINGER, 0)
-    socket.set_hwm(hwm)  # before bind or connect: libzmq sizes a pipe as it makes it
+    socket.set(zmq.SNDHWM, hwm)  # before bind or connect: libzmq sizes a pipe as it makes it
+    # What peers send in (subscriptions, replay requests) has no limit: with one, a peer
+    # writing ZMTP by hand could fill it and reset, and libzmq 4.3.5 would abort the process
+    # (docs/architecture.md, "Reading never stops").
+    socket.set(zmq.RCVHWM, 0)
     binds = bind or "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc", "inproc"))
     try:
         socket.bind(endpoint) if binds else socket.connect(endpoint)

@@ -4,8 +4,10 @@ A message that cannot go out at once (the peer is still connecting, reconnecting
 libzmq queue is full) waits in that peer's bounded queue; the owner's loop calls `poll()`, which
 sends what waited once it can, and gives up on a message that has waited too long, reporting its
 request so the owner can fail or abort it: `connect_timeout_s` while the peer is not connected,
-`stall_timeout_s` while it is connected but not reading (a peer busy for a few seconds, its
-event loop held by a large request, loses nothing; one that stays hung loses its requests).
+`stall_timeout_s` while it is connected but takes nothing. An epd peer's libzmq takes what comes
+however long its loop is held (it has no receive limit: docs/architecture.md, "Reading never
+stops"), so that wait ends only for a peer whose I/O stopped too, a frozen process that its
+heartbeats have not yet given away, or a peer that is not epd's.
 Monitor events are read on every poll: libzmq blocks its I/O thread, and with it every socket
 of the process, once a monitor's queue is full. Peers that go idle or never answer are closed
 and their number is capped, so a stream of distinct reply addresses cannot exhaust file
@@ -34,8 +36,8 @@ log = logging.getLogger(__name__)
 # shrinks this to show that a long outage no longer fills the monitor queues.
 RECONNECT_MS = int(os.environ.get("EPD_ZMQ_RECONNECT_MS", "100"))
 HEARTBEAT_MS = 1000  # ZMTP pings on every connection...
-# ...so a vanished peer (its host gone, nothing closed) is disconnected. A peer that only stops
-# reading still pings from libzmq's I/O thread, and stays up: `stall_timeout_s` bounds its wait.
+# ...so a vanished or frozen peer (its host gone, nothing closed; SIGSTOP) is disconnected. A
+# peer whose loop is held still answers from libzmq's I/O thread, and stays up.
 HEARTBEAT_TIMEOUT_MS = 5000
 EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED  # none fire while a peer is away
 LIBZMQ_QUEUE = 64  # messages libzmq holds per peer; beyond, they wait in ours (bounded, timed)
@@ -43,7 +45,7 @@ LIBZMQ_QUEUE = 64  # messages libzmq holds per peer; beyond, they wait in ours (
 # holds a minute of them for a prefill that stalls, at a few hundred bytes each.
 MAX_QUEUED = 65536
 CLOSING_LINGER_MS = 2000  # a connected peer's socket, closed, delivers what it holds for this long
-STALL_TIMEOUT_S = 30.0  # the longest a connected peer may read nothing before its messages fail
+STALL_TIMEOUT_S = 30.0  # the longest a connected peer may take nothing before its messages fail
 
 
 @dataclass
@@ -135,6 +137,10 @@ class Outbox:
         for option, value in (
             (zmq.IMMEDIATE, 1),  # libzmq never queues for a connection that is gone
             (zmq.SNDHWM, LIBZMQ_QUEUE),
+            # Nothing reads a PUSH socket's inbound side and no honest peer sends to it; with a
+            # limit there, a peer writing ZMTP by hand could fill it and reset, and libzmq
+            # 4.3.5 would abort the process (docs/architecture.md, "Reading never stops").
+            (zmq.RCVHWM, 0),
             (zmq.LINGER, 0),
             (zmq.RECONNECT_IVL, RECONNECT_MS),
             (zmq.HEARTBEAT_IVL, HEARTBEAT_MS),

@@ -8,6 +8,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import shutil
+import tempfile
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -22,19 +24,21 @@ from epd.wire.messages import Message
 from epd.wire.outbox import STALL_TIMEOUT_S
 
 log = logging.getLogger(__name__)
-# libzmq reads every connection as fast as it comes (no receive limit): a limit stops reading a
-# connection once that many messages wait, and libzmq 4.3.5 aborts the process (`Assertion
-# failed: !_io_error`, stream_engine_base.cpp:310; zeromq/libzmq#4841) when a connection so
-# stopped is then reset and it writes to it: a heartbeat of ours, or an answer to a ping read
-# before the stop. A sender that filled the queue and died did it (a pyzmq peer in CI,
-# 2026-12-07), as a killed prefill could. Memory is bounded otherwise: each message by
-# `max_frame_bytes`, an honest peer's backlog by its requests in flight, and a process that
-# stops reading for good by its watchdog, which ends it. A hostile peer's is not (README).
+# libzmq reads every connection as it comes (no receive limit; docs/architecture.md, "Reading
+# never stops"): with a limit it stops reading a connection once that many messages wait, and
+# libzmq 4.3.5 aborts the process (`Assertion failed: !_io_error`, stream_engine_base.cpp:310;
+# zeromq/libzmq#4841) when a connection so stopped is then reset and it writes to it: a
+# heartbeat of ours, or an answer to a ping read before the stop. A sender that filled the
+# queue and died did it (a pyzmq peer in CI, 2026-12-07), as a killed prefill could. Memory is
+# bounded otherwise: each message by `max_frame_bytes`, an honest peer's backlog by its
+# requests in flight, and a process that stops reading for good by its watchdog, which ends
+# it. A hostile peer's is not (README, "Security").
 # A connection that is not a live ZeroMQ peer holds a descriptor until dropped: one that does
 # not finish its handshake (libzmq's default waits 30 s), or one that finished it and then
 # answers no ping (without pings, kept for ever: a host that vanished without closing, or a
 # hostile client holding descriptors). Real peers answer pings from libzmq's own I/O thread,
-# and this side reads their answers however long its own loop is held.
+# and this side reads their answers however long its own loop is held; a sender frozen for
+# less than its own stall timeout (SIGSTOP, then SIGCONT) keeps its connection.
 HANDSHAKE_MS = 5000
 HEARTBEAT_MS, HEARTBEAT_TIMEOUT_MS = 1000, int(STALL_TIMEOUT_S * 1000)
 REFUSALS_LOGGED_PER_S = 10
@@ -136,18 +140,23 @@ class Inbox:
 class WireProbe:
     """Proves that this process's ZeroMQ I/O thread still moves messages.
 
-    A background thread sends itself a message over loopback TCP every `interval_s` and calls
-    `on_round_trip` each time one arrives; a stalled I/O thread stops the calls.
+    A background thread sends itself a message every `interval_s` and calls `on_round_trip`
+    each time one arrives; a stalled I/O thread stops the calls. The message goes over an IPC
+    socket in a directory only this user may enter (mode 0700): through the I/O thread, as
+    TCP would, but no other user's process can connect to it and flood it.
     """
 
     def __init__(
         self, context: zmq.Context, on_round_trip: Callable[[], None], interval_s: float = 0.5
     ) -> None:
         self.on_round_trip, self.interval_ms = on_round_trip, int(interval_s * 1000)
+        self.directory = tempfile.mkdtemp(prefix="epd-probe-")
+        address = f"ipc://{self.directory}/probe"
         self.pull = context.socket(zmq.PULL)
-        port = self.pull.bind_to_random_port("tcp://127.0.0.1")
+        self.pull.setsockopt(zmq.RCVHWM, 0)  # "Reading never stops", as an inbox
+        self.pull.bind(address)
         self.push = context.socket(zmq.PUSH)
-        self.push.connect(f"tcp://127.0.0.1:{port}")
+        self.push.connect(address)
         self.closing = threading.Event()
         self.thread = threading.Thread(target=self._run, name="wire-probe", daemon=True)
         self.thread.start()
@@ -163,6 +172,7 @@ class WireProbe:
                 self.closing.wait(self.interval_ms / 1000)
         self.push.close(linger=0)
         self.pull.close(linger=0)
+        shutil.rmtree(self.directory, ignore_errors=True)
 
     def close(self) -> None:
         self.closing.set()

@@ -48,7 +48,7 @@ PARAMS = {"max_tokens": 40, "temperature": 0}
 CORPUS = [[p.values[0]] for p in PICKLES] + [[m] for m in MESSAGE_PACKS.values()]
 # Junk messages a raw ZMTP peer sends each role, a ping after each, before it resets: libzmq
 # 4.3.5 aborted a role whose receive limit this filled (tests/wire/test_transport.py).
-RAW = 2000
+RAW = 500
 PNG = base64.b64decode(data_url(Image.new("RGB", (28, 28), "blue")).split(",")[1])
 
 

@@ -8,6 +8,8 @@ import dataclasses
 import hashlib
 import random
 import re
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -20,6 +22,7 @@ import zmq
 from epd.config.settings import KV_EVENTS_FIELDS
 from epd.kv.events import KVEventsConfig, NoEvents, ZmqKVEvents, open_kv_events, with_port_offset
 from epd.kv.publisher import ZmqPublisher
+from tests.wire import zmtp
 
 
 # The subscriber's side, declared as vLLM's example subscriber declares it
@@ -337,6 +340,44 @@ def test_close_is_prompt_and_frees_the_ports(start, replay):
         except ValueError:
             assert time.monotonic() < deadline, "the ports stay taken"
             time.sleep(0.01)
+
+
+# A publisher (PUB on the port given, replay ROUTER 5 above) with a high-water mark of 10,
+# publishing for 3 s: "alive" if it got there.
+PUBLISHING = """
+import sys, time
+from epd.kv.events import KVEventsConfig, ZmqKVEvents
+port = int(sys.argv[1])
+events = ZmqKVEvents(KVEventsConfig(True, endpoint=f"tcp://*:{port}",
+                                    replay_endpoint=f"tcp://*:{port + 5}", hwm=10))
+print("bound", flush=True)
+deadline = time.monotonic() + 3
+while time.monotonic() < deadline:
+    events.cleared()
+    events.flush()
+    time.sleep(0.01)
+print("alive", flush=True)
+"""
+
+
+def test_a_peer_that_floods_and_resets_cannot_abort_the_publisher():
+    """What subscribers and replay clients send in has no limit: with the high-water mark as
+    its receive limit too, a peer writing ZMTP by hand (tests/wire/zmtp.py) filled it, reset,
+    and the process died of SIGABRT at its next publish (checked)."""
+    port = zmtp.free_port()
+    publisher = subprocess.Popen(
+        [sys.executable, "-c", PUBLISHING, str(port)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert publisher.stdout.readline() == "bound\n"
+    with contextlib.suppress(ConnectionError):  # a publisher gone: its stderr says why
+        for _ in range(2):
+            zmtp.flood_and_reset(port, "SUB", 2000, pause_s=0.1)
+            zmtp.flood_and_reset(port + 5, "DEALER", 2000, pause_s=0.1)
+    out, err = publisher.communicate(timeout=30)
+    assert publisher.returncode == 0 and out == "alive\n", err
 
 
 def test_defaults_are_vllms():

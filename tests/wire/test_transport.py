@@ -117,14 +117,48 @@ def survives() -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(receiver.args, receiver.returncode, out, err)
 
 
-def test_a_peer_that_floods_and_resets_cannot_abort_the_receiver():
+def test_a_peer_that_floods_and_resets_cannot_abort_the_receiver(context, address):
     """libzmq 4.3.5 aborts on a connection whose reading it stopped at the receive limit, once
     it is reset and libzmq writes to it: a heartbeat, or the answer to a ping read before the
     stop. With the limit the inbox had (2 messages of its largest size, here), this test's
     receiver died of SIGABRT in every run; the inbox now has no limit, so reading never stops."""
+    assert Inbox(context, address).socket.getsockopt(zmq.RCVHWM) == 0  # no limit, any size
     result = survives()
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("alive") and int(result.stdout.split()[1]) == 4 * 200
+
+
+# A process with an outbox pinned to a peer, polling it for 3 s: "alive" if it got there.
+SENDER = """
+import sys, time, zmq
+from epd.wire.outbox import Outbox
+outbox = Outbox(zmq.Context(), [sys.argv[1]])
+deadline = time.monotonic() + 3
+while time.monotonic() < deadline:
+    outbox.poll()
+    time.sleep(0.05)
+print("alive", flush=True)
+"""
+
+
+def test_a_peer_an_outbox_connects_to_cannot_abort_it_by_flooding_and_resetting():
+    """A PUSH socket's inbound side is never read: a peer that writes ZMTP by hand (claiming
+    to be a PULL) filled libzmq's default limit of 1000 there and reset, and the sender died
+    of SIGABRT at its next heartbeat (checked); the outbox sets no limit."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    sender = subprocess.Popen(
+        [sys.executable, "-c", SENDER, f"tcp://127.0.0.1:{port}"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    listener.settimeout(20)
+    peer, _ = listener.accept()
+    zmtp.reset_after_flooding(zmtp.greet(peer, "PULL"), 2000, pause_s=0.3)
+    listener.close()
+    out, err = sender.communicate(timeout=30)
+    assert sender.returncode == 0 and out == "alive\n", err
 
 
 def test_an_inbox_says_whether_a_message_waits_unread(context, address):
@@ -379,7 +413,11 @@ def test_a_message_the_decoder_fails_on_is_a_counted_refusal(context, address, c
 
 
 def test_the_probe_sees_the_io_thread_move_messages(context):
+    """Over a socket in a directory only this user may enter: no one else can flood it."""
     trips = threading.Semaphore(0)
     probe = WireProbe(context, trips.release, interval_s=0.05)
+    assert os.stat(probe.directory).st_mode & 0o777 == 0o700
+    assert probe.pull.getsockopt(zmq.LAST_ENDPOINT).decode().startswith(f"ipc://{probe.directory}")
     assert all(trips.acquire(timeout=2) for _ in range(3))
     probe.close()
+    assert not os.path.exists(probe.directory)

@@ -26,9 +26,8 @@ def ready(socket_type: str) -> bytes:
 PING = frame(b"\x04PING" + bytes(2), command=True)  # TTL 0, no context
 
 
-def handshake(port: int, socket_type: str) -> socket.socket:
-    """Connected, greeted, READY sent: messages may follow."""
-    peer = socket.create_connection(("127.0.0.1", port))
+def greet(peer: socket.socket, socket_type: str) -> socket.socket:
+    """Greetings exchanged and READY sent on a connection: messages may follow."""
     peer.sendall(GREETING)
     greeting = b""
     while len(greeting) < len(GREETING):  # libzmq reads READY only after its greeting
@@ -37,10 +36,18 @@ def handshake(port: int, socket_type: str) -> socket.socket:
     return peer
 
 
+def handshake(port: int, socket_type: str) -> socket.socket:
+    """A connection to `port`, greeted, as a peer of `socket_type`."""
+    return greet(socket.create_connection(("127.0.0.1", port)), socket_type)
+
+
 def flood_and_reset(port: int, socket_type: str, count: int, pause_s: float = 0.3) -> None:
-    """`count` 100-byte messages, each followed by a ping, then a reset (SO_LINGER 0), as from
-    a killed process with unread data. A receiver that died meanwhile resets us first."""
-    peer = handshake(port, socket_type)
+    """To `port`: `count` 100-byte messages, each followed by a ping, then a reset (SO_LINGER
+    0), as from a killed process with unread data. A receiver that died meanwhile resets us."""
+    reset_after_flooding(handshake(port, socket_type), count, pause_s)
+
+
+def reset_after_flooding(peer: socket.socket, count: int, pause_s: float) -> None:
     try:
         peer.sendall((frame(b"x" * 100) + PING) * count)
         time.sleep(pause_s)
