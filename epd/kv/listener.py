@@ -31,6 +31,7 @@ MAX_BATCH_BYTES = 16 << 20  # a larger message is dropped by ZeroMQ before it is
 # 8k blocks with their tokens, is ~1 MB).
 PEER_BATCH_BYTES = 4 << 20
 POLL_MS = 200
+DRAINED_PER_POLL = 1000  # filed from one socket before the others and new peers get a turn
 
 
 class KVEventListener:
@@ -69,17 +70,25 @@ class KVEventListener:
             for socket in self.sockets:
                 poller.register(socket, zmq.POLLIN)
             for socket, _ in poller.poll(POLL_MS) if self.sockets else []:
-                try:
-                    self.take(socket.recv_multipart(zmq.NOBLOCK), self.sockets[socket])
-                except zmq.ZMQError:
-                    continue
-                except Exception:  # one batch (a bug, a hostile one) must not end the listening
-                    self.refused += 1
-                    log.exception("a KV events batch could not be filed")
+                self.drain(socket)
             if not self.sockets:
                 self.closed.wait(POLL_MS / 1000)
         for socket in self.sockets:
             socket.close()
+
+    def drain(self, socket: zmq.Socket[bytes]) -> None:
+        """File what waits on `socket`, up to DRAINED_PER_POLL batches: its libzmq has no
+        receive limit, so what this thread leaves unread is what waits in memory."""
+        for _ in range(DRAINED_PER_POLL):
+            try:
+                frames = socket.recv_multipart(zmq.NOBLOCK)
+            except zmq.ZMQError:  # nothing more (Again), or the socket went
+                return
+            try:
+                self.take(frames, self.sockets[socket])
+            except Exception:  # one batch (a bug, a hostile one) must not end the listening
+                self.refused += 1
+                log.exception("a KV events batch could not be filed")
 
     def reconcile(self) -> None:
         """Connect to the peers newly wanted (or moved), close those no longer."""

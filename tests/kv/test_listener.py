@@ -110,6 +110,9 @@ def test_a_publisher_that_floods_and_resets_cannot_abort_the_listener():
     With the limit the listener had (1000 batches), the router's process died of SIGABRT
     under this flood; the listener now has none."""
     port = zmtp.free_port()
+    here = KVEventListener(BlockIndex(), f"tcp://127.0.0.1:{zmtp.free_port()}")
+    assert [s.getsockopt(zmq.RCVHWM) for s in here.sockets] == [0]  # no limit, any flood
+    here.close()
     listener = subprocess.Popen(
         [sys.executable, "-c", LISTENER, f"tcp://127.0.0.1:{port}"],
         stdin=subprocess.PIPE,
