@@ -343,7 +343,7 @@ def test_close_is_prompt_and_frees_the_ports(start, replay):
 
 
 # A publisher (PUB on the port given, replay ROUTER 5 above) with a high-water mark of 10,
-# publishing for 3 s: "alive" if it got there.
+# publishing for 2 s: "alive" if it got there.
 PUBLISHING = """
 import sys, time
 from epd.kv.events import KVEventsConfig, ZmqKVEvents
@@ -351,7 +351,7 @@ port = int(sys.argv[1])
 events = ZmqKVEvents(KVEventsConfig(True, endpoint=f"tcp://*:{port}",
                                     replay_endpoint=f"tcp://*:{port + 5}", hwm=10))
 print("bound", flush=True)
-deadline = time.monotonic() + 3
+deadline = time.monotonic() + 2
 while time.monotonic() < deadline:
     events.cleared()
     events.flush()

@@ -78,7 +78,7 @@ def test_connections_that_are_no_live_peer_are_dropped(context, monkeypatch):
 
 
 # A process with an inbox for messages up to 1 GiB (a receive limit, as the inbox had, would be
-# 2 of them a connection), that reads nothing for 2.5 s while raw peers flood it and reset
+# 2 of them a connection), that reads nothing for 1.5 s while raw peers flood it and reset
 # their connections, then reads until a message from an
 # honest sender arrives: "alive N" (N raw messages read, each refused) if it got there.
 RECEIVER = """
@@ -89,7 +89,7 @@ from epd.wire.transport import Inbox
 context = zmq.Context()
 inbox = Inbox(context, sys.argv[1], max_frame_bytes=1 << 30)
 print("bound", flush=True)
-time.sleep(2.5)
+time.sleep(1.5)
 honest = context.socket(zmq.PUSH)
 honest.connect(sys.argv[1])
 honest.send_multipart(encode(Abort("honest")))
@@ -128,12 +128,12 @@ def test_a_peer_that_floods_and_resets_cannot_abort_the_receiver(context, addres
     assert result.stdout.startswith("alive") and int(result.stdout.split()[1]) == 4 * 200
 
 
-# A process with an outbox pinned to a peer, polling it for 3 s: "alive" if it got there.
+# A process with an outbox pinned to a peer, polling it for 2 s: "alive" if it got there.
 SENDER = """
 import sys, time, zmq
 from epd.wire.outbox import Outbox
 outbox = Outbox(zmq.Context(), [sys.argv[1]])
-deadline = time.monotonic() + 3
+deadline = time.monotonic() + 2
 while time.monotonic() < deadline:
     outbox.poll()
     time.sleep(0.05)
