@@ -31,7 +31,7 @@ MAX_BATCH_BYTES = 16 << 20  # a larger message is dropped by ZeroMQ before it is
 # 8k blocks with their tokens, is ~1 MB).
 PEER_BATCH_BYTES = 4 << 20
 POLL_MS = 200
-DRAINED_PER_POLL = 1000  # filed from one socket before the others and new peers get a turn
+DRAINED_PER_POLL = 100  # filed from one socket before the others and new peers get a turn
 
 
 class KVEventListener:

@@ -26,6 +26,7 @@ log = logging.getLogger(__name__)
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)  # vLLM's end of a replay
 POLL_S = 0.05  # how soon the thread answers a replay request while no batch comes
+INBOUND_BYTES = 4096  # the largest subscription or replay request: a larger one drops its peer
 CLOSE_S = 0.5  # how long close() lets the thread send what is queued
 
 
@@ -135,8 +136,9 @@ def _socket(kind: int, endpoint: str, hwm: int, bind: bool = False) -> zmq.Socke
     socket.set(zmq.SNDHWM, hwm)  # before bind or connect: libzmq sizes a pipe as it makes it
     # What peers send in (subscriptions, replay requests) has no limit: with one, a peer
     # writing ZMTP by hand could fill it and reset, and libzmq 4.3.5 would abort the process
-    # (docs/architecture.md, "Reading never stops").
+    # (docs/architecture.md, "Reading never stops"). Each of those messages is small.
     socket.set(zmq.RCVHWM, 0)
+    socket.set(zmq.MAXMSGSIZE, INBOUND_BYTES)
     binds = bind or "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc", "inproc"))
     try:
         socket.bind(endpoint) if binds else socket.connect(endpoint)

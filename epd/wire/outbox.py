@@ -45,6 +45,7 @@ LIBZMQ_QUEUE = 64  # messages libzmq holds per peer; beyond, they wait in ours (
 # holds a minute of them for a prefill that stalls, at a few hundred bytes each.
 MAX_QUEUED = 65536
 CLOSING_LINGER_MS = 2000  # a connected peer's socket, closed, delivers what it holds for this long
+INBOUND_BYTES = 4096  # the largest frame a peer may send a PUSH socket: a larger one drops it
 STALL_TIMEOUT_S = 30.0  # the longest a connected peer may take nothing before its messages fail
 
 
@@ -140,7 +141,9 @@ class Outbox:
             # Nothing reads a PUSH socket's inbound side and no honest peer sends to it; with a
             # limit there, a peer writing ZMTP by hand could fill it and reset, and libzmq
             # 4.3.5 would abort the process (docs/architecture.md, "Reading never stops").
+            # What an honest peer sends in is commands (pings, CURVE's handshake), all small.
             (zmq.RCVHWM, 0),
+            (zmq.MAXMSGSIZE, INBOUND_BYTES),
             (zmq.LINGER, 0),
             (zmq.RECONNECT_IVL, RECONNECT_MS),
             (zmq.HEARTBEAT_IVL, HEARTBEAT_MS),

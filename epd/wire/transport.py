@@ -42,6 +42,8 @@ log = logging.getLogger(__name__)
 HANDSHAKE_MS = 5000
 HEARTBEAT_MS, HEARTBEAT_TIMEOUT_MS = 1000, int(STALL_TIMEOUT_S * 1000)
 REFUSALS_LOGGED_PER_S = 10
+LOOPBACK = "tcp://127.0.0.1:*"  # the wire probe's address where an IPC path would be too long
+DRAINED_PER_TRIP = 100  # messages the wire probe reads in a round, its own one among them
 MAX_PROBLEM_CHARS = 500  # of a refusal's text, logged
 
 
@@ -143,7 +145,9 @@ class WireProbe:
     A background thread sends itself a message every `interval_s` and calls `on_round_trip`
     each time one arrives; a stalled I/O thread stops the calls. The message goes over an IPC
     socket in a directory only this user may enter (mode 0700): through the I/O thread, as
-    TCP would, but no other user's process can connect to it and flood it.
+    TCP would, but no other user's process can connect to it and flood it. Where TMPDIR is too
+    long for a socket's path, loopback TCP (a flood there only keeps the probe busy: reading
+    has no limit, and a round of it at most DRAINED_PER_TRIP messages).
     """
 
     def __init__(
@@ -151,12 +155,17 @@ class WireProbe:
     ) -> None:
         self.on_round_trip, self.interval_ms = on_round_trip, int(interval_s * 1000)
         self.directory = tempfile.mkdtemp(prefix="epd-probe-")
-        address = f"ipc://{self.directory}/probe"
+        path = f"{self.directory}/probe"
         self.pull = context.socket(zmq.PULL)
         self.pull.setsockopt(zmq.RCVHWM, 0)  # "Reading never stops", as an inbox
-        self.pull.bind(address)
+        try:
+            self.pull.bind(f"ipc://{path}" if len(path) < zmq.IPC_PATH_MAX_LEN else LOOPBACK)
+        except zmq.ZMQError:
+            self.pull.close(linger=0)
+            shutil.rmtree(self.directory, ignore_errors=True)
+            raise
         self.push = context.socket(zmq.PUSH)
-        self.push.connect(address)
+        self.push.connect(self.pull.getsockopt(zmq.LAST_ENDPOINT).decode())
         self.closing = threading.Event()
         self.thread = threading.Thread(target=self._run, name="wire-probe", daemon=True)
         self.thread.start()
@@ -166,7 +175,9 @@ class WireProbe:
             with contextlib.suppress(zmq.Again):  # the last probe is still on its way
                 self.push.send(b"", zmq.NOBLOCK)
             if self.pull.poll(self.interval_ms):
-                while self.pull.poll(0):
+                for _ in range(DRAINED_PER_TRIP):
+                    if not self.pull.poll(0):
+                        break
                     self.pull.recv()
                 self.on_round_trip()
                 self.closing.wait(self.interval_ms / 1000)

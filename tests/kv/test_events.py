@@ -365,6 +365,8 @@ def test_a_peer_that_floods_and_resets_cannot_abort_the_publisher():
     its receive limit too, a peer writing ZMTP by hand (tests/wire/zmtp.py) filled it, reset,
     and the process died of SIGABRT at its next publish (checked)."""
     port = zmtp.free_port()
+    while not zmtp.is_free(port + 5):  # the replay port
+        port = zmtp.free_port()
     publisher = subprocess.Popen(
         [sys.executable, "-c", PUBLISHING, str(port)],
         stdout=subprocess.PIPE,

@@ -4,8 +4,10 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+import unittest.mock
 
 import pytest
 import torch
@@ -78,7 +80,7 @@ def test_connections_that_are_no_live_peer_are_dropped(context, monkeypatch):
 
 
 # A process with an inbox for messages up to 1 GiB (a receive limit, as the inbox had, would be
-# 2 of them a connection), that reads nothing for 1.5 s while raw peers flood it and reset
+# 2 of them a connection), that reads nothing for 2.5 s while raw peers flood it and reset
 # their connections, then reads until a message from an
 # honest sender arrives: "alive N" (N raw messages read, each refused) if it got there.
 RECEIVER = """
@@ -89,7 +91,7 @@ from epd.wire.transport import Inbox
 context = zmq.Context()
 inbox = Inbox(context, sys.argv[1], max_frame_bytes=1 << 30)
 print("bound", flush=True)
-time.sleep(1.5)
+time.sleep(2.5)
 honest = context.socket(zmq.PUSH)
 honest.connect(sys.argv[1])
 honest.send_multipart(encode(Abort("honest")))
@@ -128,12 +130,12 @@ def test_a_peer_that_floods_and_resets_cannot_abort_the_receiver(context, addres
     assert result.stdout.startswith("alive") and int(result.stdout.split()[1]) == 4 * 200
 
 
-# A process with an outbox pinned to a peer, polling it for 2 s: "alive" if it got there.
+# A process with an outbox pinned to a peer, polling it for 3 s: "alive" if it got there.
 SENDER = """
 import sys, time, zmq
 from epd.wire.outbox import Outbox
 outbox = Outbox(zmq.Context(), [sys.argv[1]])
-deadline = time.monotonic() + 2
+deadline = time.monotonic() + 3
 while time.monotonic() < deadline:
     outbox.poll()
     time.sleep(0.05)
@@ -154,9 +156,14 @@ def test_a_peer_an_outbox_connects_to_cannot_abort_it_by_flooding_and_resetting(
         text=True,
     )
     listener.settimeout(20)
-    peer, _ = listener.accept()
-    zmtp.reset_after_flooding(zmtp.greet(peer, "PULL"), 2000, pause_s=0.3)
-    listener.close()
+    try:
+        peer, _ = listener.accept()
+        zmtp.reset_after_flooding(zmtp.greet(peer, "PULL"), 2000, pause_s=0.3)
+    except BaseException:
+        sender.kill()
+        raise
+    finally:
+        listener.close()
     out, err = sender.communicate(timeout=30)
     assert sender.returncode == 0 and out == "alive\n", err
 
@@ -421,3 +428,15 @@ def test_the_probe_sees_the_io_thread_move_messages(context):
     assert all(trips.acquire(timeout=2) for _ in range(3))
     probe.close()
     assert not os.path.exists(probe.directory)
+
+
+def test_the_probe_goes_over_loopback_where_tmpdir_is_too_long_for_a_socket(context, tmp_path):
+    long = tmp_path / ("d" * 100)  # with /epd-probe-XXXXXXXX/probe, past a socket path's 107
+    long.mkdir()
+    trips = threading.Semaphore(0)
+    with unittest.mock.patch.object(tempfile, "tempdir", str(long)):
+        probe = WireProbe(context, trips.release, interval_s=0.05)
+    assert probe.pull.getsockopt(zmq.LAST_ENDPOINT).decode().startswith("tcp://127.0.0.1:")
+    assert all(trips.acquire(timeout=2) for _ in range(3))
+    probe.close()
+    assert list(long.iterdir()) == []

@@ -13,6 +13,15 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+def is_free(port: int) -> bool:
+    with socket.socket() as probe:
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
 def frame(body: bytes, command: bool = False) -> bytes:
     """One short frame (under 256 bytes): flags, size, body."""
     return bytes([0x04 if command else 0x00, len(body)]) + body
@@ -30,8 +39,11 @@ def greet(peer: socket.socket, socket_type: str) -> socket.socket:
     """Greetings exchanged and READY sent on a connection: messages may follow."""
     peer.sendall(GREETING)
     greeting = b""
+    peer.settimeout(10)
     while len(greeting) < len(GREETING):  # libzmq reads READY only after its greeting
-        greeting += peer.recv(len(GREETING) - len(greeting))
+        if not (chunk := peer.recv(len(GREETING) - len(greeting))):
+            raise ConnectionResetError("closed in the handshake")
+        greeting += chunk
     peer.sendall(frame(ready(socket_type), command=True))
     return peer
 
