@@ -22,6 +22,7 @@ import zmq
 from epd.config.settings import KV_EVENTS_FIELDS
 from epd.kv.events import KVEventsConfig, NoEvents, ZmqKVEvents, open_kv_events, with_port_offset
 from epd.kv.publisher import ZmqPublisher
+from tests.e2e.stack import ports_free
 from tests.wire import zmtp
 
 
@@ -365,7 +366,7 @@ def test_a_peer_that_floods_and_resets_cannot_abort_the_publisher():
     its receive limit too, a peer writing ZMTP by hand (tests/wire/zmtp.py) filled it, reset,
     and the process died of SIGABRT at its next publish (checked)."""
     port = zmtp.free_port()
-    while not zmtp.is_free(port + 5):  # the replay port
+    while not ports_free(port + 5):  # the replay port
         port = zmtp.free_port()
     publisher = subprocess.Popen(
         [sys.executable, "-c", PUBLISHING, str(port)],

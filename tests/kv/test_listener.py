@@ -1,6 +1,5 @@
 """The prefills' KV events, published as vLLM publishes them, reach the router's index."""
 
-import socket
 import subprocess
 import sys
 import time
@@ -13,12 +12,6 @@ from epd.kv.listener import KVEventListener
 from tests.wire import zmtp
 
 BLOCKS = [bytes([i]) * 32 for i in range(3)]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def publisher(port: int, topic: str) -> ZmqKVEvents:
@@ -38,7 +31,7 @@ def until(condition, publish, seconds=10.0) -> bool:
 
 
 def test_stored_and_removed_blocks_reach_the_index_under_their_prefills_topic():
-    port, index = free_port(), BlockIndex()
+    port, index = zmtp.free_port(), BlockIndex()
     owners = {"prefill-0": "http://a", "prefill-1": "http://b"}
     listener = KVEventListener(index, f"tcp://127.0.0.1:{port}", owners.get)
     a, stranger = publisher(port, "prefill-0"), publisher(port, "someone-else")
@@ -66,7 +59,7 @@ def test_stored_and_removed_blocks_reach_the_index_under_their_prefills_topic():
 
 
 def test_a_message_that_is_no_event_batch_is_counted_and_dropped():
-    port, index = free_port(), BlockIndex()
+    port, index = zmtp.free_port(), BlockIndex()
     listener = KVEventListener(index, f"tcp://127.0.0.1:{port}", lambda topic: "http://a")
     push = zmq.Context.instance().socket(zmq.PUB)
     push.connect(f"tcp://127.0.0.1:{port}")

@@ -13,15 +13,6 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def is_free(port: int) -> bool:
-    with socket.socket() as probe:
-        try:
-            probe.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-        return True
-
-
 def frame(body: bytes, command: bool = False) -> bytes:
     """One short frame (under 256 bytes): flags, size, body."""
     return bytes([0x04 if command else 0x00, len(body)]) + body
