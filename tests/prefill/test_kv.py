@@ -6,7 +6,8 @@ import os
 from epd.config.settings import peer_endpoint
 from epd.kv.events import KVEventsConfig, ZmqKVEvents
 from epd.prefill.kv import DecoderBlocks
-from tests.kv.test_listener import free_port, until
+from tests.kv.test_listener import until
+from tests.wire.zmtp import free_port
 
 HASHES = [bytes([i]) * 32 for i in range(6)]
 
